@@ -1,0 +1,151 @@
+"""Advantage estimators, registered by name, all with one signature.
+
+Every estimator takes per-token rewards (the scalar reward on the last response token, minus
+any KL penalty), the response mask, critic values (only `gae` uses them) and the group index
+of each sequence (samples of one prompt share it), and returns advantages and returns.
+Positions where `response_mask` is 0 never influence any output and come out as 0.
+
+Groups of one (one sample of a prompt) give advantage 0 for `grpo` and `rloo`: with nothing to
+compare against, the sample carries no signal, so it contributes no policy gradient.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+
+from rlctl.algos.registry import Registry
+
+EPS = 1e-6
+
+
+class AdvantageOutput(NamedTuple):
+    advantages: torch.Tensor  # [B, T]
+    returns: torch.Tensor  # [B, T]
+
+
+class AdvantageEstimator(Protocol):
+    def __call__(
+        self,
+        *,
+        token_rewards: torch.Tensor,  # [B, T]
+        response_mask: torch.Tensor,  # [B, T] bool
+        values: torch.Tensor | None,  # [B, T] or None
+        group_index: torch.Tensor,  # [B] long
+        gamma: float,
+        lam: float,
+        norm_by_std: bool,
+    ) -> AdvantageOutput: ...
+
+
+ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+NEEDS_VALUES = {"gae"}
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, x, 0).sum() / mask.sum().clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the masked entries (unbiased variance); 0 elsewhere."""
+    count = mask.sum()
+    mean = masked_mean(x, mask)
+    centered = torch.where(mask, x - mean, 0)
+    var = centered.square().sum() / (count - 1).clamp(min=1)
+    return torch.where(mask, centered * torch.rsqrt(var + 1e-8), 0)
+
+
+def sequence_scores(token_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] → [B]: the sum of each sequence's per-token rewards."""
+    return torch.where(response_mask, token_rewards, 0).sum(-1)
+
+
+def group_stats(scores: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sequence (group mean, group std (unbiased; 0 for singletons), group size), each [B]."""
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    size = torch.zeros(groups, dtype=scores.dtype).index_add_(0, inverse, torch.ones_like(scores))
+    total = torch.zeros(groups, dtype=scores.dtype).index_add_(0, inverse, scores)
+    mean = total / size
+    sq = torch.zeros(groups, dtype=scores.dtype).index_add_(0, inverse, (scores - mean[inverse]).square())
+    std = torch.sqrt(sq / (size - 1).clamp(min=1))
+    return mean[inverse], std[inverse], size[inverse]
+
+
+@ESTIMATORS.register("gae")
+def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std) -> AdvantageOutput:
+    """Generalised advantage estimation with a critic; advantages whitened over the batch.
+
+    Masked positions are skipped, as if absent: the recursion carries over them unchanged.
+    """
+    if values is None:
+        raise ValueError("gae needs critic values")
+    B, T = token_rewards.shape
+    raw = torch.zeros_like(token_rewards)
+    last_gae = torch.zeros(B, dtype=token_rewards.dtype)
+    next_value = torch.zeros(B, dtype=token_rewards.dtype)
+    for t in reversed(range(T)):
+        m = response_mask[:, t]
+        v = torch.where(m, values[:, t], 0)
+        r = torch.where(m, token_rewards[:, t], 0)
+        delta = r + gamma * next_value - v
+        last_gae = torch.where(m, delta + gamma * lam * last_gae, last_gae)
+        next_value = torch.where(m, v, next_value)
+        raw[:, t] = last_gae
+    returns = torch.where(response_mask, raw + torch.where(response_mask, values, 0), 0)
+    return AdvantageOutput(masked_whiten(raw, response_mask), returns)
+
+
+@ESTIMATORS.register("grpo")
+def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std) -> AdvantageOutput:
+    """Group-relative outcome advantage: (score - group mean) [/ group std], on every token.
+    `norm_by_std=False` (with the seq-mean-token-sum-norm loss) is Dr.GRPO."""
+    scores = sequence_scores(token_rewards, response_mask)
+    mean, std, size = group_stats(scores, group_index)
+    adv = scores - mean
+    if norm_by_std:
+        adv = adv / (std + EPS)
+    adv = torch.where(size > 1, adv, 0)
+    advantages = torch.where(response_mask, adv.unsqueeze(-1), 0)
+    return AdvantageOutput(advantages, advantages.clone())
+
+
+@ESTIMATORS.register("rloo")
+def rloo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std) -> AdvantageOutput:
+    """Leave-one-out baseline: score - mean of the other samples of the same prompt."""
+    scores = sequence_scores(token_rewards, response_mask)
+    mean, _, size = group_stats(scores, group_index)
+    others_mean = (mean * size - scores) / (size - 1).clamp(min=1)
+    adv = torch.where(size > 1, scores - others_mean, 0)
+    advantages = torch.where(response_mask, adv.unsqueeze(-1), 0)
+    return AdvantageOutput(advantages, advantages.clone())
+
+
+def discounted_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """[B, T] → [B, T]: G_t = r_t + γ G_{t+1} over the valid tokens (masked ones skipped)."""
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros(token_rewards.shape[0], dtype=token_rewards.dtype)
+    for t in reversed(range(token_rewards.shape[1])):
+        m = response_mask[:, t]
+        running = torch.where(m, torch.where(m, token_rewards[:, t], 0) + gamma * running, running)
+        returns[:, t] = torch.where(m, running, 0)
+    return returns
+
+
+@ESTIMATORS.register("reinforce_pp")
+def reinforce_pp(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std) -> AdvantageOutput:
+    """REINFORCE++: discounted per-token returns, whitened over the whole batch."""
+    returns = discounted_returns(token_rewards, response_mask, gamma)
+    return AdvantageOutput(masked_whiten(returns, response_mask), returns)
+
+
+@ESTIMATORS.register("reinforce_pp_baseline")
+def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std) -> AdvantageOutput:
+    """REINFORCE++ with a group-mean baseline: (score - group mean) on every token, whitened
+    over the batch."""
+    scores = sequence_scores(token_rewards, response_mask)
+    mean, _, _ = group_stats(scores, group_index)
+    per_token = torch.where(response_mask, (scores - mean).unsqueeze(-1), 0)
+    advantages = masked_whiten(per_token, response_mask)
+    return AdvantageOutput(advantages, advantages.clone())

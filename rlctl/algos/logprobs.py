@@ -1,0 +1,57 @@
+"""The one definition of a log-prob in rlctl, and sampling.
+
+A token's log-prob is `log_softmax(logits / temperature)[token]` (temperature 1 for greedy
+decoding). top-p / top-k truncation changes which tokens can be sampled but not this number,
+so the rollout engine, `score` and `update` all compute the same quantity from logits alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def effective_temperature(temperature: float) -> float:
+    return temperature if temperature > 0 else 1.0
+
+
+def token_logprobs(*, logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits [..., V], tokens [...] → log-probs [...] (float32 math)."""
+    scaled = logits.float() / effective_temperature(temperature)
+    return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(*, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits [..., V] → entropy [...] of softmax(logits / temperature)."""
+    scaled = logits.float() / effective_temperature(temperature)
+    logp = torch.log_softmax(scaled, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def sample_next(
+    *, logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] → (tokens [B], log-probs [B]). temperature 0 is greedy."""
+    scaled = logits.float() / effective_temperature(temperature)
+    logp = torch.log_softmax(scaled, dim=-1)
+    if temperature <= 0:
+        tokens = scaled.argmax(-1)
+    else:
+        filtered = truncate_logits(logits=scaled, top_p=top_p, top_k=top_k)
+        probs = torch.softmax(filtered, dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def truncate_logits(*, logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """Mask logits [B, V] outside the top-k and the smallest set with probability ≥ top_p."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits

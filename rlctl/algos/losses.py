@@ -1,0 +1,95 @@
+"""Policy and value losses and their aggregation over tokens.
+
+Aggregation takes the normalisers of the whole *mini-batch* (`batch_tokens`, `batch_seqs`)
+rather than computing them from the tensors it is given, so summing the losses of any split
+into micro-batches gives exactly the gradient of the whole mini-batch at once.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+class PolicyLoss(NamedTuple):
+    loss: torch.Tensor  # [B, T] per-token loss (0 where masked)
+    clipped: torch.Tensor  # [B, T] bool: the clipped branch was taken
+    approx_kl: torch.Tensor  # [B, T] old - new log-prob (k1 of the PPO step)
+
+
+def aggregate(
+    *,
+    loss: torch.Tensor,  # [B, T]
+    response_mask: torch.Tensor,  # [B, T] bool
+    mode: str,
+    batch_tokens: int,
+    batch_seqs: int,
+    horizon: int,
+) -> torch.Tensor:
+    """Reduce a per-token loss to a scalar that is this micro-batch's share of the mini-batch.
+
+    token-mean:              Σ loss / batch_tokens
+    seq-mean-token-sum:      Σ_seq Σ_tok loss / batch_seqs
+    seq-mean-token-mean:     Σ_seq (Σ_tok loss / len_seq) / batch_seqs
+    seq-mean-token-sum-norm: Σ loss / (batch_seqs · horizon)   (Dr.GRPO: a constant divisor)
+    """
+    masked = torch.where(response_mask, loss, 0)
+    if mode == "token-mean":
+        return masked.sum() / max(batch_tokens, 1)
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / max(batch_seqs, 1)
+    if mode == "seq-mean-token-mean":
+        lengths = response_mask.sum(-1).clamp(min=1)
+        return (masked.sum(-1) / lengths).sum() / max(batch_seqs, 1)
+    if mode == "seq-mean-token-sum-norm":
+        return masked.sum() / (max(batch_seqs, 1) * max(horizon, 1))
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; available: {', '.join(LOSS_AGG_MODES)}")
+
+
+def ppo_policy_loss(
+    *,
+    logprobs: torch.Tensor,  # [B, T] current policy
+    old_logprobs: torch.Tensor,  # [B, T] behaviour policy
+    advantages: torch.Tensor,  # [B, T]
+    response_mask: torch.Tensor,  # [B, T] bool
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+) -> PolicyLoss:
+    """Clipped surrogate with asymmetric clip (clip-higher, as DAPO) and dual clip.
+
+    loss = max(-A·r, -A·clip(r, 1-low, 1+high)); for A < 0 it is further capped at -A·c
+    (dual clip, Ye et al. 2020) when c > 1.
+    """
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped_obj = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss = torch.maximum(unclipped, clipped_obj)
+    clipped = clipped_obj > unclipped
+    if clip_ratio_c > 1.0:
+        cap = -advantages * clip_ratio_c
+        dual = (advantages < 0) & (loss > cap)
+        loss = torch.where(advantages < 0, torch.minimum(loss, cap), loss)
+        clipped = clipped | dual
+    mask = response_mask
+    return PolicyLoss(torch.where(mask, loss, 0), clipped & mask, torch.where(mask, -log_ratio, 0))
+
+
+def clipped_value_loss(
+    *,
+    values: torch.Tensor,  # [B, T] current critic
+    old_values: torch.Tensor,  # [B, T] critic at rollout time
+    returns: torch.Tensor,  # [B, T]
+    response_mask: torch.Tensor,  # [B, T] bool
+    cliprange_value: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """½·max((v - R)², (clip(v, v_old ± ε) - R)²) per token, and whether the clip bound."""
+    clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    loss_unclipped = (values - returns).square()
+    loss_clipped = (clipped_values - returns).square()
+    loss = 0.5 * torch.maximum(loss_unclipped, loss_clipped)
+    return torch.where(response_mask, loss, 0), (loss_clipped > loss_unclipped) & response_mask

@@ -1,0 +1,1 @@
+"""Model-holding code behind small interfaces (`base.RolloutEngine`): the HF backend today."""

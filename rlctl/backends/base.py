@@ -1,0 +1,53 @@
+"""The small interface a rollout engine implements, and the registry of engines.
+
+The controller and stages talk to engines only through this: generate responses for token-id
+prompts with sampling parameters, and load new weights in place. The HF backend implements it
+today; a vLLM engine slots in beside it by registering another name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from rlctl.algos.registry import Registry
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Generation:
+    response_ids: list[int]
+    logprobs: list[float]  # log softmax(logits / temperature) of each sampled token
+    finish_reason: str  # "stop" | "length"
+
+
+class RolloutEngine(Protocol):
+    tokenizer: object
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        batch_size: int = 64,
+        on_tokens: Callable[[int], None] | None = None,
+    ) -> list[Generation]: ...
+
+
+def _load_hf(model_uri: str, device: str) -> RolloutEngine:
+    from rlctl.backends.hf import HFPolicy
+
+    return HFPolicy.load(model_uri, device)
+
+
+ROLLOUT_BACKENDS: Registry[Callable[[str, str], RolloutEngine]] = Registry("rollout backend")
+ROLLOUT_BACKENDS.register("hf")(_load_hf)

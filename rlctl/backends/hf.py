@@ -1,0 +1,291 @@
+"""The Hugging Face backend: transformers models + torch, on the CPU or CUDA.
+
+`HFPolicy` holds one causal LM and its tokenizer and does the three things the stages need
+of a policy: generate with sampling (KV cache, left padding, finished rows dropped from the
+batch), log-probs of given responses (no grad), and a differentiable forward for training.
+`ValueModel` is a causal LM with a scalar value head, saved beside the LM as
+`value_head.safetensors`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlctl.algos.logprobs import entropy_from_logits, sample_next, token_logprobs
+from rlctl.backends.base import Generation, SamplingParams
+from rlctl.errors import InputError
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+def quiet_transformers() -> None:
+    """No progress bars or advisory warnings from transformers on our stderr."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise InputError(f"unknown device {device!r}; use auto, cpu or cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"device {device!r} asked for, but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def check_model_dir(uri: str) -> Path:
+    path = Path(uri)
+    if not path.exists():
+        raise InputError(f"model {uri!r} does not exist")
+    if not (path / "config.json").exists():
+        raise InputError(f"model {uri!r} is not a Hugging Face model folder (no config.json)")
+    return path
+
+
+def load_causal_lm(uri: str, device: torch.device):
+    """(model, tokenizer) from a local HF folder; fp32 weights, eval mode, no dropout."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+    path = check_model_dir(uri)
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def load_tokenizer(uri: str):
+    from transformers import AutoTokenizer
+
+    quiet_transformers()
+    return AutoTokenizer.from_pretrained(check_model_dir(uri), padding_side="left")
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Prompt + response sequences right-padded into one tensor, and where responses sit."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    position_ids: torch.Tensor  # [B, L]
+    logit_index: torch.Tensor  # [B, T] position whose logits predict response token t
+    response_ids: torch.Tensor  # [B, T] (0 where padded)
+    response_mask: torch.Tensor  # [B, T] bool
+
+
+def pack(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int, device) -> PackedBatch:
+    full = [list(p) + list(r) for p, r in zip(prompt_ids, response_ids)]
+    B, L = len(full), max(len(s) for s in full)
+    T = max((len(r) for r in response_ids), default=0)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    logit_index = torch.zeros((B, T), dtype=torch.long)
+    responses = torch.zeros((B, T), dtype=torch.long)
+    response_mask = torch.zeros((B, T), dtype=torch.bool)
+    for i, (seq, p, r) in enumerate(zip(full, prompt_ids, response_ids)):
+        input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attention_mask[i, : len(seq)] = 1
+        n = len(r)
+        logit_index[i, :n] = torch.arange(len(p) - 1, len(p) - 1 + n)
+        responses[i, :n] = torch.tensor(list(r), dtype=torch.long)
+        response_mask[i, :n] = True
+    position_ids = torch.arange(L).unsqueeze(0).expand(B, L).contiguous()
+    return PackedBatch(
+        input_ids.to(device), attention_mask.to(device), position_ids.to(device),
+        logit_index.to(device), responses.to(device), response_mask.to(device),
+    )
+
+
+def response_logits(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """logits [B, L, V] → the logits predicting each response token [B, T, V]."""
+    index = batch.logit_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+    return logits.gather(1, index)
+
+
+def response_hidden(hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """hidden [B, L, H] → the hidden state before each response token [B, T, H]."""
+    index = batch.logit_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+    return hidden.gather(1, index)
+
+
+class HFPolicy:
+    """A causal LM + tokenizer that generates, scores and trains."""
+
+    def __init__(self, model, tokenizer, device: torch.device) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        gen_eos = getattr(model.generation_config, "eos_token_id", None)
+        stops = set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+        if tokenizer.eos_token_id is not None:
+            stops.add(tokenizer.eos_token_id)
+        self.stop_ids = sorted(stops)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+
+    @classmethod
+    def load(cls, uri: str, device: str = "auto") -> HFPolicy:
+        dev = resolve_device(device)
+        model, tokenizer = load_causal_lm(uri, dev)
+        return cls(model, tokenizer, dev)
+
+    # -- generation --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        batch_size: int = 64,
+        on_tokens: Callable[[int], None] | None = None,
+    ) -> list[Generation]:
+        """Sample one response per prompt (repeat a prompt for n samples). Deterministic for a
+        seed: one generator drives all batches in order."""
+        generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        results: list[Generation] = []
+        for start in range(0, len(prompt_ids), batch_size):
+            chunk = prompt_ids[start : start + batch_size]
+            results.extend(self._generate_batch(chunk, params, generator, on_tokens))
+        return results
+
+    def _generate_batch(self, prompt_ids, params: SamplingParams, generator, on_tokens) -> list[Generation]:
+        from transformers import DynamicCache
+
+        B = len(prompt_ids)
+        L = max(len(p) for p in prompt_ids)
+        input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((B, L), dtype=torch.long)
+        for i, p in enumerate(prompt_ids):
+            input_ids[i, L - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+            attention_mask[i, L - len(p) :] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        stop = torch.tensor(self.stop_ids, device=self.device)
+
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        logprobs: list[list[float]] = [[] for _ in range(B)]
+        finish = ["length"] * B
+        active = torch.arange(B, device=self.device)  # original row of each batch row
+        cache = DynamicCache()
+        cache_kw = self._cache_keyword()
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **{cache_kw: cache})
+        next_position = position_ids[:, -1] + 1
+        for step in range(params.max_new_tokens):
+            logits = out.logits[:, -1, :]
+            new_tokens, new_logprobs = sample_next(
+                logits=logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, generator=generator
+            )
+            for row, tok, lp in zip(active.tolist(), new_tokens.tolist(), new_logprobs.tolist()):
+                tokens[row].append(tok)
+                logprobs[row].append(lp)
+            if on_tokens:
+                on_tokens(len(active))
+            done = torch.isin(new_tokens, stop)
+            for row in active[done].tolist():
+                finish[row] = "stop"
+            if step == params.max_new_tokens - 1:
+                break
+            keep = ~done
+            if not keep.any():
+                break
+            if not keep.all():  # finished rows stop costing work
+                keep_idx = keep.nonzero().squeeze(-1)
+                cache.batch_select_indices(keep_idx)
+                active, attention_mask = active[keep_idx], attention_mask[keep_idx]
+                new_tokens, next_position = new_tokens[keep_idx], next_position[keep_idx]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=1)
+            out = self.model(
+                input_ids=new_tokens.unsqueeze(-1), attention_mask=attention_mask,
+                position_ids=next_position.unsqueeze(-1), use_cache=True, **{cache_kw: cache},
+            )
+            next_position = next_position + 1
+        return [Generation(tokens[i], logprobs[i], finish[i]) for i in range(B)]
+
+    def _cache_keyword(self) -> str:
+        """transformers renamed `past_key_values` to `cache`; use whichever forward takes."""
+        return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+
+    # -- scoring and training ---------------------------------------------------------
+
+    def forward(self, batch: PackedBatch, *, temperature: float, with_entropy: bool = False):
+        """Differentiable (log-probs [B, T], entropy [B, T] or None) of the response tokens."""
+        out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False)
+        logits = response_logits(out.logits, batch)
+        logp = token_logprobs(logits=logits, tokens=batch.response_ids, temperature=temperature)
+        entropy = entropy_from_logits(logits=logits, temperature=temperature) if with_entropy else None
+        return logp, entropy
+
+    @torch.no_grad()
+    def logprobs(self, prompt_ids, response_ids, *, temperature: float, batch_size: int = 16) -> list[list[float]]:
+        results = []
+        for start in range(0, len(prompt_ids), batch_size):
+            batch = pack(prompt_ids[start : start + batch_size], response_ids[start : start + batch_size], self.pad_id, self.device)
+            logp, _ = self.forward(batch, temperature=temperature)
+            lengths = batch.response_mask.sum(-1).tolist()
+            results.extend(row[:n] for row, n in zip(logp.float().cpu().tolist(), lengths))
+        return results
+
+
+class ValueModel(torch.nn.Module):
+    """A causal LM's decoder with a scalar value head: the critic for GAE."""
+
+    def __init__(self, lm) -> None:
+        super().__init__()
+        self.lm = lm
+        self.value_head = torch.nn.Linear(lm.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def load(cls, uri: str, device: torch.device) -> ValueModel:
+        from safetensors.torch import load_file
+
+        lm, _ = load_causal_lm(uri, device)
+        critic = cls(lm).to(device)
+        head = Path(uri) / VALUE_HEAD_FILE
+        if head.exists():  # a fresh critic (a plain LM folder) starts from a zero head
+            critic.value_head.load_state_dict(load_file(str(head), device=str(device)))
+        critic.eval()
+        return critic
+
+    def save(self, directory: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        self.lm.save_pretrained(directory)
+        state = {k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()}
+        save_file(state, str(Path(directory) / VALUE_HEAD_FILE))
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        """Values [B, T] of the state before each response token."""
+        out = self.lm.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False)
+        hidden = response_hidden(out.last_hidden_state, batch)
+        return self.value_head(hidden.float()).squeeze(-1)
+
+    @torch.no_grad()
+    def values(self, prompt_ids, response_ids, *, pad_id: int, batch_size: int = 16) -> list[list[float]]:
+        device = self.value_head.weight.device
+        results = []
+        for start in range(0, len(prompt_ids), batch_size):
+            batch = pack(prompt_ids[start : start + batch_size], response_ids[start : start + batch_size], pad_id, device)
+            v = self.forward(batch)
+            lengths = batch.response_mask.sum(-1).tolist()
+            results.extend(row[:n] for row, n in zip(v.cpu().tolist(), lengths))
+        return results
+
+
+def read_trainer_step(uri: str) -> int:
+    """The optimizer step recorded in a checkpoint (0 for a plain HF folder)."""
+    state = Path(uri) / "trainer_state" / "state.json"
+    return int(json.loads(state.read_text())["step"]) if state.exists() else 0

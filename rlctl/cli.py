@@ -1,0 +1,354 @@
+"""The `rlctl` command line (typer). Thin: parse flags, build typed config, call a stage
+function, print. `main()` is the one place that maps typed errors to exit codes.
+
+    rlctl rollout --prompts examples/prompts.jsonl --model models/tiny --out - | rlctl show -
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from rlctl import __version__
+from rlctl.errors import InputError, RlctlError
+
+app = typer.Typer(
+    name="rlctl",
+    help="RL post-training of language models as stage commands over Arrow shards.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+model_app = typer.Typer(help="Make and inspect local models.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+
+# --- options shared by the stage commands ---------------------------------------------------
+
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="TOML file whose sections give defaults; flags override it.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a config key: section.key=value (repeatable).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the manifest of what was written to stdout.")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Run even if the output is up to date.")]
+FormatOpt = Annotated[str, typer.Option("--format", help="Shard file format: arrow or parquet.")]
+RowsOpt = Annotated[int, typer.Option("--rows-per-part", help="Rows per part file.", min=1)]
+DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto, cpu or cuda.")]
+OutOpt = Annotated[str, typer.Option("--out", help="Output folder URI, or - for an Arrow stream on stdout.")]
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"rlctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version_callback, is_eager=True, help="Print the version and exit.")] = False,
+) -> None:
+    """RL post-training of language models as stage commands over Arrow shards."""
+
+
+def _stage_config(config: Path | None, overrides: list[str] | None):
+    from rlctl.config import load_config
+
+    return load_config(config, overrides or [])
+
+
+def _output(uri: str, fmt: str, rows_per_part: int, as_json: bool):
+    from rlctl.shards import OutputSpec
+
+    if as_json and uri == "-":
+        raise InputError("--json prints the manifest to stdout, which --out - already uses for data")
+    return OutputSpec(uri=uri, format=fmt, rows_per_part=rows_per_part)
+
+
+def _report(manifest, as_json: bool) -> None:
+    if manifest is None:
+        return
+    if as_json:
+        typer.echo(manifest.to_json(), nl=False)
+    elif manifest.state.get("skipped"):
+        _err(f"{manifest.stage}: up to date, skipped (use --force to re-run)")
+    elif manifest.metrics and manifest.stage == "update":
+        shown = ("step", "pg_loss", "vf_loss", "entropy", "grad_norm", "tokens_per_s")
+        _err("update: " + "  ".join(f"{k} {manifest.metrics[k]:.4g}" for k in shown if k in manifest.metrics))
+    else:
+        what = f"{manifest.rows} rows" if manifest.schema else f"{len(manifest.files)} files"
+        _err(f"{manifest.stage}: wrote {what} in {manifest.timings.get('seconds', 0):.2f}s")
+
+
+def _err(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --- stage commands -------------------------------------------------------------------------
+
+
+@app.command()
+def rollout(
+    prompts: Annotated[str, typer.Option("--prompts", help="Prompts: shard folder, .jsonl, .parquet or -.")],
+    model: Annotated[str, typer.Option("--model", help="Policy weights: HF folder or rlctl checkpoint.")],
+    out: OutOpt,
+    n: Annotated[Optional[int], typer.Option("--n", help="Samples per prompt.", min=1)] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Longest response in tokens.", min=1)] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature; 0 is greedy.", min=0.0)] = None,
+    top_p: Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass.", min=0.0, max=1.0)] = None,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Sample from the k most likely tokens; 0 = all.", min=0)] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed.")] = None,
+    backend: Annotated[Optional[str], typer.Option("--backend", help="Rollout engine: hf or vllm.")] = None,
+    max_prompt_tokens: Annotated[Optional[int], typer.Option("--max-prompt-tokens", help="Longest prompt in tokens.", min=1)] = None,
+    truncate: Annotated[Optional[str], typer.Option("--truncate", help="A too-long prompt is an error, or left-truncated (left).")] = None,
+    chat_template: Annotated[Optional[bool], typer.Option("--chat-template/--no-chat-template", help="Render plain prompts with the chat template.")] = None,
+    device: DeviceOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    fmt: FormatOpt = "arrow",
+    rows_per_part: RowsOpt = 65536,
+    as_json: JsonOpt = False,
+    force: ForceOpt = False,
+) -> None:
+    """Sample responses from the policy for each prompt (writes the rollouts schema)."""
+    from rlctl.config import override_section
+    from rlctl.stages import rollout as stage
+
+    cfg = _stage_config(config, set_)
+    rollout_cfg = override_section(cfg.rollout, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, backend=backend)
+    data_cfg = override_section(cfg.data, max_prompt_tokens=max_prompt_tokens, truncate=truncate, chat_template=chat_template)
+    device = device or cfg.model.device
+    manifest = stage.run(prompts=prompts, model=model, out=_output(out, fmt, rows_per_part, as_json), cfg=rollout_cfg, data=data_cfg, device=device, force=force)
+    _report(manifest, as_json)
+
+
+@app.command()
+def score(
+    rollouts: Annotated[str, typer.Option("--rollouts", help="Rollouts: shard folder, file or -.")],
+    out: OutOpt,
+    reward: Annotated[Optional[str], typer.Option("--reward", help="file.py:fn, module:fn, builtin:NAME or rm:MODEL_URI.")] = None,
+    ref: Annotated[Optional[str], typer.Option("--ref", help="Reference model → ref_logprobs.")] = None,
+    critic: Annotated[Optional[str], typer.Option("--critic", help="Critic (causal LM + value head) → values.")] = None,
+    policy: Annotated[Optional[str], typer.Option("--policy", help="Policy model → old_logprobs.")] = None,
+    reward_timeout: Annotated[Optional[float], typer.Option("--reward-timeout", help="Seconds a reward call may take.", min=0.0)] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per forward pass.", min=1)] = None,
+    device: DeviceOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    fmt: FormatOpt = "arrow",
+    rows_per_part: RowsOpt = 65536,
+    as_json: JsonOpt = False,
+    force: ForceOpt = False,
+) -> None:
+    """Score rollouts with a reward; optionally add ref/old log-probs and critic values."""
+    from rlctl.config import override_section
+    from rlctl.stages import score as stage
+
+    cfg = _stage_config(config, set_)
+    score_cfg = override_section(cfg.score, reward=reward, reward_timeout=reward_timeout, batch_size=batch_size)
+    manifest = stage.run(
+        rollouts=rollouts, out=_output(out, fmt, rows_per_part, as_json), cfg=score_cfg,
+        ref=ref, critic=critic, policy=policy, device=device or cfg.model.device, force=force,
+    )
+    _report(manifest, as_json)
+
+
+@app.command()
+def advantage(
+    scores: Annotated[str, typer.Option("--scores", help="Scores: shard folder, file or -.")],
+    out: OutOpt,
+    estimator: Annotated[Optional[str], typer.Option("--estimator", help="gae, grpo, rloo, reinforce_pp or reinforce_pp_baseline.")] = None,
+    gamma: Annotated[Optional[float], typer.Option("--gamma", help="Discount factor.")] = None,
+    lam: Annotated[Optional[float], typer.Option("--lam", help="GAE lambda.")] = None,
+    kl_coef: Annotated[Optional[float], typer.Option("--kl-coef", help="KL penalty coefficient in the reward.", min=0.0)] = None,
+    kl_estimator: Annotated[Optional[str], typer.Option("--kl-estimator", help="k1, k2, k3 or abs.")] = None,
+    norm_by_std: Annotated[Optional[bool], typer.Option("--norm-by-std/--no-norm-by-std", help="GRPO: divide by the group's std.")] = None,
+    kl_controller: Annotated[Optional[str], typer.Option("--kl-controller", help="fixed or adaptive.")] = None,
+    kl_state: Annotated[Optional[str], typer.Option("--kl-state", help="A previous advantage output whose KL controller state to continue.")] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    fmt: FormatOpt = "arrow",
+    rows_per_part: RowsOpt = 65536,
+    as_json: JsonOpt = False,
+    force: ForceOpt = False,
+) -> None:
+    """Turn rewards into per-token rewards, advantages and returns (pure math, no model)."""
+    from rlctl.config import override_section
+    from rlctl.stages import advantage as stage
+
+    cfg = _stage_config(config, set_)
+    adv_cfg = override_section(cfg.advantage, estimator=estimator, gamma=gamma, lam=lam, kl_coef=kl_coef, kl_estimator=kl_estimator, norm_by_std=norm_by_std, kl_controller=kl_controller)
+    manifest = stage.run(scores=scores, out=_output(out, fmt, rows_per_part, as_json), cfg=adv_cfg, kl_state=kl_state, force=force)
+    _report(manifest, as_json)
+
+
+@app.command()
+def update(
+    batch: Annotated[str, typer.Option("--batch", help="Batch: shard folder, file or -.")],
+    model: Annotated[str, typer.Option("--model", help="Policy: HF folder or rlctl checkpoint (optimizer state is restored).")],
+    out: Annotated[str, typer.Option("--out", help="Checkpoint folder to write.")],
+    critic: Annotated[Optional[str], typer.Option("--critic", help="Critic to train too (written to OUT/critic).")] = None,
+    lr: Annotated[Optional[float], typer.Option("--lr", help="Policy learning rate.", min=0.0)] = None,
+    epochs: Annotated[Optional[int], typer.Option("--epochs", help="PPO epochs over the batch.", min=1)] = None,
+    mini_batch_size: Annotated[Optional[int], typer.Option("--mini-batch-size", help="Sequences per optimizer step (0 = all).", min=0)] = None,
+    micro_batch_size: Annotated[Optional[int], typer.Option("--micro-batch-size", help="Sequences per forward/backward.", min=1)] = None,
+    loss_agg_mode: Annotated[Optional[str], typer.Option("--loss-agg-mode", help="token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm.")] = None,
+    bf16: Annotated[Optional[bool], typer.Option("--bf16/--no-bf16", help="bf16 autocast for forward/backward.")] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Shuffling seed.")] = None,
+    device: DeviceOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    as_json: JsonOpt = False,
+    force: ForceOpt = False,
+) -> None:
+    """Train the policy (and critic) on a batch with the PPO/GRPO loss; write a checkpoint."""
+    from rlctl.config import override_section
+    from rlctl.stages import update as stage
+
+    if out == "-":
+        raise InputError("update writes a checkpoint folder; --out - is not possible")
+    cfg = _stage_config(config, set_)
+    update_cfg = override_section(cfg.update, lr=lr, epochs=epochs, mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size, loss_agg_mode=loss_agg_mode, bf16=bf16, seed=seed)
+    manifest = stage.run(batch=batch, model=model, out=out, cfg=update_cfg, critic=critic, device=device or cfg.model.device, force=force)
+    _report(manifest, as_json)
+
+
+@app.command()
+def reshard(
+    checkpoint: Annotated[str, typer.Option("--checkpoint", help="Training checkpoint folder.")],
+    out: Annotated[str, typer.Option("--out", help="Folder for rollout-layout weights.")],
+    to: Annotated[Optional[str], typer.Option("--to", help="hf (one HF folder) or tp=N (N tensor-parallel shards).")] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="bf16, fp16 or fp32.")] = None,
+    check: Annotated[bool, typer.Option("--check", help="Prove the written layout merges back to the source exactly.")] = False,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    as_json: JsonOpt = False,
+    force: ForceOpt = False,
+) -> None:
+    """Turn a training checkpoint into rollout-layout weights (HF folder or TP shards)."""
+    from rlctl.config import override_section
+    from rlctl.stages import reshard as stage
+
+    cfg = _stage_config(config, set_)
+    reshard_cfg = override_section(cfg.reshard, to=to, dtype=dtype)
+    manifest = stage.run(checkpoint=checkpoint, out=out, cfg=reshard_cfg, check=check, force=force)
+    _report(manifest, as_json)
+
+
+# --- controller commands --------------------------------------------------------------------
+
+
+@app.command()
+def pipeline(
+    config: Annotated[Path, typer.Argument(help="Pipeline TOML config.")],
+    iterations: Annotated[Optional[int], typer.Option("--iterations", help="Iterations to run in total.", min=1)] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an existing run folder (the default when one exists).")] = False,
+    from_stage: Annotated[Optional[str], typer.Option("--from", help="First stage to run in each iteration.")] = None,
+    until_stage: Annotated[Optional[str], typer.Option("--until", help="Last stage to run in each iteration.")] = None,
+    set_: SetOpt = None,
+    run_dir: Annotated[Optional[str], typer.Option("--run-dir", help="Where the run's outputs go.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and exit.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", help="One plain line per iteration.")] = False,
+) -> None:
+    """Run rollout → score → advantage → update → reshard for N iterations, models resident."""
+    from rlctl.pipeline import run_pipeline_command
+
+    run_pipeline_command(
+        config=config, overrides=set_ or [], iterations=iterations, resume=resume,
+        from_stage=from_stage, until_stage=until_stage, run_dir=run_dir, dry_run=dry_run, quiet=quiet,
+    )
+
+
+@app.command()
+def replay(
+    stage_dir: Annotated[str, typer.Argument(help="RUN/iter-NNNN/STAGE of a recorded run.")],
+    check: Annotated[bool, typer.Option("--check", help="Compare with the recorded output.")] = False,
+    out: Annotated[Optional[str], typer.Option("--out", help="Where the replay writes (default: a scratch folder).")] = None,
+    set_: SetOpt = None,
+) -> None:
+    """Re-run one recorded stage from its recorded inputs, config, seed and RNG state."""
+    from rlctl.pipeline import replay_stage
+
+    result = replay_stage(stage_dir, check=check, out=out, overrides=set_ or [])
+    typer.echo(result)
+
+
+@app.command()
+def show(
+    uri: Annotated[str, typer.Argument(help="A shard folder or file, a manifest, a checkpoint, a run folder, or -.")],
+    rows: Annotated[int, typer.Option("--rows", help="Rows to show.", min=0)] = 10,
+    width: Annotated[int, typer.Option("--width", help="Longest cell shown, in characters.", min=4)] = 40,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
+) -> None:
+    """Print a shard, a manifest, a checkpoint or a whole run as a table."""
+    from rlctl.show import show as show_uri
+
+    show_uri(uri, rows=rows, width=width, as_json=as_json)
+
+
+@app.command()
+def plot(
+    run_dir: Annotated[str, typer.Argument(help="A run folder written by rlctl pipeline.")],
+    out: Annotated[Optional[str], typer.Option("--out", help="PNG file to write (default RUN/metrics.png).")] = None,
+) -> None:
+    """Plot reward, KL, entropy, response length and validation score by iteration."""
+    from rlctl.plot import plot_run
+
+    typer.echo(plot_run(run_dir, out))
+
+
+@model_app.command("init")
+def model_init(
+    directory: Annotated[Path, typer.Argument(help="Folder to write the model into.")],
+    preset: Annotated[str, typer.Option("--preset", help="tiny (≈0.85M params) or small (≈25M).")] = "tiny",
+    seed: Annotated[int, typer.Option("--seed", help="Seed for weights and tokenizer text.")] = 0,
+) -> None:
+    """Write a random Qwen2-style model + byte-level BPE tokenizer, fully offline."""
+    from rlctl.backends.hf import quiet_transformers
+    from rlctl.modelinit import init_model
+
+    quiet_transformers()
+    path = init_model(directory, preset=preset, seed=seed)
+    typer.echo(str(path))
+
+
+# --- the one place errors become exit codes -------------------------------------------------
+
+
+def _map_errors(command):
+    """Run `command`; typed errors become one stderr line and their exit code (2 or 1)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except RlctlError as exc:
+            _err(f"rlctl: error: {exc}")
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            _err("rlctl: interrupted")
+            raise typer.Exit(130) from None
+        except (typer.Exit, SystemExit):
+            raise
+        except Exception as exc:  # an rlctl bug or an environment failure
+            if os.environ.get("RLCTL_DEBUG"):
+                raise
+            _err(f"rlctl: error: {type(exc).__name__}: {exc} (set RLCTL_DEBUG=1 for the traceback)")
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+for _info in [*app.registered_commands, *model_app.registered_commands]:
+    _info.callback = _map_errors(_info.callback)
+
+
+def main() -> None:
+    """Console entry point."""
+    try:
+        app()
+    except BrokenPipeError:  # `rlctl ... --out - | head`: the reader left; not an error of ours
+        sys.stdout = None
+        sys.exit(1)

@@ -1,0 +1,275 @@
+"""TOML config → typed, frozen config objects, one per section; `--set a.b=c` overrides.
+
+Sections map 1:1 to the dataclasses below (`[model]` → `ModelConfig`, ...). Unknown keys are
+errors that suggest the nearest valid key; type errors name the key, the expected type and the
+value; TOML syntax errors give the line. The resolved config is written into every manifest.
+
+    cfg = load_config("examples/ppo.toml", overrides=["update.lr=1e-5"])
+    cfg.update.lr  # 1e-05
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from rlctl.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which models the run holds: the policy, and optionally a reference and a critic."""
+
+    path: str = ""  # policy: HF folder or rlctl checkpoint
+    ref: str = ""  # reference model for KL ("" = none)
+    critic: str = ""  # critic (value head on a causal LM) for GAE ("" = none)
+    device: str = "auto"  # auto | cpu | cuda
+    init_preset: str = ""  # when set and `path` does not exist: `rlctl model init` it first
+    init_seed: int = 0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    prompts: str = ""
+    val_prompts: str = ""
+    batch_size: int = 8  # prompts per iteration
+    shuffle: bool = True
+    max_prompt_tokens: int = 512
+    truncate: str = "error"  # error | left
+    chat_template: bool = False
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    n: int = 1
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    backend: str = "hf"
+    batch_size: int = 64  # sequences generated together
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    reward: str = "builtin:length"
+    reward_timeout: float = 60.0
+    batch_size: int = 16  # sequences per forward pass
+    ref_logprobs: bool = True  # in a pipeline: compute ref log-probs when a ref model exists
+    old_logprobs: bool = True  # in a pipeline: recompute policy log-probs with a forward pass
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    estimator: str = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_by_std: bool = True
+    kl_coef: float = 0.0
+    kl_estimator: str = "k1"
+    kl_controller: str = "fixed"  # fixed | adaptive
+    kl_target: float = 0.1
+    kl_horizon: int = 10000
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    lr: float = 1e-6
+    critic_lr: float = 1e-5
+    epochs: int = 1
+    mini_batch_size: int = 0  # sequences per optimizer step; 0 = the whole batch
+    micro_batch_size: int = 4  # sequences per forward/backward
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0  # dual clip for negative advantages; 0 disables
+    loss_agg_mode: str = "token-mean"
+    loss_horizon: int = 0  # seq-mean-token-sum-norm divisor; 0 = longest response in the batch
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    cliprange_value: float = 0.5
+    vf_coef: float = 1.0
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    bf16: bool = False
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ReshardConfig:
+    to: str = "hf"  # hf | tp=N
+    dtype: str = "fp32"  # bf16 | fp16 | fp32
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    iterations: int = 1
+    run_dir: str = "runs/default"
+    save_every: int = 0  # 0 = only at the end
+    keep_checkpoints: int = 2
+    keep_shards: int = 0  # keep the stage outputs of the last K iterations; 0 = all
+    val_every: int = 0  # 0 = no validation
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    score: ScoreConfig = field(default_factory=ScoreConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    reshard: ReshardConfig = field(default_factory=ReshardConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *, data: dict | None = None) -> Config:
+    """Read `path` (or take `data`), apply `section.key=value` overrides, return a `Config`."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = parse_toml_file(path)
+    elif data is not None:
+        raw = data
+    cfg = from_dict(raw, source=str(path) if path else "config")
+    return apply_overrides(cfg, overrides or [])
+
+
+def parse_toml_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: TOML syntax error: {exc}") from exc
+
+
+def from_dict(raw: dict[str, Any], source: str = "config") -> Config:
+    sections = {}
+    for name, values in raw.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"{source}: unknown section [{name}]{_suggest(name, SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: [{name}] must be a table of keys")
+        sections[name] = section_from_dict(name, values, source)
+    return Config(**sections)
+
+
+def section_from_dict(name: str, values: dict[str, Any], source: str = "config"):
+    cls = SECTIONS[name]
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(f"{source}: unknown key {name}.{key}{_suggest(key, hints, prefix=name + '.')}")
+        kwargs[key] = coerce(value, hints[key], f"{name}.{key}")
+    return cls(**kwargs)
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    for item in overrides:
+        dotted, sep, text = item.partition("=")
+        section, dot, key = dotted.strip().partition(".")
+        if not sep or not dot:
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        if section not in SECTIONS:
+            raise ConfigError(f"--set {item!r}: unknown section {section!r}{_suggest(section, SECTIONS)}")
+        hints = typing.get_type_hints(SECTIONS[section])
+        if key not in hints:
+            raise ConfigError(f"--set {item!r}: unknown key {section}.{key}{_suggest(key, hints, prefix=section + '.')}")
+        value = coerce(parse_scalar(text), hints[key], dotted)
+        cfg = replace(cfg, **{section: replace(getattr(cfg, section), **{key: value})})
+    return cfg
+
+
+def override_section(section_cfg, **values):
+    """`section_cfg` with the given keys replaced, skipping None (flags the user did not pass)."""
+    given = {k: v for k, v in values.items() if v is not None}
+    if not given:
+        return section_cfg
+    name = next(n for n, cls in SECTIONS.items() if isinstance(section_cfg, cls))
+    hints = typing.get_type_hints(type(section_cfg))
+    return replace(section_cfg, **{k: coerce(v, hints[k], f"{name}.{k}") for k, v in given.items()})
+
+
+def parse_scalar(text: str) -> Any:
+    """A `--set` value: TOML syntax when it parses (1e-5, true, "x", [1, 2]), else a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def coerce(value: Any, expected: Any, key: str) -> Any:
+    origin = typing.get_origin(expected)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(expected)
+        if value is None and type(None) in options:
+            return None
+        expected = next(t for t in options if t is not type(None))
+    if expected is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif expected is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif expected is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif expected is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{key}: expected {expected.__name__}, got {value!r}")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    """A TOML rendering of the resolved config (flat sections of scalars)."""
+    lines = []
+    for name, values in to_dict(cfg).items():
+        lines.append(f"[{name}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'
+
+
+def _suggest(word: str, options, prefix: str = "") -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
+    return f"; did you mean {prefix}{close[0]}?" if close else f"; valid: {', '.join(sorted(options))}"

@@ -1,0 +1,337 @@
+"""Reward functions: built-ins, user functions and reward models, behind one calling rule.
+
+`--reward SPEC` is `path/to/file.py:function`, `module:function`, `builtin:NAME` or
+`rm:MODEL_URI`. A user function either takes the list of response strings
+(`fn(samples) -> list[float] | Tensor`) or takes keyword arguments among `prompts`,
+`responses`, `ground_truths`, `data_sources`, `extras` — decided from its signature.
+
+A function that raises, returns the wrong count, returns NaN/inf, or runs past the timeout is
+a `RewardError` naming the first bad sample's index (found by re-calling per sample).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import operator
+import re
+import signal
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlctl.algos.registry import Registry
+from rlctl.errors import InputError, RewardError
+
+KEYWORD_ARGS = ("prompts", "responses", "ground_truths", "data_sources", "extras")
+
+
+@dataclass(frozen=True)
+class RewardSamples:
+    """What a reward function may look at, one entry per sample."""
+
+    prompts: list[str]
+    responses: list[str]
+    ground_truths: list[str | None]
+    data_sources: list[str | None]
+    extras: list[dict[str, Any]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.responses)
+
+    def subset(self, index: int) -> RewardSamples:
+        pick = slice(index, index + 1)
+        return RewardSamples(
+            self.prompts[pick], self.responses[pick], self.ground_truths[pick], self.data_sources[pick], self.extras[pick]
+        )
+
+
+BUILTINS: Registry[Callable] = Registry("builtin reward")
+
+
+# --- built-ins ----------------------------------------------------------------------------
+
+
+@BUILTINS.register("length")
+def length_reward(responses: list[str]) -> list[float]:
+    """min(len(response) / 100, 1): the seed article's toy reward for longer answers."""
+    return [min(len(r) / 100.0, 1.0) for r in responses]
+
+
+_GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,\$]+)")
+
+
+def gsm8k_answer(response: str) -> str | None:
+    """The last `#### <number>` in the final 300 characters, commas and `$` removed."""
+    matches = _GSM8K_ANSWER.findall(response[-300:])
+    if not matches:
+        return None
+    return matches[-1].replace(",", "").replace("$", "").rstrip(".")
+
+
+@BUILTINS.register("gsm8k")
+def gsm8k_reward(*, responses: list[str], ground_truths: list[str | None]) -> list[float]:
+    """1.0 when the extracted final answer equals the ground truth exactly, else 0.0."""
+    scores = []
+    for response, truth in zip(responses, ground_truths):
+        answer = gsm8k_answer(response)
+        expected = None if truth is None else str(truth).replace(",", "").replace("$", "").strip()
+        scores.append(1.0 if answer is not None and answer == expected else 0.0)
+    return scores
+
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_BINARY_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def evaluate_arithmetic(expression: str) -> tuple[float, list[int]]:
+    """Evaluate + - * / over integer literals and parentheses; return (value, literals used).
+
+    Parses to an AST and walks only the allowed node types: nothing else is ever executed.
+    Raises ValueError for anything else (names, calls, powers, unary minus, floats).
+    """
+    if len(expression) > 200:
+        raise ValueError("expression too long")
+    tree = ast.parse(expression.strip(), mode="eval")
+    literals: list[int] = []
+
+    def walk(node: ast.AST) -> float:
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
+            left, right = walk(node.left), walk(node.right)
+            if isinstance(node.op, ast.Div) and right == 0:
+                raise ValueError("division by zero")
+            return _BINARY_OPS[type(node.op)](left, right)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            literals.append(node.value)
+            return float(node.value)
+        raise ValueError(f"not allowed in an answer: {type(node).__name__}")
+
+    return walk(tree), literals
+
+
+def parse_countdown_truth(truth: str | None) -> tuple[float, list[int]]:
+    """Ground truth as JSON: {"target": 24, "numbers": [3, 5, 8, 1]}."""
+    try:
+        raw = json.loads(truth or "")
+        return float(raw["target"]), [int(n) for n in raw["numbers"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RewardError(f"countdown ground_truth must be JSON with target and numbers, got {truth!r}") from exc
+
+
+@BUILTINS.register("countdown")
+def countdown_reward(*, responses: list[str], ground_truths: list[str | None]) -> list[float]:
+    """1.0 if the last <answer>expr</answer> uses exactly the given numbers and hits the
+    target; 0.1 for a well-formed arithmetic answer that misses; 0.0 otherwise."""
+    scores = []
+    for response, truth in zip(responses, ground_truths):
+        target, numbers = parse_countdown_truth(truth)
+        tags = _ANSWER_TAG.findall(response)
+        if not tags:
+            scores.append(0.0)
+            continue
+        try:
+            value, used = evaluate_arithmetic(tags[-1])
+        except (ValueError, SyntaxError, ZeroDivisionError, OverflowError):
+            scores.append(0.0)
+            continue
+        hit = Counter(used) == Counter(numbers) and abs(value - target) < 1e-5
+        scores.append(1.0 if hit else 0.1)
+    return scores
+
+
+# --- loading a spec ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """A resolved reward: the callable and how to call it."""
+
+    spec: str
+    fn: Callable
+    keywords: tuple[str, ...] | None  # None: called as fn(responses)
+
+    def __call__(self, samples: RewardSamples) -> Any:
+        if self.keywords is None:
+            return self.fn(list(samples.responses))
+        return self.fn(**{k: list(getattr(samples, k)) for k in self.keywords})
+
+
+def from_callable(fn: Callable, spec: str = "<callable>") -> RewardFunction:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return RewardFunction(spec, fn, None)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return RewardFunction(spec, fn, KEYWORD_ARGS)
+    named = tuple(k for k in KEYWORD_ARGS if k in params)
+    return RewardFunction(spec, fn, named or None)
+
+
+def load_reward(spec: str, *, device: str = "cpu", batch_size: int = 16) -> RewardFunction:
+    kind, sep, rest = spec.partition(":")
+    if not sep or not rest:
+        raise InputError(f"--reward {spec!r}: expected file.py:function, module:function, builtin:NAME or rm:MODEL_URI")
+    if kind == "builtin":
+        return from_callable(BUILTINS.get(rest), spec)
+    if kind == "rm":
+        return RewardFunction(spec, RewardModel(rest, device=device, batch_size=batch_size), ("prompts", "responses"))
+    target, _, name = spec.rpartition(":")
+    module = _load_module(target, spec)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise InputError(f"--reward {spec!r}: {target} has no function {name!r}")
+    return from_callable(fn, spec)
+
+
+def _load_module(target: str, spec: str):
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.exists():
+            raise InputError(f"--reward {spec!r}: file {target} does not exist")
+        module_spec = importlib.util.spec_from_file_location(f"rlctl_user_reward_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:
+            raise InputError(f"--reward {spec!r}: importing {target} failed: {type(exc).__name__}: {exc}") from exc
+        return module
+    try:
+        return importlib.import_module(target)
+    except ImportError as exc:
+        raise InputError(f"--reward {spec!r}: cannot import module {target!r}: {exc}") from exc
+
+
+class RewardModel:
+    """`rm:URI`: a Hugging Face sequence-classification model; the reward is logit 0."""
+
+    def __init__(self, uri: str, *, device: str = "cpu", batch_size: int = 16) -> None:
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from rlctl.backends.hf import check_model_dir, quiet_transformers, resolve_device
+
+        quiet_transformers()
+        path = check_model_dir(uri)
+        self.device = resolve_device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(path, padding_side="right")
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).to(self.device).eval()
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.batch_size = batch_size
+
+    def __call__(self, *, prompts: list[str], responses: list[str]) -> list[float]:
+        import torch
+
+        scores: list[float] = []
+        texts = [p + r for p, r in zip(prompts, responses)]
+        with torch.no_grad():
+            for start in range(0, len(texts), self.batch_size):
+                enc = self.tokenizer(texts[start : start + self.batch_size], return_tensors="pt", padding=True, truncation=True)
+                logits = self.model(**{k: v.to(self.device) for k, v in enc.items()}).logits
+                scores.extend(logits[:, 0].float().cpu().tolist())
+        return scores
+
+
+# --- calling safely ------------------------------------------------------------------------
+
+
+def compute_rewards(reward: RewardFunction, samples: RewardSamples, *, timeout: float) -> list[float]:
+    """One float per sample; any failure is a `RewardError` naming the sample index."""
+    try:
+        return _checked(_call_with_timeout(reward, samples, timeout), len(samples), reward.spec)
+    except _Failure as failure:
+        index = _first_failing_sample(reward, samples, timeout)
+        where = f" at sample {index}" if index is not None else ""
+        raise RewardError(f"reward {reward.spec} {failure.what}{where}") from None
+
+
+class _Failure(Exception):
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
+def _first_failing_sample(reward: RewardFunction, samples: RewardSamples, timeout: float) -> int | None:
+    if len(samples) == 1:
+        return 0
+    for index in range(len(samples)):
+        try:
+            _checked(_call_with_timeout(reward, samples.subset(index), timeout), 1, reward.spec)
+        except _Failure:
+            return index
+    return None
+
+
+def _checked(result: Any, expected: int, spec: str) -> list[float]:
+    if hasattr(result, "detach"):
+        result = result.detach().cpu().reshape(-1).tolist()
+    elif hasattr(result, "tolist"):
+        result = result.tolist()
+    if not isinstance(result, Sequence) or isinstance(result, (str, bytes)):
+        raise _Failure(f"returned {type(result).__name__}, expected a list of floats")
+    if len(result) != expected:
+        raise _Failure(f"returned {len(result)} values for {expected} samples")
+    values = []
+    for i, v in enumerate(result):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise RewardError(f"reward {spec} returned {type(v).__name__} {v!r} at sample {i}, expected a float")
+        if not math.isfinite(v):
+            raise RewardError(f"reward {spec} returned {v} at sample {i}")
+        values.append(float(v))
+    return values
+
+
+def _call_with_timeout(reward: RewardFunction, samples: RewardSamples, timeout: float) -> Any:
+    if timeout <= 0:
+        return _call(reward, samples)
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+        def on_alarm(signum, frame):
+            raise _Timeout()
+
+        previous = signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+        try:
+            return _call(reward, samples)
+        except _Timeout:
+            raise _Failure(f"ran past the {timeout:g}s timeout") from None
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    box: dict[str, Any] = {}
+
+    def target():
+        try:
+            box["value"] = _call(reward, samples)
+        except BaseException as exc:  # carried to the caller's thread
+            box["error"] = exc
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise _Failure(f"ran past the {timeout:g}s timeout")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _call(reward: RewardFunction, samples: RewardSamples) -> Any:
+    try:
+        return reward(samples)
+    except (_Timeout, RewardError):
+        raise
+    except Exception as exc:
+        raise _Failure(f"raised {type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,191 @@
+"""`rlctl show URI`: a shard's first rows, a manifest, a checkpoint or a run, as a table on
+stdout (`--json` for machines).
+
+    rlctl show runs/x/iter-0001/rollout --rows 5
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from rich.console import Console
+from rich.table import Table
+
+from rlctl.errors import InputError
+from rlctl.manifest import MANIFEST_NAME, Manifest
+from rlctl.shards import STDIO, _fs, read
+
+
+def show(uri: str, *, rows: int = 10, width: int = 40, as_json: bool = False) -> None:
+    console = Console(soft_wrap=False)
+    kind = classify(uri)
+    if kind == "run":
+        from rlctl.runinfo import run_summary
+
+        summary = run_summary(uri)
+        _emit(console, summary, as_json, lambda: _run_table(summary))
+    elif kind == "checkpoint":
+        summary = checkpoint_summary(uri)
+        _emit(console, summary, as_json, lambda: _dict_table(f"checkpoint {uri}", summary))
+    elif kind == "manifest":
+        manifest = Manifest.from_json(_read_text(uri))
+        data = json.loads(manifest.to_json())
+        _emit(console, data, as_json, lambda: _dict_table(f"manifest {uri}", _manifest_summary(manifest)))
+    else:
+        shards = read(uri)
+        head = shards.table.slice(0, rows)
+        data = {
+            "uri": uri,
+            "rows": shards.table.num_rows,
+            "schema": _schema_name(shards.table.schema),
+            "manifest": json.loads(shards.manifest.to_json()) if shards.manifest else None,
+            "head": head.to_pylist(),
+        }
+        _emit(console, data, as_json, lambda: _shard_table(uri, shards.table, head, width, shards.manifest))
+
+
+def classify(uri: str) -> str:
+    if uri == STDIO:
+        return "shards"
+    fs, path = _fs(uri)
+    if not fs.exists(path):
+        raise InputError(f"{uri!r} does not exist")
+    if path.endswith(MANIFEST_NAME):
+        return "manifest"
+    if fs.isdir(path):
+        if fs.exists(path.rstrip("/") + "/metrics.jsonl") or fs.exists(path.rstrip("/") + "/config.resolved.toml"):
+            return "run"
+        if fs.exists(path.rstrip("/") + "/config.json"):
+            return "checkpoint"
+    return "shards"
+
+
+def checkpoint_summary(uri: str) -> dict[str, Any]:
+    path = Path(uri)
+    config = json.loads((path / "config.json").read_text())
+    weights = sorted(path.glob("*.safetensors"))
+    summary: dict[str, Any] = {
+        "architecture": ", ".join(config.get("architectures", [])) or config.get("model_type", "?"),
+        "dtype": config.get("torch_dtype") or config.get("dtype"),
+        "layers": config.get("num_hidden_layers"),
+        "hidden_size": config.get("hidden_size"),
+        "vocab_size": config.get("vocab_size"),
+        "weights": [f.name for f in weights],
+        "weight_bytes": sum(f.stat().st_size for f in weights),
+        "parameters": _parameter_count(weights),
+    }
+    state = path / "trainer_state" / "state.json"
+    if state.exists():
+        summary["step"] = json.loads(state.read_text())["step"]
+    summary["critic"] = (path / "critic").exists()
+    if (path / MANIFEST_NAME).exists():
+        manifest = Manifest.from_json((path / MANIFEST_NAME).read_text())
+        summary["stage"] = manifest.stage
+        summary["metrics"] = manifest.metrics
+    return summary
+
+
+def _parameter_count(files: list[Path]) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                shape = f.get_slice(key).get_shape()
+                count = 1
+                for dim in shape:
+                    count *= dim
+                total += count
+    return total
+
+
+def _manifest_summary(m: Manifest) -> dict[str, Any]:
+    return {
+        "stage": m.stage,
+        "schema": f"{m.schema} {m.schema_version}" if m.schema else None,
+        "rows": m.rows,
+        "files": len(m.files),
+        "inputs": [i.uri for i in m.inputs],
+        "seed": m.seed,
+        "key": m.key,
+        "seconds": m.timings.get("seconds"),
+        "rlctl": m.rlctl_version,
+        **({"metrics": m.metrics} if m.metrics else {}),
+        **({"state": m.state} if m.state else {}),
+    }
+
+
+def _schema_name(schema: pa.Schema) -> str | None:
+    meta = schema.metadata or {}
+    name = meta.get(b"rlctl.schema")
+    version = meta.get(b"rlctl.schema_version")
+    return f"{name.decode()} {version.decode()}" if name else None
+
+
+def _read_text(uri: str) -> str:
+    fs, path = _fs(uri)
+    with fs.open(path, "rt") as f:
+        return f.read()
+
+
+def _emit(console: Console, data: Any, as_json: bool, render) -> None:
+    if as_json:
+        print(json.dumps(data, indent=2, default=str, sort_keys=True))
+    else:
+        console.print(render())
+
+
+def _cut(value: Any, width: int) -> str:
+    text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    text = text.replace("\n", "⏎")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _shard_table(uri: str, table: pa.Table, head: pa.Table, width: int, manifest: Manifest | None) -> Table:
+    schema = _schema_name(table.schema) or "no schema"
+    stage = f", stage {manifest.stage}" if manifest else ""
+    out = Table(title=f"{uri}: {table.num_rows} rows, {schema}{stage}", title_justify="left")
+    for name in head.column_names:
+        out.add_column(name, overflow="fold", max_width=width)
+    for row in head.to_pylist():
+        out.add_row(*(_cut(row[c], width) for c in head.column_names))
+    return out
+
+
+def _dict_table(title: str, data: dict[str, Any]) -> Table:
+    out = Table(title=title, title_justify="left", show_header=False)
+    out.add_column("key", style="bold")
+    out.add_column("value")
+    for key, value in data.items():
+        if isinstance(value, dict):
+            for sub, v in value.items():
+                out.add_row(f"{key}.{sub}", _cut(_round(v), 80))
+        else:
+            out.add_row(key, _cut(value, 80))
+    return out
+
+
+def _round(value: Any) -> Any:
+    return round(value, 6) if isinstance(value, float) else value
+
+
+def _run_table(summary: dict[str, Any]) -> Table:
+    out = Table(title=f"run {summary['run_dir']}: {summary['iterations_done']} iterations", title_justify="left")
+    columns = summary["columns"]
+    for name in columns:
+        out.add_column(name, justify="right")
+    for row in summary["rows"]:
+        out.add_row(*(_fmt(row.get(c)) for c in columns))
+    return out
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

@@ -1,0 +1,54 @@
+"""Conversions between Arrow list columns and padded torch tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+
+def list_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    import pyarrow.compute as pc
+
+    return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def padded(column: pa.ChunkedArray | pa.Array, *, width: int | None = None, dtype=torch.float64, fill: float = 0.0) -> torch.Tensor:
+    """A list column → [B, width] tensor, right-padded with `fill`."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    lengths = list_lengths(column)
+    width = int(lengths.max(initial=0)) if width is None else width
+    values = column.flatten().to_numpy(zero_copy_only=False)
+    out = np.full((len(lengths), width), fill, dtype=np.float64)
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else np.zeros(0, dtype=np.int64)
+    cols = np.arange(len(values)) - np.repeat(offsets, lengths)
+    out[rows, cols] = values
+    return torch.from_numpy(out).to(dtype)
+
+
+def mask_from_lengths(lengths: np.ndarray, width: int) -> torch.Tensor:
+    return torch.arange(width).unsqueeze(0) < torch.as_tensor(lengths).unsqueeze(1)
+
+
+def unpad(tensor: torch.Tensor, lengths: np.ndarray, type_: pa.DataType = pa.float32()) -> pa.Array:
+    """[B, T] tensor → list column holding the first `lengths[i]` values of each row."""
+    matrix = tensor.detach().cpu().numpy()
+    flat = np.concatenate([matrix[i, :n] for i, n in enumerate(lengths)]) if len(lengths) else np.zeros(0)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat.astype(type_.to_pandas_dtype()), type_))
+
+
+def list_column(rows: list[list], type_: pa.DataType) -> pa.Array:
+    return pa.array(rows, type=pa.list_(type_))
+
+
+def set_columns(table: pa.Table, columns: dict[str, pa.Array]) -> pa.Table:
+    """`table` with these columns replaced or appended (in order), metadata kept."""
+    for name, column in columns.items():
+        if name in table.column_names:
+            table = table.set_column(table.column_names.index(name), name, column)
+        else:
+            table = table.append_column(name, column)
+    return table

@@ -1,0 +1,225 @@
+"""The PPO/GRPO update: epochs over the batch, mini-batches (one optimizer step each), and
+micro-batches whose gradients sum to exactly the mini-batch gradient.
+
+Exactness comes from `algos.losses.aggregate`: each micro-batch's loss is divided by the
+token/sequence counts of its whole mini-batch, not its own, so accumulation is a plain sum.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from rlctl.algos.kl import KL_ESTIMATORS
+from rlctl.algos.losses import LOSS_AGG_MODES, aggregate, clipped_value_loss, ppo_policy_loss
+from rlctl.backends.hf import HFPolicy, ValueModel, pack
+from rlctl.config import UpdateConfig
+from rlctl.errors import InputError
+from rlctl.tensors import list_lengths, mask_from_lengths, padded
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """What update trains on, as padded [N, T] tensors plus the token ids."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    response_mask: torch.Tensor  # [N, T] bool
+    advantages: torch.Tensor  # [N, T]
+    old_logprobs: torch.Tensor  # [N, T]
+    ref_logprobs: torch.Tensor | None  # [N, T]
+    old_values: torch.Tensor | None  # [N, T]
+    returns: torch.Tensor | None  # [N, T]
+
+    @property
+    def size(self) -> int:
+        return len(self.response_ids)
+
+    @classmethod
+    def from_table(cls, table: pa.Table) -> TrainBatch:
+        names = table.column_names
+        lengths = list_lengths(table.column("response_ids"))
+        width = int(lengths.max(initial=0))
+
+        def optional(name):
+            if name in names and not table.column(name).null_count:
+                return padded(table.column(name), width=width, dtype=torch.float32)
+            return None
+
+        old = optional("old_logprobs")
+        return cls(
+            prompt_ids=table.column("prompt_ids").to_pylist(),
+            response_ids=table.column("response_ids").to_pylist(),
+            response_mask=mask_from_lengths(lengths, width),
+            advantages=padded(table.column("advantages"), width=width, dtype=torch.float32),
+            old_logprobs=old if old is not None else padded(table.column("rollout_logprobs"), width=width, dtype=torch.float32),
+            ref_logprobs=optional("ref_logprobs"),
+            old_values=optional("values"),
+            returns=optional("returns"),
+        )
+
+
+def check_update_config(cfg: UpdateConfig, batch_size: int | None = None) -> None:
+    if cfg.loss_agg_mode not in LOSS_AGG_MODES:
+        raise InputError(f"unknown loss_agg_mode {cfg.loss_agg_mode!r}; available: {', '.join(LOSS_AGG_MODES)}")
+    KL_ESTIMATORS.get(cfg.kl_loss_estimator)
+    if cfg.micro_batch_size < 1 or cfg.epochs < 1 or cfg.mini_batch_size < 0:
+        raise InputError("update: micro_batch_size and epochs must be ≥ 1, mini_batch_size ≥ 0")
+    if batch_size is not None and cfg.mini_batch_size and batch_size % cfg.mini_batch_size:
+        raise InputError(f"update: mini_batch_size={cfg.mini_batch_size} does not divide the batch of {batch_size} sequences")
+
+
+class Trainer:
+    """Holds the policy (and critic) optimizers; `train(batch)` runs one update."""
+
+    def __init__(self, policy: HFPolicy, cfg: UpdateConfig, *, critic: ValueModel | None = None, temperature: float = 1.0) -> None:
+        self.policy, self.cfg, self.critic, self.temperature = policy, cfg, critic, temperature
+        self.step = 0
+        self.optimizer = torch.optim.AdamW(policy.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.critic_optimizer = (
+            torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay) if critic is not None else None
+        )
+
+    # -- state ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "critic_optimizer": self.critic_optimizer.state_dict() if self.critic_optimizer else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        if state.get("optimizer"):
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.critic_optimizer is not None and state.get("critic_optimizer"):
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup over `warmup_steps` optimizer steps, then constant."""
+        if self.cfg.warmup_steps <= 0:
+            return self.cfg.lr
+        return self.cfg.lr * min(1.0, (step + 1) / self.cfg.warmup_steps)
+
+    # -- training ---------------------------------------------------------------------
+
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        cfg = self.cfg
+        check_update_config(cfg, batch.size)
+        if cfg.use_kl_loss and batch.ref_logprobs is None:
+            raise InputError("use_kl_loss needs ref_logprobs in the batch: score with --ref")
+        if self.critic is not None and (batch.returns is None or batch.old_values is None):
+            raise InputError("training a critic needs values and returns in the batch (score with --critic, advantage gae)")
+        started = time.perf_counter()
+        mini = cfg.mini_batch_size or batch.size
+        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
+        totals: dict[str, float] = {}
+        steps = 0
+        self.policy.model.train()
+        for _ in range(cfg.epochs):
+            order = torch.randperm(batch.size, generator=generator)
+            for start in range(0, batch.size, mini):
+                stats = self.accumulate_gradients(batch, order[start : start + mini])
+                stats.update(self._optimizer_step())
+                for k, v in stats.items():
+                    totals[k] = totals.get(k, 0.0) + v
+                steps += 1
+        self.policy.model.eval()
+        seconds = time.perf_counter() - started
+        tokens = int(batch.response_mask.sum()) * cfg.epochs
+        metrics = {k: v / steps for k, v in totals.items()}
+        metrics.update({"step": self.step, "lr": self.lr_at(self.step - 1), "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)})
+        return metrics
+
+    def accumulate_gradients(self, batch: TrainBatch, indices: torch.Tensor) -> dict[str, float]:
+        """Zero the gradients, then backward every micro-batch of this mini-batch."""
+        cfg = self.cfg
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.critic_optimizer is not None:
+            self.critic_optimizer.zero_grad(set_to_none=True)
+        mask = batch.response_mask[indices]
+        norms = {"batch_tokens": int(mask.sum()), "batch_seqs": len(indices), "horizon": cfg.loss_horizon or batch.response_mask.shape[1]}
+        stats = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "entropy": 0.0}
+        if cfg.use_kl_loss:
+            stats["kl"] = 0.0
+        if self.critic is not None:
+            stats["vf_loss"] = 0.0
+        tokens = max(norms["batch_tokens"], 1)
+        device = self.policy.device
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
+        for start in range(0, len(indices), cfg.micro_batch_size):
+            micro = indices[start : start + cfg.micro_batch_size].tolist()
+            packed = pack([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro], self.policy.pad_id, device)
+            width = packed.response_mask.shape[1]
+            m = packed.response_mask
+
+            def take(t: torch.Tensor) -> torch.Tensor:
+                return t[micro, :width].to(device)
+
+            with autocast:
+                logp, entropy = self.policy.forward(packed, temperature=self.temperature, with_entropy=True)
+            pg = ppo_policy_loss(
+                logprobs=logp, old_logprobs=take(batch.old_logprobs), advantages=take(batch.advantages), response_mask=m,
+                clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+            )
+            pg_loss = aggregate(loss=pg.loss, response_mask=m, mode=cfg.loss_agg_mode, **norms)
+            entropy_loss = aggregate(loss=entropy, response_mask=m, mode=cfg.loss_agg_mode, **norms)
+            loss = pg_loss - cfg.entropy_coef * entropy_loss
+            if cfg.use_kl_loss:
+                kl = KL_ESTIMATORS.get(cfg.kl_loss_estimator)(logprobs=logp, ref_logprobs=take(batch.ref_logprobs))
+                kl_loss = aggregate(loss=kl, response_mask=m, mode=cfg.loss_agg_mode, **norms)
+                loss = loss + cfg.kl_loss_coef * kl_loss
+                stats["kl"] += float(torch.where(m, kl.detach(), 0).sum()) / tokens
+            loss.backward()
+            if self.critic is not None:
+                with autocast:
+                    values = self.critic(packed)
+                vf, _ = clipped_value_loss(
+                    values=values.float(), old_values=take(batch.old_values), returns=take(batch.returns), response_mask=m,
+                    cliprange_value=cfg.cliprange_value,
+                )
+                vf_loss = aggregate(loss=vf, response_mask=m, mode=cfg.loss_agg_mode, **norms)
+                (cfg.vf_coef * vf_loss).backward()
+                stats["vf_loss"] += float(vf_loss.detach())
+            stats["pg_loss"] += float(pg_loss.detach())
+            stats["pg_clipfrac"] += float(pg.clipped.sum()) / tokens
+            stats["ppo_kl"] += float(pg.approx_kl.detach().sum()) / tokens
+            stats["entropy"] += float(torch.where(m, entropy.detach(), 0).sum()) / tokens
+        return stats
+
+    def _optimizer_step(self) -> dict[str, float]:
+        lr = self.lr_at(self.step)
+        grad_norm = _clip(self.policy.model.parameters(), self.cfg.max_grad_norm)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        stats = {"grad_norm": grad_norm}
+        if math.isfinite(grad_norm):  # a non-finite gradient would poison the weights: skip
+            self.optimizer.step()
+        else:
+            stats["skipped_steps"] = 1.0
+        if self.critic_optimizer is not None:
+            stats["vf_grad_norm"] = _clip(self.critic.parameters(), self.cfg.max_grad_norm)
+            if math.isfinite(stats["vf_grad_norm"]):
+                self.critic_optimizer.step()
+        self.step += 1
+        return stats
+
+
+def _clip(parameters, max_norm: float) -> float:
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return 0.0
+    limit = max_norm if max_norm > 0 else float("inf")
+    return float(torch.nn.utils.clip_grad_norm_(params, limit))
+
+
+def flat_gradients(model: torch.nn.Module) -> np.ndarray:
+    """All parameter gradients as one float64 vector (for tests and debugging)."""
+    return torch.cat([p.grad.detach().double().reshape(-1) for p in model.parameters() if p.grad is not None]).numpy()

@@ -1,0 +1,100 @@
+"""advantage: scores → batch (per-token rewards with the KL penalty, advantages, returns).
+
+Pure tensor math, no model. The KL controller's coefficient for the next iteration goes into
+this output's manifest (`state.kl_controller`); `--kl-state PREV` continues from it.
+
+    rlctl advantage --scores runs/s --out runs/b --estimator grpo --kl-coef 0.05 --kl-estimator k3
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from rlctl.algos.advantages import ESTIMATORS, NEEDS_VALUES, masked_mean
+from rlctl.algos.kl import KL_ESTIMATORS, KLControllerState, next_kl_state
+from rlctl.config import AdvantageConfig, to_dict
+from rlctl.errors import InputError
+from rlctl.lineage import make_manifest, shards_ref, up_to_date
+from rlctl.manifest import Manifest
+from rlctl.shards import OutputSpec, read, read_manifest, write
+from rlctl.tensors import list_lengths, mask_from_lengths, padded, set_columns, unpad
+
+
+def run(*, scores: str, out: OutputSpec, cfg: AdvantageConfig, kl_state: str | None = None, force: bool = False) -> Manifest:
+    check_config(cfg)
+    source = read(scores, "scores")
+    state = load_kl_state(kl_state, cfg)
+    config = {"advantage": to_dict(cfg), "kl_state": {"kl_coef": state.kl_coef, "steps": state.steps}}
+    manifest = make_manifest("advantage", config, [shards_ref(source)])
+    if (existing := up_to_date(out.uri, manifest, force)) is not None:
+        return existing
+    table, next_state, stats = advantage_table(source.table, cfg, state)
+    manifest.state = {"kl_controller": {"kl_coef": next_state.kl_coef, "steps": next_state.steps}}
+    manifest.metrics = stats
+    return write(table, out.uri, manifest, schema="batch", format=out.format, rows_per_part=out.rows_per_part)
+
+
+def check_config(cfg: AdvantageConfig) -> None:
+    ESTIMATORS.get(cfg.estimator)
+    KL_ESTIMATORS.get(cfg.kl_estimator)
+    if cfg.kl_controller not in ("fixed", "adaptive"):
+        raise InputError(f"kl_controller must be fixed or adaptive, got {cfg.kl_controller!r}")
+    if cfg.kl_controller == "adaptive" and (cfg.kl_target <= 0 or cfg.kl_horizon <= 0):
+        raise InputError("the adaptive KL controller needs kl_target > 0 and kl_horizon > 0")
+
+
+def load_kl_state(uri: str | None, cfg: AdvantageConfig) -> KLControllerState:
+    if not uri:
+        return KLControllerState(cfg.kl_coef)
+    previous, _ = read_manifest(uri)
+    saved = previous.state.get("kl_controller")
+    if saved is None:
+        raise InputError(f"--kl-state {uri}: its manifest has no kl_controller state (not an advantage output?)")
+    return KLControllerState(float(saved["kl_coef"]), int(saved["steps"]))
+
+
+def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerState) -> tuple[pa.Table, KLControllerState, dict]:
+    """Per-token rewards, advantages and returns for every row; the next KL state; stats."""
+    names = table.column_names
+    if cfg.estimator in NEEDS_VALUES and ("values" not in names or table.column("values").null_count):
+        raise InputError(f"estimator {cfg.estimator} needs critic values: score with --critic")
+    kl_coef = state.kl_coef
+    if kl_coef > 0 and ("ref_logprobs" not in names or table.column("ref_logprobs").null_count):
+        raise InputError("kl_coef > 0 needs ref_logprobs: score with --ref")
+    lengths = list_lengths(table.column("response_ids"))
+    width = int(lengths.max(initial=0))
+    mask = mask_from_lengths(lengths, width)
+    rewards = torch.from_numpy(table.column("reward").to_numpy().astype(np.float64))
+    token_rewards = torch.zeros((len(lengths), width), dtype=torch.float64)
+    rows_with_tokens = torch.from_numpy(lengths > 0)
+    last = torch.from_numpy(np.maximum(lengths - 1, 0))
+    token_rewards[torch.arange(len(lengths))[rows_with_tokens], last[rows_with_tokens]] = rewards[rows_with_tokens]
+    stats = {"reward_mean": float(rewards.mean()) if len(rewards) else 0.0, "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0}
+    observed_kl = 0.0
+    if "ref_logprobs" in names and not table.column("ref_logprobs").null_count:
+        policy_column = "old_logprobs" if "old_logprobs" in names and not table.column("old_logprobs").null_count else "rollout_logprobs"
+        kl = KL_ESTIMATORS.get(cfg.kl_estimator)(
+            logprobs=padded(table.column(policy_column), width=width), ref_logprobs=padded(table.column("ref_logprobs"), width=width)
+        )
+        kl = torch.where(mask, kl, 0)
+        observed_kl = float(masked_mean(kl, mask))
+        if kl_coef > 0:
+            token_rewards = token_rewards - kl_coef * kl
+    values = padded(table.column("values"), width=width) if cfg.estimator in NEEDS_VALUES else None
+    _, group_index = np.unique(np.asarray(table.column("id").to_pylist(), dtype=object).astype(str), return_inverse=True)
+    result = ESTIMATORS.get(cfg.estimator)(
+        token_rewards=token_rewards, response_mask=mask, values=values, group_index=torch.from_numpy(group_index.astype(np.int64)),
+        gamma=cfg.gamma, lam=cfg.lam, norm_by_std=cfg.norm_by_std,
+    )
+    next_state = next_kl_state(
+        state, controller=cfg.kl_controller, observed_kl=observed_kl, batch_sequences=len(lengths), target=cfg.kl_target, horizon=cfg.kl_horizon
+    )
+    stats.update({"kl": observed_kl, "kl_coef": kl_coef, "advantage_mean": float(masked_mean(result.advantages, mask))})
+    table = set_columns(table, {
+        "token_rewards": unpad(token_rewards, lengths),
+        "advantages": unpad(result.advantages, lengths),
+        "returns": unpad(result.returns, lengths),
+    })
+    return table, next_state, stats

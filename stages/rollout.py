@@ -1,0 +1,103 @@
+"""rollout: prompts + policy weights → rollouts (token ids, text, behaviour log-probs).
+
+Reads the prompts schema (a shard folder, JSON Lines, verl-style parquet or `-`) and writes
+the rollouts schema, one row per (prompt, sample), samples of a prompt adjacent.
+
+    rlctl rollout --prompts examples/prompts.jsonl --model models/tiny --out runs/r --n 4
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+
+from rlctl.backends.base import ROLLOUT_BACKENDS, RolloutEngine, SamplingParams
+from rlctl.config import DataConfig, RolloutConfig, to_dict
+from rlctl.errors import InputError
+from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
+from rlctl.manifest import Manifest
+from rlctl.progress import progress_bar
+from rlctl.shards import OutputSpec, read, write
+from rlctl.tensors import list_column, set_columns
+
+SAMPLING_KEY = b"rlctl.sampling"
+
+
+def run(*, prompts: str, model: str, out: OutputSpec, cfg: RolloutConfig, data: DataConfig, device: str = "auto", force: bool = False) -> Manifest:
+    source = read(prompts, "prompts")
+    from rlctl.backends.hf import check_model_dir, read_trainer_step
+
+    check_model_dir(model)
+    manifest = make_manifest(
+        "rollout", {"rollout": to_dict(cfg), "data": to_dict(data)}, [shards_ref(source), model_ref(model)], seed=cfg.seed
+    )
+    if (existing := up_to_date(out.uri, manifest, force)) is not None:
+        return existing
+    engine = ROLLOUT_BACKENDS.get(cfg.backend)(model, device)
+    table = rollout_table(source.table, engine, cfg, data, policy_version=read_trainer_step(model))
+    return write(table, out.uri, manifest, schema="rollouts", format=out.format, rows_per_part=out.rows_per_part)
+
+
+def encode_prompts(table: pa.Table, tokenizer, data: DataConfig) -> list[list[int]]:
+    """Token ids of every prompt: chat messages through the chat template, plain strings as
+    they are (or through the template with `chat_template`); too long → error or left-truncate."""
+    ids = table.column("id").to_pylist()
+    prompts = table.column("prompt").to_pylist() if "prompt" in table.column_names else [None] * len(ids)
+    messages = table.column("messages").to_pylist() if "messages" in table.column_names else [None] * len(ids)
+    encoded = []
+    for prompt_id, prompt, chat in zip(ids, prompts, messages):
+        if chat is None and prompt is None:
+            raise InputError(f"prompt {prompt_id!r} has neither prompt nor messages")
+        if chat is None and data.chat_template:
+            chat = [{"role": "user", "content": prompt}]
+        if chat is not None:
+            text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        else:
+            text = prompt
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not tokens:
+            raise InputError(f"prompt {prompt_id!r} is empty after tokenization")
+        if len(tokens) > data.max_prompt_tokens:
+            if data.truncate != "left":
+                raise InputError(
+                    f"prompt {prompt_id!r} has {len(tokens)} tokens, over max_prompt_tokens={data.max_prompt_tokens} "
+                    "(use --truncate left to cut it)"
+                )
+            tokens = tokens[-data.max_prompt_tokens :]
+        encoded.append(tokens)
+    return encoded
+
+
+def rollout_table(prompts: pa.Table, engine: RolloutEngine, cfg: RolloutConfig, data: DataConfig, *, policy_version: int) -> pa.Table:
+    """Generate `cfg.n` samples per prompt row; carry the prompt columns onto each sample."""
+    if data.truncate not in ("error", "left"):
+        raise InputError(f"truncate must be error or left, got {data.truncate!r}")
+    prompt_ids = encode_prompts(prompts, engine.tokenizer, data)
+    repeated = [ids for ids in prompt_ids for _ in range(cfg.n)]
+    params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed)
+    with progress_bar("rollout", total=len(repeated) * cfg.max_new_tokens, unit="tok") as bar:
+        generations = engine.generate(repeated, params, batch_size=cfg.batch_size, on_tokens=bar.advance)
+    rows = pa.array([i for i in range(prompts.num_rows) for _ in range(cfg.n)], pa.int64())
+    table = prompts.take(rows)
+    responses = engine.tokenizer.batch_decode([g.response_ids for g in generations], skip_special_tokens=True)
+    columns = {
+        "sample": pa.array([s for _ in range(prompts.num_rows) for s in range(cfg.n)], pa.int32()),
+        "prompt_ids": list_column(repeated, pa.int32()),
+        "response_ids": list_column([g.response_ids for g in generations], pa.int32()),
+        "response": pa.array(responses, pa.string()),
+        "rollout_logprobs": list_column([g.logprobs for g in generations], pa.float32()),
+        "finish_reason": pa.array([g.finish_reason for g in generations], pa.string()),
+        "policy_version": pa.array([policy_version] * len(generations), pa.int64()),
+    }
+    table = set_columns(table, columns)
+    sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "max_new_tokens": cfg.max_new_tokens}
+    metadata = dict(table.schema.metadata or {})
+    metadata[SAMPLING_KEY] = json.dumps(sampling, sort_keys=True).encode()
+    return table.replace_schema_metadata(metadata)
+
+
+def sampling_of(table: pa.Table) -> dict:
+    """The sampling parameters recorded by rollout in the table's schema metadata."""
+    raw = (table.schema.metadata or {}).get(SAMPLING_KEY)
+    return json.loads(raw) if raw else {}

@@ -1,0 +1,94 @@
+"""score: rollouts → scores (a scalar reward; optional ref/old log-probs and critic values).
+
+    rlctl score --rollouts runs/r --out runs/s --reward builtin:gsm8k --ref models/tiny
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from rlctl.config import ScoreConfig, to_dict
+from rlctl.errors import InputError
+from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
+from rlctl.manifest import Manifest
+from rlctl.rewards import RewardFunction, RewardSamples, compute_rewards, load_reward
+from rlctl.schemas import spec
+from rlctl.shards import OutputSpec, read, write
+from rlctl.stages.rollout import sampling_of
+from rlctl.tensors import list_column, set_columns
+
+
+@dataclass
+class ScoringModels:
+    """Models score may use; any may be absent. The pipeline keeps these resident."""
+
+    ref: object | None = None  # HFPolicy
+    policy: object | None = None  # HFPolicy
+    critic: object | None = None  # ValueModel
+
+
+def run(
+    *, rollouts: str, out: OutputSpec, cfg: ScoreConfig, ref: str | None = None, critic: str | None = None,
+    policy: str | None = None, device: str = "auto", force: bool = False,
+) -> Manifest:
+    from rlctl.backends.hf import HFPolicy, ValueModel, check_model_dir, resolve_device
+
+    source = read(rollouts, "rollouts")
+    model_uris = {"ref": ref, "policy": policy, "critic": critic}
+    for uri in model_uris.values():
+        if uri:
+            check_model_dir(uri)
+    reward = load_reward(cfg.reward, device=device, batch_size=cfg.batch_size)
+    inputs = [shards_ref(source)] + [model_ref(u) for u in model_uris.values() if u]
+    config = {"score": to_dict(cfg), "models": {k: v or "" for k, v in model_uris.items()}}
+    manifest = make_manifest("score", config, inputs)
+    if (existing := up_to_date(out.uri, manifest, force)) is not None:
+        return existing
+    models = ScoringModels(
+        ref=HFPolicy.load(ref, device) if ref else None,
+        policy=HFPolicy.load(policy, device) if policy else None,
+        critic=ValueModel.load(critic, resolve_device(device)) if critic else None,
+    )
+    table = score_table(source.table, reward, models, cfg)
+    return write(table, out.uri, manifest, schema="scores", format=out.format, rows_per_part=out.rows_per_part)
+
+
+def reward_samples(table: pa.Table, tokenizer=None) -> RewardSamples:
+    n = table.num_rows
+    names = table.column_names
+
+    def column(name):
+        return table.column(name).to_pylist() if name in names else [None] * n
+
+    if "prompt" in names:
+        prompts = [p if p is not None else "" for p in column("prompt")]
+    elif tokenizer is not None:
+        prompts = tokenizer.batch_decode(column("prompt_ids"), skip_special_tokens=True)
+    else:
+        prompts = [""] * n
+    known = {c.name for c in spec("scores").columns}
+    extra_names = [c for c in names if c not in known]
+    extras = [dict(zip(extra_names, values)) for values in zip(*(column(c) for c in extra_names))] if extra_names else [{} for _ in range(n)]
+    return RewardSamples(prompts, column("response"), column("ground_truth"), column("data_source"), extras)
+
+
+def score_table(table: pa.Table, reward: RewardFunction, models: ScoringModels, cfg: ScoreConfig) -> pa.Table:
+    """Rewards for every row, then the per-token columns each available model provides."""
+    rewards = compute_rewards(reward, reward_samples(table), timeout=cfg.reward_timeout)
+    temperature = float(sampling_of(table).get("temperature", 1.0))
+    prompt_ids = table.column("prompt_ids").to_pylist()
+    response_ids = table.column("response_ids").to_pylist()
+    new = {"reward": pa.array(rewards, pa.float32())}
+    if models.ref is not None:
+        new["ref_logprobs"] = list_column(models.ref.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size), pa.float32())
+    if models.policy is not None:
+        new["old_logprobs"] = list_column(models.policy.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size), pa.float32())
+    if models.critic is not None:
+        pad_id = models.policy.pad_id if models.policy is not None else 0
+        new["values"] = list_column(models.critic.values(prompt_ids, response_ids, pad_id=pad_id, batch_size=cfg.batch_size), pa.float32())
+    table = set_columns(table, new)
+    if table.num_rows == 0:
+        raise InputError("rollouts: no rows to score")
+    return table

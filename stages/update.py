@@ -1,0 +1,57 @@
+"""update: batch + policy checkpoint → new checkpoint + one metrics row (in the manifest).
+
+The optimizer state saved in the input checkpoint is restored, so consecutive `update`s
+behave as one continuous run. A critic given with `--critic` is trained too and written to
+OUT/critic.
+
+    rlctl update --batch runs/b --model models/tiny --out runs/ckpt-1 --lr 1e-5
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlctl.checkpoint import CRITIC_DIR, load_trainer_state, local_checkpoint_dir, save_checkpoint
+from rlctl.config import UpdateConfig, to_dict
+from rlctl.errors import InputError
+from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
+from rlctl.manifest import Manifest
+from rlctl.schemas import spec
+from rlctl.shards import read
+from rlctl.stages.rollout import sampling_of
+from rlctl.trainer import TrainBatch, Trainer, check_update_config
+
+
+def run(*, batch: str, model: str, out: str, cfg: UpdateConfig, critic: str | None = None, device: str = "auto", force: bool = False) -> Manifest:
+    from rlctl.backends.hf import HFPolicy, ValueModel, check_model_dir, resolve_device
+
+    check_update_config(cfg)
+    source = read(batch, "batch")
+    check_model_dir(model)
+    if critic:
+        check_model_dir(critic)
+    local_checkpoint_dir(out)
+    inputs = [shards_ref(source), model_ref(model)] + ([model_ref(critic)] if critic else [])
+    manifest = make_manifest("update", {"update": to_dict(cfg), "critic": critic or ""}, inputs, seed=cfg.seed)
+    if (existing := up_to_date(out, manifest, force)) is not None:
+        return existing
+    policy = HFPolicy.load(model, device)
+    critic_model = ValueModel.load(critic, resolve_device(device)) if critic else None
+    trainer = Trainer(policy, cfg, critic=critic_model, temperature=float(sampling_of(source.table).get("temperature", 1.0)))
+    state = load_trainer_state(model) or {"step": 0}
+    if critic:
+        state["critic_optimizer"] = _critic_optimizer_state(critic)
+    trainer.load_state_dict(state)
+    train_batch = TrainBatch.from_table(source.table)
+    if train_batch.size == 0:
+        raise InputError(f"{batch}: the batch has no rows")
+    manifest.metrics = trainer.train(train_batch)
+    manifest.schema, manifest.schema_version = "metrics", spec("metrics").version
+    return save_checkpoint(out, policy=policy, trainer_state=trainer.state_dict(), manifest=manifest, critic=critic_model)
+
+
+def _critic_optimizer_state(critic_uri: str):
+    """A critic saved inside a checkpoint (CKPT/critic) has its optimizer in CKPT's state."""
+    path = Path(critic_uri)
+    state = load_trainer_state(str(path.parent)) if path.name == CRITIC_DIR else None
+    return state.get("critic_optimizer") if state else None
