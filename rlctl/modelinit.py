@@ -102,10 +102,8 @@ def train_tokenizer(vocab_size: int, seed: int):
         show_progress=False,
     )
     tok.train_from_iterator(corpus(seed), trainer=trainer)
-    model = tok.model
     vocab = tok.get_vocab()
     merges = _merges(tok)
-    del model
     return Qwen2Tokenizer(
         vocab=vocab,
         merges=merges,
@@ -138,7 +136,9 @@ def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path
     if out.exists() and any(out.iterdir()) and not (out / "config.json").exists():
         raise InputError(f"{out}: exists and is not empty (and not a model folder); choose another DIR")
     tokenizer = train_tokenizer(p.vocab_size, seed)
-    vocab_size = max(p.vocab_size, _round_up(len(tokenizer), 64))
+    # exactly the tokenizer's size: a padded vocabulary would let a random model sample ids
+    # that decode to nothing (the BPE may stop short of `p.vocab_size` on the small corpus)
+    vocab_size = len(tokenizer)
     config = Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=p.hidden_size,
@@ -153,7 +153,6 @@ def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
     )
-    torch.manual_seed(seed)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
@@ -166,7 +165,3 @@ def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple

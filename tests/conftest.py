@@ -1,0 +1,64 @@
+"""Shared fixtures: a tiny local model (made once per session), a CLI runner with a fixed
+terminal width, and small prompt files."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+CLI_ENV = {"COLUMNS": "100", "TERMINAL_WIDTH": "100", "NO_COLOR": "1", "_TYPER_FORCE_DISABLE_TERMINAL": "1"}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from rlctl.backends.hf import quiet_transformers
+    from rlctl.modelinit import init_model
+
+    quiet_transformers()
+    return str(init_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=0))
+
+
+@pytest.fixture
+def cli():
+    """Run `rlctl ARGS` in-process; returns the result (exit_code, stdout, stderr)."""
+    from typer.testing import CliRunner
+
+    from rlctl.cli import app
+
+    runner = CliRunner(env=CLI_ENV)
+
+    def invoke(*args: str, input: bytes | str | None = None):
+        return runner.invoke(app, [str(a) for a in args], input=input)
+
+    return invoke
+
+
+@pytest.fixture
+def prompts_file(tmp_path) -> str:
+    rows = [
+        {"id": "p0", "prompt": "The answer is", "ground_truth": "42", "data_source": "toy"},
+        {"id": "p1", "messages": [{"role": "user", "content": "What is 2 + 2?"}], "ground_truth": "4", "data_source": "toy"},
+        {"id": "p2", "prompt": "Count: one two", "ground_truth": "3", "data_source": "count"},
+    ]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def one_line_error(result) -> str:
+    """The single stderr line of a failed command (asserts there is exactly one)."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one stderr line, got: {result.stderr!r}"
+    return lines[0]
+
+
+def assert_not_written(path: str | Path) -> None:
+    p = Path(path)
+    assert not p.exists() or not any(p.iterdir()), f"{p} was written"

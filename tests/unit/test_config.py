@@ -1,0 +1,72 @@
+"""Typed config: TOML sections → frozen dataclasses, overrides, and errors that point at the key."""
+
+import dataclasses
+
+import pytest
+
+from rlctl.config import Config, ConfigError, load_config, to_toml, parse_toml_file
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_sections_map_to_typed_frozen_objects(tmp_path):
+    cfg = load_config(write(tmp_path, "[update]\nlr = 1e-5\nepochs = 2\n[rollout]\nn = 4\n"))
+    assert cfg.update.lr == 1e-5 and cfg.update.epochs == 2 and cfg.rollout.n == 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.update.lr = 1.0
+
+
+def test_overrides_coerce_types():
+    cfg = load_config(None, ["update.lr=3e-4", "rollout.n=8", "advantage.norm_by_std=false", "model.path=models/x"])
+    assert (cfg.update.lr, cfg.rollout.n, cfg.advantage.norm_by_std, cfg.model.path) == (3e-4, 8, False, "models/x")
+
+
+def test_int_is_accepted_for_float_but_not_the_reverse():
+    assert load_config(None, ["update.lr=1"]).update.lr == 1.0
+    with pytest.raises(ConfigError, match=r"rollout.n: expected int, got 1.5"):
+        load_config(None, ["rollout.n=1.5"])
+
+
+def test_unknown_key_suggests_the_nearest(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key update.epochz; did you mean update.epochs\?"):
+        load_config(write(tmp_path, "[update]\nepochz = 2\n"))
+
+
+def test_unknown_section_suggests_the_nearest(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown section \[rollot\]; did you mean rollout\?"):
+        load_config(write(tmp_path, "[rollot]\nn = 2\n"))
+
+
+def test_type_error_names_key_type_and_value(tmp_path):
+    with pytest.raises(ConfigError, match=r"update.lr: expected float, got 'fast'"):
+        load_config(write(tmp_path, '[update]\nlr = "fast"\n'))
+
+
+def test_toml_syntax_error_gives_the_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"TOML syntax error: .*line 3"):
+        load_config(write(tmp_path, "[update]\nlr = 1e-5\nepochs = \n"))
+
+
+def test_set_of_unknown_key_is_an_error():
+    with pytest.raises(ConfigError, match=r"--set 'update.learning_rate=1': unknown key update.learning_rate"):
+        load_config(None, ["update.learning_rate=1"])
+
+
+def test_set_needs_section_dot_key():
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        load_config(None, ["lr=1"])
+
+
+def test_resolved_config_renders_back_to_equal_toml(tmp_path):
+    cfg = load_config(None, ["update.lr=2e-5", "model.path=a \"b\""])
+    again = load_config(write(tmp_path, to_toml(cfg)))
+    assert again == cfg
+    assert parse_toml_file(tmp_path / "c.toml")["update"]["lr"] == 2e-5
+
+
+def test_defaults_are_a_complete_config():
+    assert isinstance(load_config(), Config)
