@@ -85,6 +85,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from score' -l reward-timeout
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l rollouts
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l rows-per-part
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l set
+complete -c rlctl -n '__fish_seen_subcommand_from show' -l columns
 complete -c rlctl -n '__fish_seen_subcommand_from show' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from show' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from show' -l rows

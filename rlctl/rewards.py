@@ -250,7 +250,7 @@ def compute_rewards(reward: RewardFunction, samples: RewardSamples, *, timeout: 
         return _checked(_call_with_timeout(reward, samples, timeout), len(samples), reward.spec)
     except _Failure as failure:
         index = _first_failing_sample(reward, samples, timeout)
-        where = f" at sample {index}" if index is not None else ""
+        where = f" at sample {index}" if index is not None else " on the whole batch (no single sample fails alone)"
         raise RewardError(f"reward {reward.spec} {failure.what}{where}") from None
 
 

@@ -19,7 +19,10 @@ from rlctl.manifest import MANIFEST_NAME, Manifest
 from rlctl.shards import STDIO, _fs, read
 
 
-def show(uri: str, *, rows: int = 10, width: int = 40, as_json: bool = False) -> None:
+TOKEN_ID_COLUMNS = ("prompt_ids", "response_ids")
+
+
+def show(uri: str, *, rows: int = 10, width: int = 40, as_json: bool = False, columns: list[str] | None = None) -> None:
     console = Console(soft_wrap=False)
     kind = classify(uri)
     if kind == "run":
@@ -37,6 +40,13 @@ def show(uri: str, *, rows: int = 10, width: int = 40, as_json: bool = False) ->
     else:
         shards = read(uri)
         head = shards.table.slice(0, rows)
+        if columns:
+            missing = [c for c in columns if c not in head.column_names]
+            if missing:
+                raise InputError(f"{uri}: no column {missing[0]!r}; columns: {', '.join(head.column_names)}")
+            head = head.select(columns)
+        else:  # token ids are for machines; --columns or --json shows them
+            head = head.drop_columns([c for c in TOKEN_ID_COLUMNS if c in head.column_names])
         data = {
             "uri": uri,
             "rows": shards.table.num_rows,
@@ -44,7 +54,8 @@ def show(uri: str, *, rows: int = 10, width: int = 40, as_json: bool = False) ->
             "manifest": json.loads(shards.manifest.to_json()) if shards.manifest else None,
             "head": head.to_pylist(),
         }
-        _emit(console, data, as_json, lambda: _shard_table(uri, shards.table, head, width, shards.manifest))
+        fit = max(6, (console.width - 1) // max(len(head.column_names), 1) - 3)  # every column stays visible
+        _emit(console, data, as_json, lambda: _shard_table(uri, shards.table, head, min(width, fit), shards.manifest))
 
 
 def classify(uri: str) -> str:
@@ -139,8 +150,17 @@ def _emit(console: Console, data: Any, as_json: bool, render) -> None:
         console.print(render())
 
 
+def _cell(value: Any) -> str:
+    """Lists as `[n] v0 v1 …` with short numbers, so a row stays on one line."""
+    if isinstance(value, list) and value and not isinstance(value[0], dict):
+        return f"[{len(value)}] " + " ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in value[:16])
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
 def _cut(value: Any, width: int) -> str:
-    text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    text = _cell(value)
     text = text.replace("\n", "⏎")
     return text if len(text) <= width else text[: width - 1] + "…"
 
@@ -150,7 +170,7 @@ def _shard_table(uri: str, table: pa.Table, head: pa.Table, width: int, manifest
     stage = f", stage {manifest.stage}" if manifest else ""
     out = Table(title=f"{uri}: {table.num_rows} rows, {schema}{stage}", title_justify="left")
     for name in head.column_names:
-        out.add_column(name, overflow="fold", max_width=width)
+        out.add_column(name, no_wrap=True, overflow="ellipsis", max_width=width)
     for row in head.to_pylist():
         out.add_row(*(_cut(row[c], width) for c in head.column_names))
     return out

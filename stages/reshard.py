@@ -39,6 +39,10 @@ def run(*, checkpoint: str, out: str, cfg: ReshardConfig, check: bool = False, f
         return existing
     config = json.loads((source / "config.json").read_text())
     state = cast_state(load_state(source), DTYPES[cfg.dtype])
+    plan = None
+    if tp is not None:  # planned before anything is written: a bad layout leaves no output
+        heads = config["num_attention_heads"]
+        plan = plan_tp({k: tuple(v.shape) for k, v in state.items()}, tp, num_heads=heads, num_kv_heads=config.get("num_key_value_heads", heads))
     fs, path = prepare_output(out)
     target = Path(path)
     for name in ("rank-*.safetensors", "model*.safetensors", LAYOUT_FILE):
@@ -49,10 +53,9 @@ def run(*, checkpoint: str, out: str, cfg: ReshardConfig, check: bool = False, f
     for name in COPIED:
         if (source / name).exists():
             shutil.copy2(source / name, target / name)
-    if tp is None:
+    if plan is None:
         files = [_save(state, target / "model.safetensors")]
     else:
-        plan = plan_tp({k: tuple(v.shape) for k, v in state.items()}, tp, num_heads=config["num_attention_heads"], num_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]))
         shards = plan.split(state)
         files = [_save(shard, target / f"rank-{rank:02d}.safetensors") for rank, shard in enumerate(shards)]
         (target / LAYOUT_FILE).write_text(json.dumps(plan.to_json(), indent=2) + "\n")
@@ -61,7 +64,9 @@ def run(*, checkpoint: str, out: str, cfg: ReshardConfig, check: bool = False, f
     if check and tp is None:
         check_equal(load_state(target), state)
     manifest.files = files
-    manifest.state = {"checked": check, "tp": tp or 1}
+    from rlctl.backends.hf import read_trainer_step
+
+    manifest.state = {"checked": check, "tp": tp or 1, "policy_version": read_trainer_step(checkpoint)}
     commit(fs, path, manifest)
     return manifest
 

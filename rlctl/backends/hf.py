@@ -286,6 +286,13 @@ class ValueModel(torch.nn.Module):
 
 
 def read_trainer_step(uri: str) -> int:
-    """The optimizer step recorded in a checkpoint (0 for a plain HF folder)."""
-    state = Path(uri) / "trainer_state" / "state.json"
-    return int(json.loads(state.read_text())["step"]) if state.exists() else 0
+    """The optimizer step of these weights: a checkpoint's trainer state, or the step that
+    `reshard` recorded for rollout weights; 0 for a plain HF folder."""
+    path = Path(uri)
+    state = path / "trainer_state" / "state.json"
+    if state.exists():
+        return int(json.loads(state.read_text())["step"])
+    manifest = path / "_manifest.json"
+    if manifest.exists():
+        return int(json.loads(manifest.read_text()).get("state", {}).get("policy_version", 0))
+    return 0

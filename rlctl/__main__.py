@@ -1,0 +1,5 @@
+"""`python -m rlctl` runs the CLI."""
+
+from rlctl.cli import main
+
+main()

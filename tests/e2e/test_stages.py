@@ -1,0 +1,163 @@
+"""The five stage commands end to end on a tiny local model: determinism, log-prob agreement,
+piping, skip-when-current, and bad input."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from rlctl import shards
+from rlctl.manifest import Manifest
+from tests.conftest import assert_not_written, one_line_error
+
+ROLL = ("--n", "2", "--max-new-tokens", "8", "--seed", "3", "--temperature", "0.9")
+
+
+def part_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("part-*"))}
+
+
+@pytest.fixture
+def scored(cli, tmp_path, tiny_model, prompts_file):
+    assert cli("rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", tmp_path / "r", *ROLL).exit_code == 0
+    result = cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "s", "--reward", "builtin:length", "--ref", tiny_model, "--policy", tiny_model, "--critic", tiny_model)
+    assert result.exit_code == 0, result.stderr
+    return tmp_path / "s"
+
+
+def test_rollout_score_advantage_are_byte_identical_for_the_same_seed(cli, tmp_path, tiny_model, prompts_file, scored):
+    for name, args in [
+        ("r", ["rollout", "--prompts", prompts_file, "--model", tiny_model, *ROLL]),
+        ("s", ["score", "--rollouts", tmp_path / "r", "--reward", "builtin:length", "--ref", tiny_model, "--policy", tiny_model, "--critic", tiny_model]),
+        ("b", ["advantage", "--scores", tmp_path / "s", "--estimator", "gae", "--kl-coef", "0.05"]),
+    ]:
+        for copy in ("1", "2"):
+            result = cli(*args, "--out", tmp_path / f"{name}{copy}")
+            assert result.exit_code == 0, result.stderr
+        assert part_bytes(tmp_path / f"{name}1") == part_bytes(tmp_path / f"{name}2")
+    assert part_bytes(tmp_path / "r1") == part_bytes(tmp_path / "r")
+
+
+def test_rollout_rows_follow_the_contract(scored):
+    table = shards.read(str(scored), "scores").table
+    assert table.num_rows == 6
+    assert table.column("id").to_pylist() == ["p0", "p0", "p1", "p1", "p2", "p2"]
+    assert table.column("sample").to_pylist() == [0, 1] * 3
+    assert set(table.column("finish_reason").to_pylist()) <= {"stop", "length"}
+    assert all(len(r) <= 8 for r in table.column("response_ids").to_pylist())
+
+
+def test_rollout_logprobs_agree_with_scores_old_logprobs(scored):
+    table = shards.read(str(scored), "scores").table
+    for rollout_lp, old_lp in zip(table.column("rollout_logprobs").to_pylist(), table.column("old_logprobs").to_pylist()):
+        np.testing.assert_allclose(rollout_lp, old_lp, atol=1e-4, rtol=0)
+    # same weights for the reference: ref == old
+    np.testing.assert_allclose(np.concatenate(table.column("ref_logprobs").to_pylist()), np.concatenate(table.column("old_logprobs").to_pylist()), atol=1e-6)
+
+
+def test_chat_messages_go_through_the_chat_template(scored, tiny_model):
+    from transformers import AutoTokenizer
+
+    table = shards.read(str(scored)).table
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    text = tokenizer.decode(table.column("prompt_ids")[2].as_py())
+    assert text == "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(table.column("prompt_ids")[0].as_py()) == "The answer is"
+
+
+def test_update_and_reshard_write_loadable_checkpoints(cli, tmp_path, tiny_model, scored):
+    from transformers import AutoModelForCausalLM
+
+    assert cli("advantage", "--scores", scored, "--out", tmp_path / "b", "--estimator", "gae", "--kl-coef", "0.05").exit_code == 0
+    result = cli("update", "--batch", tmp_path / "b", "--model", tiny_model, "--critic", tiny_model, "--out", tmp_path / "c1", "--lr", "1e-3", "--json")
+    assert result.exit_code == 0, result.stderr
+    metrics = json.loads(result.stdout)["metrics"]
+    assert metrics["step"] == 1 and {"pg_loss", "vf_loss", "entropy", "ppo_kl", "pg_clipfrac", "grad_norm", "lr", "tokens_per_s", "seconds"} <= set(metrics)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "c1")
+    # a second update starts from the first one's optimizer state and step
+    result = cli("update", "--batch", tmp_path / "b", "--model", tmp_path / "c1", "--critic", tmp_path / "c1" / "critic", "--out", tmp_path / "c2", "--json")
+    assert json.loads(result.stdout)["metrics"]["step"] == 2
+    for to in ("hf", "tp=2"):
+        result = cli("reshard", "--checkpoint", tmp_path / "c2", "--out", tmp_path / f"w-{to}", "--to", to, "--dtype", "bf16", "--check")
+        assert result.exit_code == 0, result.stderr
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "w-hf")
+    assert str(next(model.parameters()).dtype) == "torch.bfloat16"
+    layout = json.loads((tmp_path / "w-tp=2" / "tp_layout.json").read_text())["params"]
+    assert layout["model.layers.0.self_attn.q_proj.weight"]["dim"] == 0 and layout["model.layers.0.mlp.down_proj.weight"]["dim"] == 1
+
+
+def test_identical_updates_give_identical_weights(cli, tmp_path, tiny_model, scored):
+    cli("advantage", "--scores", scored, "--out", tmp_path / "b", "--estimator", "grpo")
+    for name in ("u1", "u2"):
+        assert cli("update", "--batch", tmp_path / "b", "--model", tiny_model, "--out", tmp_path / name, "--lr", "1e-3").exit_code == 0
+    assert (tmp_path / "u1" / "model.safetensors").read_bytes() == (tmp_path / "u2" / "model.safetensors").read_bytes()
+
+
+def test_a_current_output_is_skipped_and_force_reruns_it(cli, tmp_path, scored):
+    args = ("advantage", "--scores", scored, "--out", tmp_path / "b", "--estimator", "grpo")
+    assert cli(*args).exit_code == 0
+    again = cli(*args)
+    assert again.exit_code == 0 and "up to date, skipped" in again.stderr
+    assert "wrote" in cli(*args, "--force").stderr
+    assert "wrote" in cli(*args, "--gamma", "0.5").stderr  # a config change is not current
+
+
+def test_stage_commands_pipe_through_stdout(tmp_path, tiny_model, prompts_file):
+    rlctl = [sys.executable, "-m", "rlctl"]
+    roll = subprocess.Popen([*rlctl, "rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", "-", *ROLL], stdout=subprocess.PIPE)
+    score = subprocess.Popen([*rlctl, "score", "--rollouts", "-", "--out", "-", "--reward", "builtin:length"], stdin=roll.stdout, stdout=subprocess.PIPE)
+    roll.stdout.close()
+    adv = subprocess.run([*rlctl, "advantage", "--scores", "-", "--out", str(tmp_path / "b"), "--estimator", "grpo"], stdin=score.stdout, capture_output=True)
+    assert adv.returncode == 0, adv.stderr.decode()
+    assert roll.wait() == 0 and score.wait() == 0
+    batch = shards.read(str(tmp_path / "b"), "batch")
+    assert batch.table.num_rows == 6
+    assert batch.manifest.inputs[0].uri == "-" and batch.manifest.inputs[0].manifest_sha256
+
+
+def bad(result, out, *fragments):
+    assert result.exit_code == 2, (result.exit_code, result.stderr)
+    line = one_line_error(result)
+    for fragment in fragments:
+        assert fragment in line
+    assert_not_written(out)
+
+
+def test_reward_function_that_raises(cli, tmp_path, scored):
+    fourth = shards.read(str(scored)).table.column("response")[3].as_py()
+    reward = tmp_path / "r.py"
+    reward.write_text(f"def reward(samples):\n    return [1 / (s != {fourth!r}) for s in samples]\n")
+    bad(cli("score", "--rollouts", scored, "--out", tmp_path / "o", "--reward", f"{reward}:reward"), tmp_path / "o", "ZeroDivisionError", "at sample 3")
+
+
+def test_nan_reward(cli, tmp_path, scored):
+    reward = tmp_path / "r.py"
+    reward.write_text("def reward(samples):\n    return [float('nan')] * len(samples)\n")
+    bad(cli("score", "--rollouts", scored, "--out", tmp_path / "o", "--reward", f"{reward}:reward"), tmp_path / "o", "returned nan at sample 0")
+
+
+def test_gae_without_values(cli, tmp_path, scored):
+    table = shards.read(str(scored)).table.drop_columns(["values"])
+    shards.write(table, str(tmp_path / "nv"), Manifest(stage="score"))
+    bad(cli("advantage", "--scores", tmp_path / "nv", "--out", tmp_path / "o", "--estimator", "gae"), tmp_path / "o", "gae needs critic values")
+
+
+def test_kl_coef_without_ref_logprobs(cli, tmp_path, tiny_model, prompts_file):
+    cli("rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", tmp_path / "r", *ROLL)
+    cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "s", "--reward", "builtin:length")
+    bad(cli("advantage", "--scores", tmp_path / "s", "--out", tmp_path / "o", "--kl-coef", "0.1"), tmp_path / "o", "kl_coef > 0 needs ref_logprobs")
+
+
+def test_too_long_prompt_names_its_id_unless_truncated(cli, tmp_path, tiny_model, prompts_file):
+    args = ("rollout", "--prompts", prompts_file, "--model", tiny_model, "--max-prompt-tokens", "5")
+    bad(cli(*args, "--out", tmp_path / "o"), tmp_path / "o", "prompt 'p1'", "max_prompt_tokens=5")
+    assert cli(*args, "--out", tmp_path / "t", "--truncate", "left", *ROLL).exit_code == 0
+    assert max(len(p) for p in shards.read(str(tmp_path / "t")).table.column("prompt_ids").to_pylist()) == 5
+
+
+def test_tp_that_does_not_divide_the_heads(cli, tmp_path, tiny_model):
+    bad(cli("reshard", "--checkpoint", tiny_model, "--out", tmp_path / "o", "--to", "tp=4"), tmp_path / "o", "tp=4 does not divide the model's 2 key/value heads")

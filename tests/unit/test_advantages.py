@@ -1,0 +1,174 @@
+"""Each advantage estimator against a straightforward loop implementation (float64, 1e-6),
+plus the masked-GAE invariance property and the defined result for groups of one."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlctl.algos.advantages import ESTIMATORS
+
+TOL = 1e-6
+
+
+def random_batch(seed=0, B=7, T=6, groups=(0, 0, 0, 1, 1, 2, 3)):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [6, 3, 1, 5, 4, 2, 6][:B]
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = True
+    rewards = torch.randn(B, T, generator=g, dtype=torch.float64)
+    values = torch.randn(B, T, generator=g, dtype=torch.float64)
+    return rewards, mask, values, torch.tensor(groups[:B]), lengths
+
+
+def call(name, rewards, mask, values, groups, gamma=0.9, lam=0.8, norm_by_std=True):
+    return ESTIMATORS.get(name)(token_rewards=rewards, response_mask=mask, values=values, group_index=groups, gamma=gamma, lam=lam, norm_by_std=norm_by_std)
+
+
+# -- reference implementations: plain Python over valid tokens only --------------------------
+
+
+def ref_whiten(rows):
+    flat = [x for row in rows for x in row]
+    mean = sum(flat) / len(flat)
+    var = sum((x - mean) ** 2 for x in flat) / (len(flat) - 1)
+    return [[(x - mean) / math.sqrt(var + 1e-8) for x in row] for row in rows]
+
+
+def ref_gae(rewards, values, lengths, gamma, lam):
+    advs, rets = [], []
+    for i, n in enumerate(lengths):
+        adv = [0.0] * n
+        last = 0.0
+        for t in reversed(range(n)):
+            next_v = values[i][t + 1] if t + 1 < n else 0.0
+            delta = rewards[i][t] + gamma * next_v - values[i][t]
+            last = delta + gamma * lam * last
+            adv[t] = last
+        advs.append(adv)
+        rets.append([a + values[i][t] for t, a in enumerate(adv)])
+    return ref_whiten(advs), rets
+
+
+def ref_scores(rewards, lengths):
+    return [sum(rewards[i][:n]) for i, n in enumerate(lengths)]
+
+
+def ref_grpo(rewards, lengths, groups, norm_by_std):
+    scores = ref_scores(rewards, lengths)
+    out = []
+    for i, n in enumerate(lengths):
+        members = [scores[j] for j in range(len(scores)) if groups[j] == groups[i]]
+        if len(members) == 1:
+            out.append([0.0] * n)
+            continue
+        mean = sum(members) / len(members)
+        std = math.sqrt(sum((s - mean) ** 2 for s in members) / (len(members) - 1))
+        a = (scores[i] - mean) / (std + 1e-6) if norm_by_std else scores[i] - mean
+        out.append([a] * n)
+    return out
+
+
+def ref_rloo(rewards, lengths, groups):
+    scores = ref_scores(rewards, lengths)
+    out = []
+    for i, n in enumerate(lengths):
+        others = [scores[j] for j in range(len(scores)) if groups[j] == groups[i] and j != i]
+        out.append([scores[i] - sum(others) / len(others)] * n if others else [0.0] * n)
+    return out
+
+
+def ref_discounted(rewards, lengths, gamma):
+    out = []
+    for i, n in enumerate(lengths):
+        row, running = [0.0] * n, 0.0
+        for t in reversed(range(n)):
+            running = rewards[i][t] + gamma * running
+            row[t] = running
+        out.append(row)
+    return out
+
+
+def ref_reinforce_pp_baseline(rewards, lengths, groups):
+    scores = ref_scores(rewards, lengths)
+    rows = []
+    for i, n in enumerate(lengths):
+        members = [scores[j] for j in range(len(scores)) if groups[j] == groups[i]]
+        rows.append([scores[i] - sum(members) / len(members)] * n)
+    return ref_whiten(rows)
+
+
+def assert_rows(tensor, rows, lengths, mask):
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(tensor[i, :n].numpy(), rows[i], atol=TOL, rtol=0)
+    assert (tensor[~mask] == 0).all()
+
+
+def test_gae_matches_loop():
+    rewards, mask, values, groups, lengths = random_batch()
+    out = call("gae", rewards, mask, values, groups)
+    adv, ret = ref_gae(rewards.tolist(), values.tolist(), lengths, 0.9, 0.8)
+    assert_rows(out.advantages, adv, lengths, mask)
+    assert_rows(out.returns, ret, lengths, mask)
+
+
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_grpo_matches_loop(norm_by_std):
+    rewards, mask, values, groups, lengths = random_batch(1)
+    out = call("grpo", rewards, mask, None, groups, norm_by_std=norm_by_std)
+    assert_rows(out.advantages, ref_grpo(rewards.tolist(), lengths, groups.tolist(), norm_by_std), lengths, mask)
+
+
+def test_rloo_matches_loop():
+    rewards, mask, values, groups, lengths = random_batch(2)
+    out = call("rloo", rewards, mask, None, groups)
+    assert_rows(out.advantages, ref_rloo(rewards.tolist(), lengths, groups.tolist()), lengths, mask)
+
+
+def test_reinforce_pp_matches_loop():
+    rewards, mask, values, groups, lengths = random_batch(3)
+    out = call("reinforce_pp", rewards, mask, None, groups)
+    returns = ref_discounted(rewards.tolist(), lengths, 0.9)
+    assert_rows(out.returns, returns, lengths, mask)
+    assert_rows(out.advantages, ref_whiten(returns), lengths, mask)
+
+
+def test_reinforce_pp_baseline_matches_loop():
+    rewards, mask, values, groups, lengths = random_batch(4)
+    out = call("reinforce_pp_baseline", rewards, mask, None, groups)
+    assert_rows(out.advantages, ref_reinforce_pp_baseline(rewards.tolist(), lengths, groups.tolist()), lengths, mask)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
+def test_groups_of_one_get_zero_advantage(name):
+    rewards, mask, _, _, lengths = random_batch(5)
+    out = call(name, rewards, mask, None, torch.arange(7))
+    assert (out.advantages == 0).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), junk=st.floats(-1e6, 1e6, allow_nan=False))
+def test_values_and_rewards_at_masked_positions_never_change_gae(seed, junk):
+    rewards, mask, values, groups, lengths = random_batch(seed)
+    base = call("gae", rewards, mask, values, groups)
+    g = torch.Generator().manual_seed(seed + 1)
+    noisy_values = torch.where(mask, values, torch.randn(values.shape, generator=g, dtype=torch.float64) * junk)
+    noisy_rewards = torch.where(mask, rewards, junk)
+    other = call("gae", noisy_rewards, mask, noisy_values, groups)
+    assert torch.equal(base.advantages, other.advantages) and torch.equal(base.returns, other.returns)
+
+
+def test_unknown_estimator_lists_the_known_ones():
+    from rlctl.errors import InputError
+
+    with pytest.raises(InputError, match="available: gae, grpo, reinforce_pp, reinforce_pp_baseline, rloo"):
+        ESTIMATORS.get("ppo2")
+
+
+def test_registry_refuses_duplicates():
+    with pytest.raises(ValueError, match="already registered"):
+        ESTIMATORS.register("gae")(lambda **kw: None)

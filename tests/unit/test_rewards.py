@@ -1,0 +1,117 @@
+"""Reward functions: built-ins, calling conventions, and failures that name the sample."""
+
+import json
+import textwrap
+
+import pytest
+import torch
+
+from rlctl.errors import InputError, RewardError
+from rlctl.rewards import (
+    RewardSamples, compute_rewards, countdown_reward, evaluate_arithmetic, from_callable, gsm8k_reward, length_reward, load_reward,
+)
+
+
+def samples(responses, truths=None):
+    n = len(responses)
+    return RewardSamples(["p"] * n, list(responses), list(truths or [None] * n), ["src"] * n, [{} for _ in range(n)])
+
+
+def test_length_reward_is_the_seed_articles():
+    assert length_reward(["x" * 50, "x" * 150, ""]) == [0.5, 1.0, 0.0]
+
+
+def test_gsm8k_takes_the_last_answer_in_the_tail_and_strips_commas_and_dollars():
+    responses = ["#### 1 then #### $1,234", "no answer", "#### 72", "#### 5" + " " * 400]
+    assert gsm8k_reward(responses=responses, ground_truths=["1234", "1", "72.0", "5"]) == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_countdown_scores_correct_wellformed_and_garbage():
+    truth = json.dumps({"target": 24, "numbers": [3, 5, 8, 1]})
+    cases = {
+        "think... <answer>(5 * 3 + 8 + 1)</answer>": 1.0,  # each number once, hits 24
+        "<answer>8 * 3 * (5 - 1)</answer>": 0.1,  # well-formed, misses the target
+        "<answer>(5 - 1 - 3 + 8) * 3</answer>": 0.1,  # hits 24 but uses 3 twice
+        "<answer>__import__('os')</answer>": 0.0,  # not arithmetic
+        "<answer>3 * 8 * 1 ** 5</answer>": 0.0,  # powers are not allowed
+        "no tags at all": 0.0,
+    }
+    scores = countdown_reward(responses=list(cases), ground_truths=[truth] * len(cases))
+    assert scores == list(cases.values())
+
+
+def test_arithmetic_evaluator_allows_only_arithmetic():
+    assert evaluate_arithmetic("(1 + 2) * 3 / 4") == (2.25, [1, 2, 3, 4])
+    for bad in ["a + 1", "2 ** 3", "-1 + 2", "1.5 + 1", "(lambda: 1)()", "1 / 0"]:
+        with pytest.raises((ValueError, SyntaxError, ZeroDivisionError)):
+            evaluate_arithmetic(bad)
+
+
+def test_signature_decides_how_a_function_is_called():
+    positional = from_callable(lambda samples: [len(s) for s in samples])
+    keywords = from_callable(lambda *, responses, ground_truths: [float(r == t) for r, t in zip(responses, ground_truths)])
+    kwargs = from_callable(lambda **kw: [len(kw["extras"])] * len(kw["responses"]))
+    s = samples(["ab", "c"], ["ab", "x"])
+    assert compute_rewards(positional, s, timeout=5) == [2.0, 1.0]
+    assert compute_rewards(keywords, s, timeout=5) == [1.0, 0.0]
+    assert compute_rewards(kwargs, s, timeout=5) == [2.0, 2.0]
+
+
+def test_tensors_are_accepted():
+    reward = from_callable(lambda samples: torch.tensor([0.5] * len(samples)))
+    assert compute_rewards(reward, samples(["a", "b"]), timeout=5) == [0.5, 0.5]
+
+
+def test_a_raising_function_names_the_sample():
+    def picky(samples):
+        return [1.0 / (len(s) - 3) for s in samples]
+
+    with pytest.raises(RewardError, match=r"raised ZeroDivisionError.* at sample 2"):
+        compute_rewards(from_callable(picky), samples(["a", "bb", "ccc", "dddd"]), timeout=5)
+
+
+def test_nan_wrong_count_and_timeout_are_errors():
+    with pytest.raises(RewardError, match="returned nan at sample 1"):
+        compute_rewards(from_callable(lambda s: [0.0, float("nan")]), samples(["a", "b"]), timeout=5)
+    with pytest.raises(RewardError, match="returned 1 values for 2 samples"):
+        compute_rewards(from_callable(lambda s: [0.0]), samples(["a", "b"]), timeout=5)
+
+    def slow(samples):
+        import time
+
+        if any(s == "slow" for s in samples):
+            time.sleep(5)
+        return [0.0] * len(samples)
+
+    with pytest.raises(RewardError, match=r"ran past the 0.2s timeout at sample 1"):
+        compute_rewards(from_callable(slow), samples(["fast", "slow"]), timeout=0.2)
+
+
+def test_specs_load_files_modules_and_builtins(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(textwrap.dedent("""
+        def reward(samples):
+            return [1.0 for _ in samples]
+    """))
+    assert compute_rewards(load_reward(f"{path}:reward"), samples(["a"]), timeout=5) == [1.0]
+    assert load_reward("rlctl.rewards:length_reward").fn is length_reward
+    assert load_reward("builtin:gsm8k").keywords == ("responses", "ground_truths")
+    with pytest.raises(InputError, match="available: countdown, gsm8k, length"):
+        load_reward("builtin:nope")
+    with pytest.raises(InputError, match="has no function 'missing'"):
+        load_reward(f"{path}:missing")
+
+
+def test_reward_model_scores_in_batches(tmp_path, tiny_model):
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tiny_model, num_labels=1)
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_config(config)
+    rm.config.pad_token_id = config.pad_token_id
+    rm.save_pretrained(tmp_path / "rm")
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(tmp_path / "rm")
+    reward = load_reward(f"rm:{tmp_path / 'rm'}", batch_size=2)
+    scores = compute_rewards(reward, samples(["hello", "a longer response here", "x"]), timeout=30)
+    single = compute_rewards(reward, samples(["a longer response here"]), timeout=30)
+    assert len(scores) == 3 and scores[1] == pytest.approx(single[0], abs=1e-4)

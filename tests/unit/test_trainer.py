@@ -1,0 +1,100 @@
+"""The update: micro-batching is exactly one big batch; updates are deterministic and
+continue one another through the saved optimizer state."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from rlctl.algos.losses import LOSS_AGG_MODES
+from rlctl.backends.hf import HFPolicy
+from rlctl.config import UpdateConfig
+from rlctl.trainer import TrainBatch, Trainer, flat_gradients
+
+
+def make_batch(seed=0, n=8, vocab=512):
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids, response_ids = [], []
+    for i in range(n):
+        prompt_ids.append(torch.randint(3, vocab, (2 + i % 3,), generator=g).tolist())
+        response_ids.append(torch.randint(3, vocab, (1 + (i * 5) % 7,), generator=g).tolist())
+    T = max(len(r) for r in response_ids)
+    mask = torch.tensor([[t < len(r) for t in range(T)] for r in response_ids])
+    def noise(scale):
+        return torch.where(mask, torch.randn(n, T, generator=g) * scale, 0)
+    return TrainBatch(
+        prompt_ids=prompt_ids, response_ids=response_ids, response_mask=mask,
+        advantages=noise(1.0), old_logprobs=noise(0.1) - 6.0, ref_logprobs=noise(0.1) - 6.0, old_values=None, returns=None,
+    )
+
+
+@pytest.fixture
+def policy(tiny_model):
+    return HFPolicy.load(tiny_model, "cpu")
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_micro_batch_sizes_give_the_same_gradient(policy, mode):
+    batch = make_batch()
+    grads = []
+    for micro in (1, 2, 4):
+        cfg = UpdateConfig(micro_batch_size=micro, loss_agg_mode=mode, use_kl_loss=True, entropy_coef=0.01)
+        trainer = Trainer(policy, cfg)
+        trainer.accumulate_gradients(batch, torch.arange(batch.size))
+        grads.append(flat_gradients(policy.model))
+    scale = np.abs(grads[0]).max()
+    assert scale > 0
+    for other in grads[1:]:
+        np.testing.assert_allclose(other, grads[0], atol=1e-6 * max(scale, 1.0), rtol=0)
+
+
+def run_update(tiny_model, batch, cfg, state=None):
+    policy = HFPolicy.load(tiny_model, "cpu")
+    trainer = Trainer(policy, cfg)
+    if state is not None:
+        trainer.load_state_dict(state)
+    metrics = trainer.train(batch)
+    return policy, trainer, metrics
+
+
+def weights(policy):
+    return {k: v.clone() for k, v in policy.model.state_dict().items()}
+
+
+def test_identical_inputs_give_identical_weights(tiny_model):
+    cfg = UpdateConfig(lr=1e-3, mini_batch_size=4, micro_batch_size=2, epochs=2)
+    a, _, ma = run_update(tiny_model, make_batch(), cfg)
+    b, _, mb = run_update(tiny_model, make_batch(), cfg)
+    assert all(torch.equal(x, y) for x, y in zip(weights(a).values(), weights(b).values()))
+    assert ma["step"] == 4 and ma["pg_loss"] == mb["pg_loss"]
+
+
+def test_two_updates_with_restored_state_equal_one_continuous_run(tiny_model):
+    cfg = UpdateConfig(lr=1e-3, micro_batch_size=4, warmup_steps=3)
+    first, t1, _ = run_update(tiny_model, make_batch(0), cfg)
+    t1.train(make_batch(1))
+    continuous = weights(first)
+
+    first, t1, _ = run_update(tiny_model, make_batch(0), cfg)
+    state = {k: v for k, v in t1.state_dict().items()}
+    resumed = HFPolicy(first.model, first.tokenizer, first.device)
+    t2 = Trainer(resumed, cfg)
+    t2.load_state_dict(state)
+    t2.train(make_batch(1))
+    assert t2.step == 2
+    assert all(torch.equal(continuous[k], v) for k, v in weights(resumed).items())
+
+
+def test_warmup_scales_the_learning_rate():
+    trainer_cfg = UpdateConfig(lr=1.0, warmup_steps=4)
+    lr_at = Trainer.lr_at
+    fake = type("T", (), {"cfg": trainer_cfg})()
+    assert [lr_at(fake, s) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+
+
+def test_mini_batch_that_does_not_divide_is_an_input_error(policy):
+    from rlctl.errors import InputError
+
+    with pytest.raises(InputError, match="mini_batch_size=3 does not divide the batch of 8"):
+        Trainer(policy, UpdateConfig(mini_batch_size=3)).train(make_batch())
