@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from rlctl import faults
 from rlctl.errors import InputError
 from rlctl.manifest import MANIFEST_NAME, Manifest
 from rlctl.shards import commit, local_path
@@ -50,6 +51,7 @@ def save_checkpoint(uri: str, *, policy, trainer_state: dict, manifest: Manifest
     (state_dir / "state.json").write_text(json.dumps({"step": trainer_state["step"]}, indent=2) + "\n")
     if critic is not None:
         critic.save(out / CRITIC_DIR)
+    faults.point(f"{uri}:before-commit")
     commit(fsspec.filesystem("file"), str(out), manifest)
     return manifest
 

@@ -269,7 +269,7 @@ def replay(
     set_: SetOpt = None,
 ) -> None:
     """Re-run one recorded stage from its recorded inputs, config, seed and RNG state."""
-    from rlctl.pipeline import replay_stage
+    from rlctl.replay import replay_stage
 
     result = replay_stage(stage_dir, check=check, out=out, overrides=set_ or [])
     typer.echo(result)

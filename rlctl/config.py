@@ -119,8 +119,8 @@ class ReshardConfig:
 class PipelineConfig:
     iterations: int = 1
     run_dir: str = "runs/default"
-    save_every: int = 0  # 0 = only at the end
-    keep_checkpoints: int = 2
+    save_every: int = 1  # checkpoint every N iterations (and at the end); resume starts there
+    keep_checkpoints: int = 2  # 0 = keep all
     keep_shards: int = 0  # keep the stage outputs of the last K iterations; 0 = all
     val_every: int = 0  # 0 = no validation
     seed: int = 0

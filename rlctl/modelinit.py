@@ -129,6 +129,9 @@ def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
+    from rlctl.backends.hf import quiet_transformers
+
+    quiet_transformers()
     if preset not in PRESETS:
         raise InputError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
     p = PRESETS[preset]

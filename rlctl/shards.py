@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from rlctl import schemas
+from rlctl import faults, schemas
 from rlctl.errors import InputError, NotCommittedError
 from rlctl.manifest import MANIFEST_NAME, FileEntry, InputRef, Manifest, sha256_bytes
 
@@ -237,9 +237,11 @@ def write(
         for part_batches in _group_rows(batches, rows_per_part):
             name = f"part-{len(files):05d}{PART_SUFFIX[format]}"
             files.append(_write_part(fs, path, name, part_batches, first_schema, format))
+            faults.point(f"{uri}:{name}")
         if not files:
             files.append(_write_part(fs, path, f"part-00000{PART_SUFFIX[format]}", [], first_schema, format))
         manifest.files = files
+        faults.point(f"{uri}:before-commit")
         commit(fs, path, manifest)
     except BaseException:
         _clear_output(fs, path, uri)  # an error is not a half-written output

@@ -196,8 +196,9 @@ def _round(value: Any) -> Any:
 def _run_table(summary: dict[str, Any]) -> Table:
     out = Table(title=f"run {summary['run_dir']}: {summary['iterations_done']} iterations", title_justify="left")
     columns = summary["columns"]
+    labels = {"iteration": "iter", "reward_mean": "reward", "response_length": "len", "pg_clipfrac": "clip", "grad_norm": "grad", "val/score": "val", "seconds/total": "s"}
     for name in columns:
-        out.add_column(name, justify="right")
+        out.add_column(labels.get(name, name), justify="right")
     for row in summary["rows"]:
         out.add_row(*(_fmt(row.get(c)) for c in columns))
     return out

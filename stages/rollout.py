@@ -9,6 +9,7 @@ the rollouts schema, one row per (prompt, sample), samples of a prompt adjacent.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pyarrow as pa
 
@@ -69,15 +70,22 @@ def encode_prompts(table: pa.Table, tokenizer, data: DataConfig) -> list[list[in
     return encoded
 
 
-def rollout_table(prompts: pa.Table, engine: RolloutEngine, cfg: RolloutConfig, data: DataConfig, *, policy_version: int) -> pa.Table:
-    """Generate `cfg.n` samples per prompt row; carry the prompt columns onto each sample."""
+def rollout_table(
+    prompts: pa.Table, engine: RolloutEngine, cfg: RolloutConfig, data: DataConfig, *, policy_version: int,
+    on_tokens: Callable[[int], None] | None = None,
+) -> pa.Table:
+    """Generate `cfg.n` samples per prompt row; carry the prompt columns onto each sample.
+    Progress goes to `on_tokens` when given (the pipeline's view), else to a progress bar."""
     if data.truncate not in ("error", "left"):
         raise InputError(f"truncate must be error or left, got {data.truncate!r}")
     prompt_ids = encode_prompts(prompts, engine.tokenizer, data)
     repeated = [ids for ids in prompt_ids for _ in range(cfg.n)]
     params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed)
-    with progress_bar("rollout", total=len(repeated) * cfg.max_new_tokens, unit="tok") as bar:
-        generations = engine.generate(repeated, params, batch_size=cfg.batch_size, on_tokens=bar.advance)
+    if on_tokens is not None:
+        generations = engine.generate(repeated, params, batch_size=cfg.batch_size, on_tokens=on_tokens)
+    else:
+        with progress_bar("rollout", total=len(repeated) * cfg.max_new_tokens, unit="tok") as bar:
+            generations = engine.generate(repeated, params, batch_size=cfg.batch_size, on_tokens=bar.advance)
     rows = pa.array([i for i in range(prompts.num_rows) for _ in range(cfg.n)], pa.int64())
     table = prompts.take(rows)
     responses = engine.tokenizer.batch_decode([g.response_ids for g in generations], skip_special_tokens=True)

@@ -1,0 +1,507 @@
+"""The controller: `rlctl pipeline CONFIG.toml` and the Python `Pipeline`.
+
+Runs rollout → score → advantage → update (→ in-memory weight hand-over) for N iterations in
+one process, with the models loaded once and kept resident. Every stage's output is still
+committed to the run folder, so any stage can be replayed:
+
+    RUN/config.resolved.toml       RUN/metrics.jsonl
+    RUN/iter-NNNN/{prompts,rollout,score,advantage,update}/   (+ val/ on validation iterations)
+    RUN/checkpoints/iter-NNNN/     HF folder + trainer_state/ (+ critic/), every save_every
+
+Resume: a re-run continues from the newest committed checkpoint; the stages after it are
+recomputed or, when their committed output has the same key, read back. Everything a stage
+depends on (data order, sampling seed, optimizer state and step, KL controller state) is a
+function of the iteration and what was committed, so a resumed run is bit-identical to an
+uninterrupted one on the CPU.
+
+    rlctl pipeline examples/grpo.toml --iterations 20
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from rlctl import faults
+from rlctl.algos.kl import KLControllerState
+from rlctl.config import Config, apply_overrides, from_dict, load_config, to_dict, to_toml
+from rlctl.errors import ConfigError, InputError
+from rlctl.lineage import make_manifest, shards_ref
+from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest
+from rlctl.rewards import RewardFunction, from_callable, load_reward
+from rlctl.shards import Shards, is_committed, read, read_manifest, write
+from rlctl.workers.local import module_digest
+
+STAGES = ("rollout", "score", "advantage", "update")
+POLICY = "policy"  # model.ref / model.critic value meaning "the initial policy's weights"
+
+
+def resolve_model_paths(cfg: Config, run_dir: Path) -> Config:
+    """Fill in the run's model folder and the `policy` shorthands."""
+    model = cfg.model
+    path = model.path or str(run_dir / "model")
+    ref = path if model.ref == POLICY else model.ref
+    critic = path if model.critic == POLICY else model.critic
+    return replace(cfg, model=replace(model, path=path, ref=ref, critic=critic))
+
+
+def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | None = None) -> None:
+    """Everything that can be checked before any work: fails with one line, exit code 2."""
+    from rlctl.algos.advantages import ESTIMATORS, NEEDS_VALUES
+    from rlctl.stages.advantage import check_config
+    from rlctl.trainer import check_update_config
+
+    for flag, stage in (("--from", from_stage), ("--until", until_stage)):
+        if stage is not None and stage not in STAGES:
+            raise ConfigError(f"{flag} {stage!r}: unknown stage; stages are {', '.join(STAGES)}")
+    if from_stage and until_stage and STAGES.index(from_stage) > STAGES.index(until_stage):
+        raise ConfigError(f"--from {from_stage} comes after --until {until_stage}")
+    if not cfg.data.prompts:
+        raise ConfigError("data.prompts is not set: the pipeline needs a prompt file or folder")
+    if not cfg.model.path and not cfg.model.init_preset:
+        raise ConfigError("set model.path (a model folder) or model.init_preset (tiny|small) to make one")
+    check_config(cfg.advantage)
+    ESTIMATORS.get(cfg.advantage.estimator)
+    if cfg.advantage.kl_coef > 0 and not cfg.model.ref:
+        raise ConfigError("advantage.kl_coef > 0 needs a reference model: set model.ref")
+    if cfg.update.use_kl_loss and not cfg.model.ref:
+        raise ConfigError("update.use_kl_loss needs a reference model: set model.ref")
+    if cfg.advantage.estimator in NEEDS_VALUES and not cfg.model.critic:
+        raise ConfigError(f"estimator {cfg.advantage.estimator} needs a critic: set model.critic")
+    if cfg.data.batch_size < 1 or cfg.rollout.n < 1 or cfg.pipeline.iterations < 1:
+        raise ConfigError("data.batch_size, rollout.n and pipeline.iterations must be at least 1")
+    check_update_config(cfg.update, cfg.data.batch_size * cfg.rollout.n)
+    if cfg.rollout.backend != "hf":
+        raise ConfigError(f"rollout.backend {cfg.rollout.backend!r}: the pipeline runs the hf backend today")
+    if cfg.rollout.temperature <= 0:
+        raise ConfigError("rollout.temperature must be > 0 for training rollouts (validation is greedy)")
+
+
+def select_prompts(dataset: pa.Table, *, iteration: int, batch_size: int, shuffle: bool, seed: int) -> pa.Table:
+    """The prompts of `iteration` (1-based): consecutive slices of a stream of epochs, each
+    epoch a seeded permutation of the dataset. A pure function of its arguments."""
+    n = dataset.num_rows
+    start = (iteration - 1) * batch_size
+    rows = []
+    for position in range(start, start + batch_size):
+        epoch, offset = divmod(position, n)
+        order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+        rows.append(int(order[offset]))
+    return dataset.take(pa.array(rows, pa.int64()))
+
+
+class Pipeline:
+    """One RL run: `step()` runs the next iteration and returns its metrics; `run()` runs all."""
+
+    def __init__(
+        self, cfg: Config, *, run_dir: str | Path | None = None, reward_fn: Callable | None = None,
+        view=None, from_stage: str | None = None, until_stage: str | None = None, base_dir: Path | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir or cfg.pipeline.run_dir)
+        cfg = resolve_model_paths(_resolve_relative(cfg, base_dir), self.run_dir)
+        validate(cfg, from_stage=from_stage, until_stage=until_stage)
+        self.cfg = cfg
+        self.from_stage, self.until_stage = from_stage, until_stage
+        self.reward: RewardFunction = from_callable(reward_fn, getattr(reward_fn, "__name__", "callable")) if reward_fn else load_reward(cfg.score.reward, device=cfg.model.device, batch_size=cfg.score.batch_size)
+        dataset = read(cfg.data.prompts, "prompts")
+        self.dataset, self.dataset_ref = dataset.table, shards_ref(dataset)
+        self.val_dataset = read(cfg.data.val_prompts, "prompts").table if cfg.data.val_prompts else None
+        self.view = view
+        self._workers = None
+        self._stepped = False  # --from/--until shape only the first iteration of this run
+        checkpoint = latest_checkpoint(self.run_dir)
+        self.checkpoint = checkpoint
+        state = _pipeline_state(checkpoint) if checkpoint else {}
+        self.iteration = int(state.get("iteration", 0))
+        self.kl_state = KLControllerState(float(state.get("kl_coef", cfg.advantage.kl_coef)), int(state.get("kl_steps", 0)))
+        self.history: list[dict] = list(state.get("history", []))
+
+    # -- construction ----------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, source: str | Path | dict, overrides: list[str] | None = None, **kwargs) -> Pipeline:
+        """From a TOML path or a dict of sections; `overrides` are `section.key=value`."""
+        if isinstance(source, dict):
+            cfg = apply_overrides(from_dict(source), overrides or [])
+            return cls(cfg, **kwargs)
+        path = Path(source)
+        cfg = load_config(path, overrides or [])
+        if not cfg.pipeline.run_dir or cfg.pipeline.run_dir == "runs/default":
+            cfg = replace(cfg, pipeline=replace(cfg.pipeline, run_dir=str(Path("runs") / path.stem)))
+        return cls(cfg, base_dir=path.parent, **kwargs)
+
+    @property
+    def workers(self):
+        """The resident models, loaded on first use (once per run)."""
+        if self._workers is None:
+            from rlctl.modelinit import init_model
+            from rlctl.workers.local import LocalWorkers, checkpoint_sources
+
+            if not Path(self.cfg.model.path, "config.json").exists():
+                if not self.cfg.model.init_preset:
+                    raise InputError(f"model {self.cfg.model.path!r} does not exist (set model.init_preset to create it)")
+                init_model(self.cfg.model.path, self.cfg.model.init_preset, self.cfg.model.init_seed)
+            policy, critic = checkpoint_sources(str(self.checkpoint) if self.checkpoint else None, self.cfg)
+            self._workers = LocalWorkers(self.cfg, policy_source=policy, critic_source=critic)
+        return self._workers
+
+    # -- running ---------------------------------------------------------------------
+
+    def run(self, iterations: int | None = None) -> list[dict]:
+        total = iterations or self.cfg.pipeline.iterations
+        rows = []
+        while self.iteration < total:
+            row = self.step(total=total)
+            rows.append(row)
+            if row.get("stopped_early"):
+                break
+        return rows
+
+    def step(self, total: int | None = None) -> dict[str, Any]:
+        """Run the next iteration; returns its metrics row (`reward_mean`, `kl_divergence`, ...)."""
+        total = total or max(self.cfg.pipeline.iterations, self.iteration + 1)
+        self._write_resolved_config()
+        i = self.iteration + 1
+        cfg, workers = self.cfg, self.workers
+        timings: dict[str, float] = {}
+        io = {"seconds": 0.0}
+        first = not self._stepped
+        stages = self._stages_to_run(first=first)
+        self._stepped = True
+        weights = workers.weights_digest()
+        weights_source = self._weights_source(i)
+        model_inputs = [InputRef("policy", weights)]
+        if workers.critic is not None:
+            model_inputs.append(InputRef("critic", module_digest(workers.critic)))
+        if workers.ref is not None:
+            model_inputs.append(InputRef(f"ref@{cfg.model.ref}", "frozen"))
+        base_state = {"iteration": i, "weights_source": weights_source, "policy_version": workers.trainer.step}
+
+        def stage(name, config, inputs, compute, schema):
+            rerun = first and self.from_stage is not None and name in stages  # --from re-runs its stages
+            return self._stage(i, name, config, inputs, compute, schema, stages, rerun, timings, io, base_state)
+
+        prompts = stage(
+            "prompts", {"data": to_dict(cfg.data), "seed": cfg.pipeline.seed}, [self.dataset_ref],
+            lambda: (select_prompts(self.dataset, iteration=i, batch_size=cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.pipeline.seed), {}, {}),
+            "prompts",
+        )
+        rollout_cfg = replace(cfg.rollout, seed=cfg.rollout.seed + i)
+        rollout = stage(
+            "rollout", {"rollout": to_dict(rollout_cfg), "data": to_dict(cfg.data)}, [prompts.ref(), model_inputs[0]],
+            lambda: (self._rollout(prompts.table, rollout_cfg), {}, {}), "rollouts",
+        )
+        score = stage(
+            "score", {"score": to_dict(cfg.score), "reward": self.reward.spec}, [rollout.ref(), *model_inputs],
+            lambda: (self._score(rollout.table), {}, {}), "scores",
+        )
+        if score is None:
+            return self._stop_early(i, timings)
+        kl_config = {"kl_coef": self.kl_state.kl_coef, "steps": self.kl_state.steps}
+        advantage = stage(
+            "advantage", {"advantage": to_dict(cfg.advantage), "kl_state": kl_config}, [score.ref()],
+            lambda: self._advantage(score.table), "batch",
+        )
+        if advantage is None:
+            return self._stop_early(i, timings)
+        saved = advantage.manifest.state.get("kl_controller", kl_config)
+        next_kl = KLControllerState(float(saved["kl_coef"]), int(saved["steps"]))
+        if "update" not in stages:
+            return self._stop_early(i, timings)
+        update_manifest = make_manifest("update", {"update": to_dict(cfg.update)}, [advantage.ref(), *model_inputs], seed=cfg.update.seed)
+        started = time.perf_counter()
+        if self.view:
+            self.view.stage("update", total=None)
+        from rlctl.trainer import TrainBatch
+
+        train_metrics = workers.trainer.train(TrainBatch.from_table(advantage.table))
+        timings["update"] = time.perf_counter() - started
+        handover = workers.hand_over_weights()
+        row = self._metrics_row(i, rollout.table, score.table, advantage.manifest.metrics, train_metrics, timings, io)
+        if cfg.pipeline.val_every and self.val_dataset is not None and i % cfg.pipeline.val_every == 0:
+            row.update(self._validate(i))
+        update_manifest.metrics = row
+        update_manifest.state = {**base_state, "handover": handover, "policy_version_after": workers.trainer.step}
+        self._commit_manifest(self._dir(i, "update"), update_manifest)
+        faults.point(f"iter-{i:04d}:after-update")
+        self.history.append(row)
+        self.kl_state = next_kl
+        self.iteration = i
+        if (cfg.pipeline.save_every and i % cfg.pipeline.save_every == 0) or i == total:
+            self._save_checkpoint(i)
+        faults.point(f"iter-{i:04d}:after-checkpoint")
+        self._write_metrics()
+        self._prune(i)
+        if self.view:
+            self.view.iteration_done(row, total)
+        return row
+
+    def plan(self) -> str:
+        """What a run would do: iterations, stages, models, outputs, and what is already done."""
+        cfg, total = self.cfg, self.cfg.pipeline.iterations
+        first = self.iteration + 1
+        lines = [
+            f"run folder    {self.run_dir}",
+            f"resume from   {self.checkpoint or 'the start (no committed checkpoint)'}",
+            f"iterations    {first}..{total} of {total}" if first <= total else f"iterations    none left ({total} done)",
+            f"stages        {' → '.join(self._stages_to_run())} → hand-over (in memory)",
+            f"policy        {cfg.model.path}{' (created: ' + cfg.model.init_preset + ')' if not Path(cfg.model.path, 'config.json').exists() else ''}",
+            f"reference     {cfg.model.ref or '-'}",
+            f"critic        {cfg.model.critic or '-'}",
+            f"reward        {self.reward.spec}",
+            f"prompts       {cfg.data.prompts} ({self.dataset.num_rows} rows, {cfg.data.batch_size} per iteration × n={cfg.rollout.n})",
+            f"outputs       {self.run_dir}/iter-NNNN/{{prompts,rollout,score,advantage,update}}, metrics.jsonl",
+            f"checkpoints   {self.run_dir}/checkpoints/ every {cfg.pipeline.save_every or 'run end'}, keep {cfg.pipeline.keep_checkpoints or 'all'}",
+        ]
+        committed = [
+            f"iter-{i:04d}/{name}" for i in range(first, total + 1) for name in ("prompts", *STAGES) if is_committed(str(self._dir(i, name)))
+        ]
+        lines.append("would reuse   " + (", ".join(committed) + " (when their keys still match)" if committed else "nothing (no committed stage after the checkpoint)"))
+        return "\n".join(lines)
+
+    def _weights_source(self, i: int) -> str | None:
+        """A folder holding exactly the weights iteration `i` starts from, if one is on disk."""
+        if self.checkpoint is not None and _pipeline_state(self.checkpoint).get("iteration") == i - 1:
+            return str(self.checkpoint)
+        return self.cfg.model.path if i == 1 else None
+
+    # -- stages ----------------------------------------------------------------------
+
+    def _stages_to_run(self, first: bool = True) -> tuple[str, ...]:
+        """Stages of an iteration: --from/--until cut only the first one this run executes."""
+        if not first:
+            return STAGES
+        start = STAGES.index(self.from_stage) if self.from_stage else 0
+        last = STAGES.index(self.until_stage) if self.until_stage else len(STAGES) - 1
+        return STAGES[start : last + 1]
+
+    def _stage(self, i, name, config, inputs, compute, schema, stages, rerun, timings, io, base_state) -> Shards | None:
+        """Read back a committed output with the same key, or compute and commit it."""
+        uri = str(self._dir(i, name))
+        manifest = make_manifest(name, config, inputs, seed=config.get("rollout", {}).get("seed"))
+        if is_committed(uri):
+            existing, digest = read_manifest(uri)
+            if existing.key == manifest.key and not rerun:
+                started = time.perf_counter()
+                shards = read(uri, schema)
+                io["seconds"] += time.perf_counter() - started
+                timings[name] = 0.0
+                return shards
+        if name != "prompts" and name not in stages:
+            if STAGES.index(name) < STAGES.index(stages[0]):
+                raise InputError(f"iteration {i}: stage {name} is not committed with the current config, so --from {stages[0]} cannot start there")
+            return None
+        if self.view:
+            self.view.stage(name, total=None)
+        started = time.perf_counter()
+        table, state, metrics = compute()
+        timings[name] = time.perf_counter() - started
+        manifest.state = {**base_state, **state}
+        manifest.metrics = metrics
+        started = time.perf_counter()
+        write(table, uri, manifest, schema=schema)
+        _, digest = read_manifest(uri)
+        io["seconds"] += time.perf_counter() - started
+        return Shards(table, uri, manifest, digest)
+
+    def _rollout(self, prompts: pa.Table, rollout_cfg) -> pa.Table:
+        from rlctl.stages.rollout import rollout_table
+
+        total = prompts.num_rows * rollout_cfg.n * rollout_cfg.max_new_tokens
+        if self.view:
+            self.view.stage("rollout", total=total)
+        on_tokens = self.view.advance if self.view else None
+        return rollout_table(prompts, self.workers.engine, rollout_cfg, self.cfg.data, policy_version=self.workers.trainer.step, on_tokens=on_tokens)
+
+    def _score(self, rollouts: pa.Table) -> pa.Table:
+        from rlctl.stages.score import ScoringModels, score_table
+
+        w = self.workers
+        models = ScoringModels(ref=w.ref, policy=w.policy if self.cfg.score.old_logprobs else None, critic=w.critic)
+        return score_table(rollouts, self.reward, models, self.cfg.score)
+
+    def _advantage(self, scores: pa.Table):
+        from rlctl.stages.advantage import advantage_table
+
+        table, next_state, stats = advantage_table(scores, self.cfg.advantage, self.kl_state)
+        return table, {"kl_controller": {"kl_coef": next_state.kl_coef, "steps": next_state.steps}}, stats
+
+    def _validate(self, i: int) -> dict[str, float]:
+        """Greedy rollouts on the held-out prompts, scored with the same reward."""
+        from rlctl.stages.rollout import rollout_table
+        from rlctl.stages.score import ScoringModels, score_table
+
+        greedy = replace(self.cfg.rollout, n=1, temperature=0.0, seed=0)
+        table = rollout_table(self.val_dataset, self.workers.engine, greedy, self.cfg.data, policy_version=self.workers.trainer.step)
+        scored = score_table(table, self.reward, ScoringModels(), self.cfg.score)
+        write(scored, str(self._dir(i, "val")), Manifest(stage="validate", state={"iteration": i}), schema="scores")
+        rewards = np.asarray(scored.column("reward").to_pylist(), dtype=np.float64)
+        out = {"val/score": float(rewards.mean())}
+        if "data_source" in scored.column_names:
+            sources = np.asarray([s or "unknown" for s in scored.column("data_source").to_pylist()], dtype=object)
+            for source in sorted(set(sources)):
+                out[f"val/score/{source}"] = float(rewards[sources == source].mean())
+        return out
+
+    def _stop_early(self, i: int, timings: dict) -> dict:
+        row = {"iteration": i, "stopped_early": True, **{f"seconds/{k}": v for k, v in timings.items()}}
+        if self.view:
+            self.view.message(f"iter {i}: stopped after --until {self.until_stage}")
+        return row
+
+    # -- metrics, checkpoints, files --------------------------------------------------
+
+    def _metrics_row(self, i, rollouts: pa.Table, scores: pa.Table, adv_stats: dict, train: dict, timings: dict, io: dict) -> dict:
+        lengths = np.asarray([len(r) for r in rollouts.column("response_ids").to_pylist()], dtype=np.float64)
+        rewards = np.asarray(scores.column("reward").to_pylist(), dtype=np.float64)
+        kl = float(adv_stats.get("kl", 0.0))
+        row: dict[str, Any] = {
+            "iteration": i,
+            "policy_version": int(train.get("step", 0)),
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "kl": kl,
+            "kl_divergence": kl,
+            "kl_coef": float(adv_stats.get("kl_coef", self.kl_state.kl_coef)),
+            "entropy": train.get("entropy"),
+            "pg_loss": train.get("pg_loss"),
+            "vf_loss": train.get("vf_loss"),
+            "pg_clipfrac": train.get("pg_clipfrac"),
+            "ppo_kl": train.get("ppo_kl"),
+            "grad_norm": train.get("grad_norm"),
+            "lr": train.get("lr"),
+            "response_length": float(lengths.mean()),
+            "logprob_mismatch": _logprob_mismatch(scores),
+            "rollout_tokens_per_s": float(lengths.sum() / timings["rollout"]) if timings.get("rollout") else None,
+            "train_tokens_per_s": train.get("tokens_per_s"),
+            "seconds/io": io["seconds"],
+        }
+        row.update({f"seconds/{k}": v for k, v in timings.items()})
+        row["seconds/total"] = sum(timings.values()) + io["seconds"]
+        return row
+
+    def _save_checkpoint(self, i: int) -> None:
+        directory = self.run_dir / "checkpoints" / f"iter-{i:04d}"
+        state = {"iteration": i, "kl_coef": self.kl_state.kl_coef, "kl_steps": self.kl_state.steps, "history": self.history}
+        manifest = Manifest(stage="checkpoint", config={"iteration": i}, state={"policy_version": self.workers.trainer.step})
+        self.workers.save(str(directory), manifest, state)
+        self.checkpoint = directory
+        keep = self.cfg.pipeline.keep_checkpoints
+        if keep > 0:
+            for old in sorted(_committed_checkpoints(self.run_dir))[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _prune(self, i: int) -> None:
+        keep = self.cfg.pipeline.keep_shards
+        if keep <= 0:
+            return
+        for old in range(1, i - keep + 1):
+            folder = self.run_dir / f"iter-{old:04d}"
+            for name in ("prompts", "rollout", "score", "advantage", "val"):
+                shutil.rmtree(folder / name, ignore_errors=True)
+
+    def _write_metrics(self) -> None:
+        _atomic_write(self.run_dir / "metrics.jsonl", "".join(json.dumps(row, sort_keys=True) + "\n" for row in self.history))
+
+    def _write_resolved_config(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.run_dir / "config.resolved.toml", to_toml(self.cfg))
+
+    def _commit_manifest(self, folder: Path, manifest: Manifest) -> None:
+        import fsspec
+
+        from rlctl.shards import commit, prepare_output
+
+        prepare_output(str(folder))
+        commit(fsspec.filesystem("file"), str(folder), manifest)
+
+    def _dir(self, i: int, name: str) -> Path:
+        return self.run_dir / f"iter-{i:04d}" / name
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    committed = sorted(_committed_checkpoints(run_dir))
+    return committed[-1] if committed else None
+
+
+def _committed_checkpoints(run_dir: Path) -> list[Path]:
+    root = run_dir / "checkpoints"
+    return [p for p in root.glob("iter-*") if (p / MANIFEST_NAME).exists()] if root.exists() else []
+
+
+def _pipeline_state(checkpoint: Path) -> dict:
+    return json.loads((checkpoint / "trainer_state" / "pipeline.json").read_text())
+
+
+def _logprob_mismatch(scores: pa.Table) -> float | None:
+    """Mean |rollout log-prob - training-side log-prob| per token: engine/trainer drift."""
+    if "old_logprobs" not in scores.column_names or scores.column("old_logprobs").null_count:
+        return None
+    a = np.concatenate([np.asarray(x, dtype=np.float64) for x in scores.column("rollout_logprobs").to_pylist()] or [np.zeros(0)])
+    b = np.concatenate([np.asarray(x, dtype=np.float64) for x in scores.column("old_logprobs").to_pylist()] or [np.zeros(0)])
+    return float(np.abs(a - b).mean()) if len(a) else 0.0
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _resolve_relative(cfg: Config, base_dir: Path | None) -> Config:
+    """Model and data paths in a config file are relative to the file's folder."""
+    if base_dir is None:
+        return cfg
+
+    def fix(value: str) -> str:
+        if not value or value == POLICY or "://" in value or Path(value).is_absolute():
+            return value
+        return str(base_dir / value)
+
+    model = replace(cfg.model, path=fix(cfg.model.path), ref=fix(cfg.model.ref), critic=fix(cfg.model.critic))
+    data = replace(cfg.data, prompts=fix(cfg.data.prompts), val_prompts=fix(cfg.data.val_prompts))
+    reward = cfg.score.reward
+    if reward.partition(":")[0].endswith(".py"):
+        reward = fix(reward)
+    return replace(cfg, model=model, data=data, score=replace(cfg.score, reward=reward))
+
+
+# --- the command ---------------------------------------------------------------------------
+
+
+def run_pipeline_command(
+    *, config: Path, overrides: list[str], iterations: int | None, resume: bool, from_stage: str | None,
+    until_stage: str | None, run_dir: str | None, dry_run: bool, quiet: bool,
+) -> None:
+    """`rlctl pipeline`: build the run (validating everything first), then plan or run it."""
+    from rlctl.runview import make_view
+
+    if iterations is not None:
+        overrides = [*overrides, f"pipeline.iterations={iterations}"]
+    if run_dir is not None:
+        overrides = [*overrides, f"pipeline.run_dir={run_dir}"]
+    pipeline = Pipeline.from_config(config, overrides, from_stage=from_stage, until_stage=until_stage)
+    if resume and pipeline.checkpoint is None and not pipeline.run_dir.exists():
+        raise InputError(f"--resume: no run at {pipeline.run_dir} to resume")
+    total = pipeline.cfg.pipeline.iterations
+    if dry_run:
+        print(pipeline.plan())
+        return
+    with make_view(quiet=quiet, first_iteration=pipeline.iteration, total=total) as view:
+        pipeline.view = view
+        if pipeline.iteration >= total:
+            view.message(f"{pipeline.run_dir}: all {total} iterations are done")
+        pipeline.run(total)
+    print(pipeline.run_dir)

@@ -1,0 +1,166 @@
+"""`rlctl replay RUN/iter-NNNN/STAGE`: re-run one recorded stage of a pipeline run from its
+recorded inputs, config, seed and weights, into a scratch folder; `--check` compares with the
+recorded output; `--set` changes config for "what if" debugging.
+
+    rlctl replay runs/grpo/iter-0003/advantage --check
+    rlctl replay runs/grpo/iter-0003/advantage --set advantage.norm_by_std=false --out /tmp/what-if
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pyarrow as pa
+
+from rlctl.config import Config, apply_overrides, load_config, section_from_dict
+from rlctl.errors import InputError
+from rlctl.manifest import Manifest
+from rlctl.shards import read, read_manifest, write
+
+REPLAYABLE = ("prompts", "rollout", "score", "advantage", "update")
+TIMING_KEYS = ("seconds", "tokens_per_s")
+
+
+def replay_stage(stage_dir: str, *, check: bool = False, out: str | None = None, overrides: list[str] | None = None) -> str:
+    path = Path(stage_dir.rstrip("/"))
+    name, iter_dir = path.name, path.parent
+    run_dir = iter_dir.parent
+    if name not in REPLAYABLE:
+        raise InputError(f"{stage_dir}: not a stage folder; replayable stages are {', '.join(REPLAYABLE)}")
+    if not (run_dir / "config.resolved.toml").exists():
+        raise InputError(f"{run_dir}: not a pipeline run folder (no config.resolved.toml)")
+    recorded, _ = read_manifest(str(path))
+    cfg = _recorded_config(load_config(run_dir / "config.resolved.toml"), recorded, overrides or [])
+    target = out or str(run_dir / "replay" / iter_dir.name / name)
+    replay = {"prompts": _prompts, "rollout": _rollout, "score": _score, "advantage": _advantage, "update": _update}[name]
+    result = replay(cfg, recorded, iter_dir, target)
+    if not check:
+        return f"replayed {iter_dir.name}/{name} into {target}"
+    if isinstance(result, dict):
+        return _compare_update(result, recorded)
+    return compare_tables(read(str(path)).table, result)
+
+
+def _recorded_config(run_cfg: Config, recorded: Manifest, overrides: list[str]) -> Config:
+    """The run's config with the stage's recorded sections in place, then the overrides."""
+    known = {f.name for f in dataclasses.fields(Config)}
+    sections = {k: section_from_dict(k, v) for k, v in recorded.config.items() if k in known}
+    return apply_overrides(dataclasses.replace(run_cfg, **sections), overrides)
+
+
+def _weights(recorded: Manifest) -> str:
+    source = recorded.state.get("weights_source")
+    if not source or not Path(source, "config.json").exists():
+        raise InputError(
+            f"the weights this stage used ({source}) were not kept; replay needs them (pipeline.save_every=1, keep_checkpoints=0 keeps all)"
+        )
+    return source
+
+
+def _prompts(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa.Table:
+    from rlctl.pipeline import select_prompts
+
+    dataset = read(cfg.data.prompts, "prompts").table
+    i = recorded.state["iteration"]
+    table = select_prompts(dataset, iteration=i, batch_size=cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=recorded.config.get("seed", cfg.pipeline.seed))
+    write(table, target, Manifest(stage="prompts", state={"replay_of": str(iter_dir / "prompts")}), schema="prompts")
+    return read(target).table
+
+
+def _rollout(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa.Table:
+    from rlctl.backends.hf import HFPolicy
+    from rlctl.stages.rollout import rollout_table
+
+    policy = HFPolicy.load(_weights(recorded), cfg.model.device)
+    prompts = read(str(iter_dir / "prompts"), "prompts").table
+    table = rollout_table(prompts, policy, cfg.rollout, cfg.data, policy_version=recorded.state["policy_version"])
+    write(table, target, Manifest(stage="rollout", seed=cfg.rollout.seed, state={"replay_of": str(iter_dir / "rollout")}), schema="rollouts")
+    return read(target).table
+
+
+def _score(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa.Table:
+    from rlctl.backends.hf import HFPolicy, ValueModel, resolve_device
+    from rlctl.rewards import load_reward
+    from rlctl.stages.score import ScoringModels, score_table
+
+    weights = _weights(recorded)
+    critic = None
+    if cfg.model.critic:
+        critic_dir = Path(weights) / "critic"
+        critic = ValueModel.load(str(critic_dir) if critic_dir.exists() else cfg.model.critic, resolve_device(cfg.model.device))
+    models = ScoringModels(
+        ref=HFPolicy.load(cfg.model.ref, cfg.model.device) if cfg.model.ref else None,
+        policy=HFPolicy.load(weights, cfg.model.device) if cfg.score.old_logprobs else None,
+        critic=critic,
+    )
+    reward = load_reward(recorded.config.get("reward", cfg.score.reward), device=cfg.model.device)
+    table = score_table(read(str(iter_dir / "rollout"), "rollouts").table, reward, models, cfg.score)
+    write(table, target, Manifest(stage="score", state={"replay_of": str(iter_dir / "score")}), schema="scores")
+    return read(target).table
+
+
+def _advantage(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa.Table:
+    from rlctl.algos.kl import KLControllerState
+    from rlctl.stages.advantage import advantage_table, check_config
+
+    check_config(cfg.advantage)
+    saved = recorded.config.get("kl_state", {"kl_coef": cfg.advantage.kl_coef, "steps": 0})
+    state = KLControllerState(float(saved["kl_coef"]), int(saved["steps"]))
+    table, _, _ = advantage_table(read(str(iter_dir / "score"), "scores").table, cfg.advantage, state)
+    write(table, target, Manifest(stage="advantage", state={"replay_of": str(iter_dir / "advantage")}), schema="batch")
+    return read(target).table
+
+
+def _update(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> dict:
+    from rlctl.checkpoint import load_trainer_state
+    from rlctl.lineage import make_manifest
+    from rlctl.trainer import TrainBatch
+    from rlctl.workers.local import LocalWorkers, checkpoint_sources, module_digest
+
+    weights = _weights(recorded)
+    checkpoint = weights if load_trainer_state(weights) is not None else None
+    policy, critic = checkpoint_sources(checkpoint, cfg)
+    workers = LocalWorkers(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, ref="")), policy_source=policy, critic_source=critic)
+    metrics = workers.trainer.train(TrainBatch.from_table(read(str(iter_dir / "advantage"), "batch").table))
+    manifest = make_manifest("update", {"update": dataclasses.asdict(cfg.update)}, [])
+    manifest.metrics = metrics
+    manifest.state = {"replay_of": str(iter_dir / "update")}
+    workers.save(target, manifest, {"iteration": recorded.state.get("iteration")})
+    return {"weights_sha256": module_digest(workers.policy.model), "metrics": metrics}
+
+
+def _compare_update(result: dict, recorded: Manifest) -> str:
+    expected = recorded.state.get("handover", {}).get("weights_sha256")
+    if expected != result["weights_sha256"]:
+        return f"differs: weights after the update have sha256 {result['weights_sha256'][:16]}…, recorded {str(expected)[:16]}…"
+    for key, value in result["metrics"].items():
+        if any(t in key for t in TIMING_KEYS) or key not in recorded.metrics:
+            continue
+        old = recorded.metrics[key]
+        if old != value and not (isinstance(old, float) and isinstance(value, float) and math.isclose(old, value, rel_tol=0, abs_tol=0)):
+            return f"differs: metric {key}: recorded {old!r}, replayed {value!r}"
+    return "identical"
+
+
+def compare_tables(recorded: pa.Table, replayed: pa.Table) -> str:
+    """'identical', or the first difference: column, row and both values."""
+    if recorded.column_names != replayed.column_names:
+        return f"differs: columns {recorded.column_names} vs {replayed.column_names}"
+    if recorded.num_rows != replayed.num_rows:
+        return f"differs: {recorded.num_rows} rows recorded, {replayed.num_rows} replayed"
+    for name in recorded.column_names:
+        a, b = recorded.column(name), replayed.column(name)
+        if a.equals(b):
+            continue
+        for row, (x, y) in enumerate(zip(a.to_pylist(), b.to_pylist())):
+            if x != y:
+                return f"differs: column {name!r} row {row}: recorded {_short(x)}, replayed {_short(y)}"
+    return "identical"
+
+
+def _short(value) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) < 120 else text[:117] + "…"

@@ -1,0 +1,99 @@
+"""What `rlctl pipeline` shows on stderr: a rich live view on a terminal (iteration progress,
+the current stage with its own progress, the last iterations' key metrics), or one plain line
+per iteration (`--quiet`, or stderr not a terminal)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+KEY_METRICS = (("reward", "reward_mean"), ("kl", "kl"), ("entropy", "entropy"), ("len", "response_length"), ("clip", "pg_clipfrac"), ("grad", "grad_norm"))
+
+
+def plain_line(row: dict[str, Any]) -> str:
+    parts = [f"iter {row['iteration']}"]
+    for label, key in KEY_METRICS:
+        value = row.get(key)
+        if value is not None:
+            parts.append(f"{label} {value:.4g}" if key != "reward_mean" else f"{label} {value:.3f}")
+    if "val/score" in row:
+        parts.append(f"val {row['val/score']:.3f}")
+    parts.append(f"{row.get('seconds/total', 0.0):.1f}s")
+    return "  ".join(parts)
+
+
+class PlainView:
+    def __init__(self, stream=None) -> None:
+        self.stream = stream or sys.stderr
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def stage(self, name: str, total: float | None) -> None:
+        pass
+
+    def advance(self, amount: float) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    def iteration_done(self, row: dict[str, Any], total: int) -> None:
+        print(plain_line(row), file=self.stream, flush=True)
+
+
+class LiveView:
+    def __init__(self, first_iteration: int, total: int) -> None:
+        self.console = Console(stderr=True)
+        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=self.console)
+        self.iterations = self.progress.add_task("iterations", total=total, completed=first_iteration)
+        self.current = self.progress.add_task("starting", total=None)
+        self.rows: list[dict[str, Any]] = []
+        self.live = Live(self._render(), console=self.console, refresh_per_second=8, transient=False)
+
+    def __enter__(self):
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.live.update(self._render())
+        self.live.__exit__(*exc)
+
+    def stage(self, name: str, total: float | None) -> None:
+        self.progress.reset(self.current, total=total, description=name)
+
+    def advance(self, amount: float) -> None:
+        self.progress.advance(self.current, amount)
+
+    def message(self, text: str) -> None:
+        self.console.print(text)
+
+    def iteration_done(self, row: dict[str, Any], total: int) -> None:
+        self.rows.append(row)
+        self.progress.update(self.iterations, completed=row["iteration"], total=total)
+        self.live.update(self._render())
+
+    def _render(self):
+        table = Table(title="last iterations", title_justify="left")
+        table.add_column("iter", justify="right")
+        for label, _ in KEY_METRICS:
+            table.add_column(label, justify="right")
+        table.add_column("s", justify="right")
+        for row in self.rows[-5:]:
+            cells = [f"{row[k]:.4g}" if row.get(k) is not None else "-" for _, k in KEY_METRICS]
+            table.add_row(str(row["iteration"]), *cells, f"{row.get('seconds/total', 0):.1f}")
+        return Group(self.progress, table)
+
+
+def make_view(*, quiet: bool, first_iteration: int, total: int):
+    if quiet or not sys.stderr.isatty():
+        return PlainView()
+    return LiveView(first_iteration, total)

@@ -1,0 +1,77 @@
+"""Models held resident in this process for a pipeline run: each loaded once.
+
+The policy that trains is the policy that generates (HybridFlow's colocated hybrid engine):
+on the HF backend the rollout engine *is* the training module, so the weight hand-over after
+an update is in memory and costs nothing. The reference model and the critic are held beside
+it when configured. A Ray worker group will implement the same methods.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from rlctl.backends.hf import HFPolicy, ValueModel, resolve_device
+from rlctl.checkpoint import CRITIC_DIR, load_trainer_state, save_checkpoint
+from rlctl.config import Config
+from rlctl.manifest import Manifest
+from rlctl.trainer import Trainer
+
+
+class LocalWorkers:
+    def __init__(self, cfg: Config, *, policy_source: str, critic_source: str | None) -> None:
+        self.device = resolve_device(cfg.model.device)
+        self.loads: list[str] = []  # every model load, for accounting (each model once per run)
+        self.policy = self._load_policy(policy_source)
+        self.ref = self._load_policy(cfg.model.ref) if cfg.model.ref else None
+        self.critic = None
+        if critic_source:
+            self.loads.append(f"critic:{critic_source}")
+            self.critic = ValueModel.load(critic_source, self.device)
+        temperature = cfg.rollout.temperature
+        self.trainer = Trainer(self.policy, cfg.update, critic=self.critic, temperature=temperature)
+        state = load_trainer_state(policy_source)
+        if state is not None:
+            self.trainer.load_state_dict(state)
+
+    def _load_policy(self, uri: str) -> HFPolicy:
+        self.loads.append(f"policy:{uri}")
+        return HFPolicy.load(uri, str(self.device))
+
+    @property
+    def engine(self) -> HFPolicy:
+        """The rollout engine: the training policy itself (hybrid engine)."""
+        return self.policy
+
+    def hand_over_weights(self) -> dict:
+        """Make the rollout engine generate with the just-trained weights. Shared module on
+        the HF backend: nothing moves. Returns what was handed over, for the manifest."""
+        return {"mode": "in-memory (shared module)", "policy_version": self.trainer.step, "weights_sha256": self.weights_digest()}
+
+    def weights_digest(self) -> str:
+        """sha256 over the policy's parameters: identifies the weights a stage used."""
+        return module_digest(self.policy.model)
+
+    def save(self, directory: str, manifest: Manifest, pipeline_state: dict) -> None:
+        manifest.state = {**manifest.state, "pipeline": pipeline_state}
+        save_checkpoint(directory, policy=self.policy, trainer_state=self.trainer.state_dict(), manifest=manifest, critic=self.critic)
+        (Path(directory) / "trainer_state" / "pipeline.json").write_text(json.dumps(pipeline_state, indent=2, sort_keys=True) + "\n")
+
+
+def module_digest(module: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def checkpoint_sources(checkpoint: str | None, cfg: Config) -> tuple[str, str | None]:
+    """Where to load the policy and critic from: a resumed checkpoint, or the config's models."""
+    if checkpoint is None:
+        return cfg.model.path, (cfg.model.critic or None)
+    critic = str(Path(checkpoint) / CRITIC_DIR) if cfg.model.critic else None
+    return checkpoint, critic
