@@ -5,3 +5,9 @@ response strings) and returns one float per sample."""
 def length_reward(samples: list[str]) -> list[float]:
     """The seed article's toy reward: longer answers score higher, capped at 100 characters."""
     return [min(len(s) / 100.0, 1.0) for s in samples]
+
+
+def digit_share(responses: list[str]) -> list[float]:
+    """The share of a response's characters that are digits (0 for an empty response): a
+    rule a program can verify exactly, used by examples/grpo.toml."""
+    return [sum(c.isdigit() for c in r) / len(r) if r else 0.0 for r in responses]

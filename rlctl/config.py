@@ -67,7 +67,6 @@ class ScoreConfig:
     reward: str = "builtin:length"
     reward_timeout: float = 60.0
     batch_size: int = 16  # sequences per forward pass
-    ref_logprobs: bool = True  # in a pipeline: compute ref log-probs when a ref model exists
     old_logprobs: bool = True  # in a pipeline: recompute policy log-probs with a forward pass
 
 

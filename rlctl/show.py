@@ -18,7 +18,6 @@ from rlctl.errors import InputError
 from rlctl.manifest import MANIFEST_NAME, Manifest
 from rlctl.shards import STDIO, _fs, read
 
-
 TOKEN_ID_COLUMNS = ("prompt_ids", "response_ids")
 
 

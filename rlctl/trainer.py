@@ -160,8 +160,8 @@ class Trainer:
             width = packed.response_mask.shape[1]
             m = packed.response_mask
 
-            def take(t: torch.Tensor) -> torch.Tensor:
-                return t[micro, :width].to(device)
+            def take(t: torch.Tensor, rows=micro, width=width) -> torch.Tensor:
+                return t[rows, :width].to(device)
 
             with autocast:
                 logp, entropy = self.policy.forward(packed, temperature=self.temperature, with_entropy=True)

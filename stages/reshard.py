@@ -17,7 +17,7 @@ from rlctl.errors import InputError, RlctlError
 from rlctl.lineage import make_manifest, model_ref, up_to_date
 from rlctl.manifest import FileEntry, Manifest, sha256_bytes
 from rlctl.shards import commit, local_path, prepare_output
-from rlctl.tp import TPPlan, plan_tp, parse_target
+from rlctl.tp import TPPlan, parse_target, plan_tp
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CONFIG_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

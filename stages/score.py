@@ -8,15 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pyarrow as pa
+from rlctl.schemas import spec
+from rlctl.stages.rollout import sampling_of
 
 from rlctl.config import ScoreConfig, to_dict
 from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
 from rlctl.manifest import Manifest
 from rlctl.rewards import RewardFunction, RewardSamples, compute_rewards, load_reward
-from rlctl.schemas import spec
 from rlctl.shards import OutputSpec, read, write
-from rlctl.stages.rollout import sampling_of
 from rlctl.tensors import list_column, set_columns
 
 
@@ -55,19 +55,16 @@ def run(
     return write(table, out.uri, manifest, schema="scores", format=out.format, rows_per_part=out.rows_per_part)
 
 
-def reward_samples(table: pa.Table, tokenizer=None) -> RewardSamples:
+def reward_samples(table: pa.Table) -> RewardSamples:
     n = table.num_rows
     names = table.column_names
 
     def column(name):
         return table.column(name).to_pylist() if name in names else [None] * n
 
-    if "prompt" in names:
-        prompts = [p if p is not None else "" for p in column("prompt")]
-    elif tokenizer is not None:
-        prompts = tokenizer.batch_decode(column("prompt_ids"), skip_special_tokens=True)
-    else:
-        prompts = [""] * n
+    # the prompt text: the plain prompt, else the chat's last message
+    chats = column("messages")
+    prompts = [p if p is not None else (c[-1]["content"] if c else "") for p, c in zip(column("prompt"), chats)]
     known = {c.name for c in spec("scores").columns}
     extra_names = [c for c in names if c not in known]
     extras = [dict(zip(extra_names, values)) for values in zip(*(column(c) for c in extra_names))] if extra_names else [{} for _ in range(n)]

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlctl.schemas import spec
+from rlctl.stages.rollout import sampling_of
+
 from rlctl.checkpoint import CRITIC_DIR, load_trainer_state, local_checkpoint_dir, save_checkpoint
 from rlctl.config import UpdateConfig, to_dict
 from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
 from rlctl.manifest import Manifest
-from rlctl.schemas import spec
 from rlctl.shards import read
-from rlctl.stages.rollout import sampling_of
 from rlctl.trainer import TrainBatch, Trainer, check_update_config
 
 

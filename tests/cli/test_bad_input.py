@@ -4,7 +4,6 @@ and no output folder left behind."""
 import json
 
 import pyarrow as pa
-import pytest
 
 from rlctl import shards
 from rlctl.manifest import MANIFEST_NAME, Manifest
@@ -37,7 +36,7 @@ def check(result, out, *fragments):
 
 
 def test_truncated_arrow_file(cli, tmp_path):
-    source = rollouts(tmp_path)
+    rollouts(tmp_path)
     bad = tmp_path / "bad.arrow"
     bad.write_bytes((tmp_path / "in" / "part-00000.arrow").read_bytes()[:200])
     check(score(cli, bad, tmp_path / "out"), tmp_path / "out", "bad.arrow", "truncated")

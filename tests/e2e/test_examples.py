@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,3 +23,57 @@ def test_stages_script_runs_two_iterations_and_the_pipe(tmp_path):
             assert (work / f"iter-{it}" / stage / "_manifest.json").exists()
     assert shards.read(str(work / "iter-2" / "rollout")).table.column("policy_version").to_pylist()[0] == 1
     assert shards.read(str(work / "piped" / "advantage"), "batch").table.num_rows == 48
+
+
+def run_example(config: str, tmp_path) -> list[dict]:
+    import json
+
+    result = subprocess.run(
+        [sys.executable, "-m", "rlctl", "pipeline", f"examples/{config}", "--run-dir", str(tmp_path / "run"), "--quiet"],
+        cwd=ROOT, capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def learning_margin(rows: list[dict]) -> float:
+    rewards = [r["reward_mean"] for r in rows]
+    return sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3
+
+
+@pytest.mark.slow
+def test_grpo_example_learns_by_the_stated_margin(tmp_path):
+    rows = run_example("grpo.toml", tmp_path)
+    assert len(rows) == 30
+    assert learning_margin(rows) >= 0.5  # the margin stated in examples/grpo.toml
+    assert rows[-1]["val/score"] > rows[9]["val/score"] - 1e-9
+
+
+@pytest.mark.slow
+def test_ppo_example_learns_by_the_stated_margin(tmp_path):
+    rows = run_example("ppo.toml", tmp_path)
+    assert len(rows) == 30
+    assert learning_margin(rows) >= 0.10  # the margin stated in examples/ppo.toml
+    assert rows[-1]["kl"] > 0 and rows[-1]["vf_loss"] is not None
+
+
+@pytest.mark.slow
+def test_seed_script_prints_step_reward_kl(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "examples/seed/train_ppo.py", "pipeline.iterations=3", f"pipeline.run_dir={tmp_path / 'seed'}"],
+        cwd=ROOT, capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert [line.split(",")[0] for line in lines] == ["Step 1", "Step 2", "Step 3"]
+    assert all(", Reward: " in line and ", KL: " in line for line in lines)
+
+
+@pytest.mark.slow
+def test_makefile_runs_iterations_as_stage_commands(tmp_path):
+    run = tmp_path / "make"
+    result = subprocess.run(["make", "-C", "examples", "-j1", "ITER=2", f"RUN={run}"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (run / "iter-2" / "weights" / "_manifest.json").exists()
+    again = subprocess.run(["make", "-C", "examples", "-j1", "ITER=2", f"RUN={run}"], cwd=ROOT, capture_output=True, text=True)
+    assert "Nothing to be done" in again.stdout

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from rlctl import shards

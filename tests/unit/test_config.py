@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from rlctl.config import Config, ConfigError, load_config, to_toml, parse_toml_file
+from rlctl.config import Config, ConfigError, load_config, parse_toml_file, to_toml
 
 
 def write(tmp_path, text):

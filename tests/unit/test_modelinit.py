@@ -4,7 +4,6 @@ import hashlib
 from pathlib import Path
 
 import pytest
-import torch
 
 from rlctl.modelinit import PRESETS, init_model, train_tokenizer
 

@@ -8,7 +8,14 @@ import torch
 
 from rlctl.errors import InputError, RewardError
 from rlctl.rewards import (
-    RewardSamples, compute_rewards, countdown_reward, evaluate_arithmetic, from_callable, gsm8k_reward, length_reward, load_reward,
+    RewardSamples,
+    compute_rewards,
+    countdown_reward,
+    evaluate_arithmetic,
+    from_callable,
+    gsm8k_reward,
+    length_reward,
+    load_reward,
 )
 
 

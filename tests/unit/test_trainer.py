@@ -1,7 +1,6 @@
 """The update: micro-batching is exactly one big batch; updates are deterministic and
 continue one another through the saved optimizer state."""
 
-import dataclasses
 
 import numpy as np
 import pytest

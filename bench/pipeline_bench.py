@@ -1,0 +1,106 @@
+"""Benchmark: the pipeline on the `small` preset (≈24M parameters) for a few iterations.
+
+Reports, as the median over several runs: seconds per stage per iteration, rollout and
+training tokens/s, and the share of wall time spent on shard I/O and manifests.
+
+    python bench/pipeline_bench.py --runs 3 --iterations 3          # prints a Markdown table
+    python bench/pipeline_bench.py --runs 3 --append bench/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPTS = [{"id": f"b{i}", "prompt": f"Benchmark prompt number {i}: explain step {i}.", "data_source": "bench"} for i in range(32)]
+STAGES = ("prompts", "rollout", "score", "advantage", "update")
+
+
+def one_run(workdir: Path, model: Path, iterations: int, batch: int, n: int, tokens: int) -> dict[str, float]:
+    prompts = workdir / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    config = workdir / "bench.toml"
+    config.write_text(
+        f'[model]\npath = "{model}"\nref = "{model}"\n'
+        f'[data]\nprompts = "{prompts}"\nbatch_size = {batch}\n'
+        f'[rollout]\nn = {n}\nmax_new_tokens = {tokens}\n'
+        '[score]\nreward = "builtin:length"\n'
+        '[advantage]\nestimator = "grpo"\nkl_coef = 0.01\n'
+        f'[update]\nlr = 1e-5\nmicro_batch_size = {batch * n // 2}\n'
+        f'[pipeline]\niterations = {iterations}\nsave_every = {iterations}\nkeep_checkpoints = 1\n'
+    )
+    run = workdir / "run"
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "rlctl", "pipeline", str(config), "--run-dir", str(run), "--quiet"], check=True, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - started
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    out = {f"{s} s/iter": statistics.mean(r.get(f"seconds/{s}", 0.0) for r in rows) for s in STAGES}
+    out["shard I/O + manifests s/iter"] = statistics.mean(r["seconds/io"] for r in rows)
+    out["iteration s"] = statistics.mean(r["seconds/total"] for r in rows)
+    out["I/O share %"] = 100 * out["shard I/O + manifests s/iter"] / out["iteration s"]
+    out["rollout tok/s"] = statistics.mean(r["rollout_tokens_per_s"] for r in rows)
+    out["train tok/s"] = statistics.mean(r["train_tokens_per_s"] for r in rows)
+    out["process wall s (incl. start, model load, checkpoint)"] = wall
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--append", type=Path, help="append the Markdown result to this file")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "small"
+        subprocess.run([sys.executable, "-m", "rlctl", "model", "init", str(model), "--preset", "small"], check=True, stdout=subprocess.DEVNULL)
+        results = []
+        for r in range(args.runs):
+            workdir = Path(tmp) / f"run{r}"
+            workdir.mkdir()
+            results.append(one_run(workdir, model, args.iterations, args.batch, args.n, args.tokens))
+    medians = {k: statistics.median(r[k] for r in results) for k in results[0]}
+    cpu = _cpu_name()
+    command = f"python bench/pipeline_bench.py --runs {args.runs} --iterations {args.iterations} --batch {args.batch} --n {args.n} --tokens {args.tokens}"
+    lines = [
+        f"### pipeline, `small` preset — {time.strftime('%Y-%m-%d')}",
+        "",
+        f"- machine: {cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch threads default, no GPU",
+        f"- command: `{command}`",
+        f"- workload: {args.batch} prompts × {args.n} samples × {args.tokens} new tokens per iteration, GRPO with a reference model, fp32",
+        f"- median of {args.runs} runs (each the mean over its {args.iterations} iterations)",
+        "",
+        "| metric | median |",
+        "|---|---|",
+        *[f"| {k} | {v:.3f} |" if v < 100 else f"| {k} | {v:,.0f} |" for k, v in medians.items()],
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.append:
+        with open(args.append, "a") as f:
+            f.write(text + "\n")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+if __name__ == "__main__":
+    main()

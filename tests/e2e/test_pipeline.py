@@ -1,0 +1,201 @@
+"""The controller: resume after SIGKILL is bit-identical, replay reproduces every stage, each
+model is loaded once, bad configs fail before any work."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlctl.pipeline import Pipeline
+from tests.conftest import one_line_error
+
+PROMPTS = [{"id": f"p{i}", "prompt": f"Question {i}: what is {i} + {i}?", "data_source": "even" if i % 2 else "odd"} for i in range(5)]
+
+
+def write_config(tmp_path, tiny_model, **sections) -> Path:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    base = {
+        "model": {"path": tiny_model, "ref": tiny_model, "critic": tiny_model},
+        "data": {"prompts": str(prompts), "batch_size": 3, "val_prompts": str(prompts)},
+        "rollout": {"n": 2, "max_new_tokens": 6},
+        "score": {"reward": "builtin:length"},
+        "advantage": {"estimator": "gae", "gamma": 0.99, "lam": 0.95, "kl_coef": 0.05, "kl_controller": "adaptive", "kl_target": 0.01, "kl_horizon": 50},
+        "update": {"lr": 1e-3, "critic_lr": 1e-3, "mini_batch_size": 3, "micro_batch_size": 2, "epochs": 2},
+        "pipeline": {"iterations": 4, "save_every": 1, "keep_checkpoints": 0, "val_every": 2},
+    }
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    lines = []
+    for name, values in base.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    path = tmp_path / "run.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def rlctl(*args, env=None, check=True):
+    result = subprocess.run([sys.executable, "-m", "rlctl", *map(str, args)], capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    checkpoint = sorted((run_dir / "checkpoints").glob("iter-*"))[-1]
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    weights.update({f"critic.{k}": v for k, v in load_file(str(checkpoint / "critic" / "value_head.safetensors")).items()})
+    return weights
+
+
+def metrics_without_timings(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("seconds") and "tokens_per_s" not in k} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, tiny_model):
+    tmp = tmp_path_factory.mktemp("reference")
+    config = write_config(tmp, tiny_model)
+    rlctl("pipeline", config, "--run-dir", tmp / "run", "--quiet")
+    return config, tmp / "run"
+
+
+KILL_POINTS = [
+    "iter-0002/rollout:before-commit",  # outputs written, manifest not yet
+    "iter-0002/score:part-00000.arrow",  # mid-write: a part on disk, uncommitted
+    "iter-0003:after-update",  # trained in memory, not checkpointed
+    "checkpoints/iter-0002:before-commit",  # checkpoint files written, uncommitted
+    "iter-0001:after-checkpoint",  # checkpoint committed, metrics.jsonl not yet updated
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_sigkill_then_resume_is_bit_identical(tmp_path, reference_run, point):
+    config, reference = reference_run
+    run = tmp_path / "run"
+    killed = rlctl("pipeline", config, "--run-dir", run, "--quiet", env={"RLCTL_FAULT_KILL_AT": point}, check=False)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    rlctl("pipeline", config, "--run-dir", run, "--quiet")
+    expected, got = final_weights(reference), final_weights(run)
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    assert metrics_without_timings(run) == metrics_without_timings(reference)
+
+
+@pytest.mark.slow
+def test_killed_twice_with_sparse_checkpoints_still_bit_identical(tmp_path, tiny_model):
+    config = write_config(tmp_path, tiny_model, pipeline={"save_every": 3})
+    rlctl("pipeline", config, "--run-dir", tmp_path / "ref", "--quiet")
+    run = tmp_path / "run"
+    for point in ("iter-0002/advantage:before-commit", "iter-0004/rollout:before-commit"):
+        assert rlctl("pipeline", config, "--run-dir", run, "--quiet", env={"RLCTL_FAULT_KILL_AT": point}, check=False).returncode == -9
+    rlctl("pipeline", config, "--run-dir", run, "--quiet")
+    expected, got = final_weights(tmp_path / "ref"), final_weights(run)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_replay_check_is_identical_for_every_stage(cli, tmp_path, tiny_model):
+    config = write_config(tmp_path, tiny_model, pipeline={"iterations": 2})
+    Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"]).run()
+    for i in (1, 2):
+        for stage in ("prompts", "rollout", "score", "advantage", "update"):
+            result = cli("replay", tmp_path / "run" / f"iter-{i:04d}" / stage, "--check")
+            assert result.exit_code == 0, result.stderr
+            assert result.stdout.strip() == "identical", (i, stage, result.stdout)
+    what_if = cli("replay", tmp_path / "run" / "iter-0002" / "advantage", "--check", "--set", "advantage.lam=0.5")
+    assert what_if.stdout.startswith("differs: column 'advantages' row 0")
+
+
+def test_each_model_is_loaded_once_per_run(tmp_path, tiny_model, monkeypatch):
+    from rlctl.backends import hf
+
+    calls = []
+    for cls in (hf.HFPolicy, hf.ValueModel):
+        original = cls.load.__func__
+        monkeypatch.setattr(cls, "load", classmethod(lambda c, uri, *a, _o=original, **k: calls.append((c.__name__, uri)) or _o(c, uri, *a, **k)))
+    config = write_config(tmp_path, tiny_model, pipeline={"iterations": 3, "val_every": 1})
+    pipeline = Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"])
+    pipeline.run()
+    assert sorted(calls) == sorted([("HFPolicy", tiny_model), ("HFPolicy", tiny_model), ("ValueModel", tiny_model)])
+    assert len(pipeline.workers.loads) == 3
+
+
+def test_python_api_steps_and_takes_a_callable_reward(tmp_path, tiny_model):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    pipeline = Pipeline.from_config(
+        {"model": {"path": tiny_model, "ref": tiny_model}, "data": {"prompts": str(prompts), "batch_size": 2},
+         "rollout": {"n": 2, "max_new_tokens": 4}, "advantage": {"estimator": "rloo", "kl_coef": 0.1},
+         "pipeline": {"iterations": 2, "run_dir": str(tmp_path / "run")}},
+        reward_fn=lambda responses: [float(len(r) % 3) for r in responses],
+    )
+    first = pipeline.step()
+    assert first["iteration"] == 1 and {"reward_mean", "kl_divergence", "entropy", "grad_norm", "logprob_mismatch"} <= set(first)
+    assert first["logprob_mismatch"] < 1e-4
+    assert len(pipeline.run()) == 1 and pipeline.iteration == 2
+
+
+def test_until_then_from_continues_to_the_same_weights(tmp_path, tiny_model, reference_run):
+    config, reference = reference_run
+    run = tmp_path / "run"
+    rlctl("pipeline", config, "--run-dir", run, "--until", "score", "--quiet")
+    assert (run / "iter-0001" / "score" / "_manifest.json").exists() and not (run / "iter-0001" / "advantage").exists()
+    rlctl("pipeline", config, "--run-dir", run, "--from", "advantage", "--quiet")
+    assert all(torch.equal(a, b) for a, b in zip(final_weights(reference).values(), final_weights(run).values()))
+
+
+def test_validation_scores_overall_and_per_data_source(reference_run):
+    _, run = reference_run
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert "val/score" not in rows[0] and {"val/score", "val/score/odd", "val/score/even"} <= set(rows[1])
+    assert (run / "iter-0002" / "val" / "_manifest.json").exists()
+
+
+def test_run_folder_layout_show_and_plot(cli, reference_run, tmp_path):
+    _, run = reference_run
+    assert (run / "config.resolved.toml").exists() and len((run / "metrics.jsonl").read_text().splitlines()) == 4
+    for stage in ("prompts", "rollout", "score", "advantage", "update"):
+        assert (run / "iter-0004" / stage / "_manifest.json").exists()
+    summary = cli("show", run, "--json")
+    assert json.loads(summary.stdout)["iterations_done"] == 4
+    plot = cli("plot", run, "--out", tmp_path / "m.png")
+    assert plot.exit_code == 0 and (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(cli, tmp_path, tiny_model):
+    config = write_config(tmp_path, tiny_model)
+    result = cli("pipeline", config, "--dry-run", "--run-dir", tmp_path / "run")
+    assert result.exit_code == 0, result.stderr
+    assert "iterations    1..4 of 4" in result.stdout and "rollout → score → advantage → update" in result.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_keep_shards_prunes_old_stage_outputs(tmp_path, tiny_model):
+    config = write_config(tmp_path, tiny_model, pipeline={"iterations": 3, "keep_shards": 1, "keep_checkpoints": 1, "val_every": 0})
+    Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"]).run()
+    assert sorted(p.name for p in (tmp_path / "run" / "iter-0001").iterdir()) == ["update"]
+    assert (tmp_path / "run" / "iter-0003" / "rollout").exists()
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["iter-0003"]
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--from", "scoring"], "--from 'scoring': unknown stage"),
+    (["--set", "update.mini_batch_size=4"], "mini_batch_size=4 does not divide the batch of 6"),
+    (["--set", "model.ref="], "kl_coef > 0 needs a reference model"),
+    (["--set", "model.critic="], "estimator gae needs a critic"),
+    (["--set", "advantage.estimator=ppo"], "unknown advantage estimator 'ppo'"),
+])
+def test_bad_configs_fail_before_any_work(cli, tmp_path, tiny_model, args, fragment):
+    config = write_config(tmp_path, tiny_model)
+    result = cli("pipeline", config, "--run-dir", tmp_path / "run", *args)
+    assert result.exit_code == 2, result.stderr
+    assert fragment in one_line_error(result)
+    assert not (tmp_path / "run").exists()
