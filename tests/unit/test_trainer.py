@@ -97,3 +97,10 @@ def test_mini_batch_that_does_not_divide_is_an_input_error(policy):
 
     with pytest.raises(InputError, match="mini_batch_size=3 does not divide the batch of 8"):
         Trainer(policy, UpdateConfig(mini_batch_size=3)).train(make_batch())
+
+
+def test_bf16_autocast_trains_with_finite_gradients(tiny_model):
+    before = weights(HFPolicy.load(tiny_model, "cpu"))
+    policy, _, metrics = run_update(tiny_model, make_batch(), UpdateConfig(lr=1e-3, micro_batch_size=4, bf16=True))
+    assert np.isfinite(metrics["grad_norm"]) and "skipped_steps" not in metrics
+    assert any(not torch.equal(before[k], v) for k, v in weights(policy).items())

@@ -1,0 +1,46 @@
+"""The HF backend's sampling loop: stop tokens end rows early (and drop them from the batch),
+log-probs match a scoring forward pass, and a seed fixes the output."""
+
+import numpy as np
+import pytest
+
+from rlctl.backends.base import SamplingParams
+from rlctl.backends.hf import HFPolicy
+
+
+@pytest.fixture
+def policy(tiny_model):
+    return HFPolicy.load(tiny_model, "cpu")
+
+
+def prompts(policy):
+    texts = ["hello there", "12 + 3 =", "a", "The answer is"]
+    return [policy.tokenizer(t)["input_ids"] for t in texts] * 3
+
+
+def test_rows_that_sample_a_stop_token_end_early_and_keep_exact_logprobs(policy):
+    policy.stop_ids = list(range(0, 512, 17))  # 1 token in 17 stops: rows finish at different steps
+    batch = prompts(policy)
+    active_counts = []
+    out = policy.generate(batch, SamplingParams(max_new_tokens=12, temperature=1.0, seed=0), on_tokens=active_counts.append)
+    stopped = [g for g in out if g.finish_reason == "stop"]
+    assert stopped and any(g.finish_reason == "length" for g in out)
+    for g in out:
+        if g.finish_reason == "stop":
+            assert g.response_ids[-1] in policy.stop_ids and all(t not in policy.stop_ids for t in g.response_ids[:-1])
+        else:
+            assert len(g.response_ids) == 12
+    assert active_counts[0] == len(batch) and active_counts[-1] < len(batch)  # finished rows left the batch
+    rescored = policy.logprobs(batch, [g.response_ids for g in out], temperature=1.0)
+    for g, lp in zip(out, rescored):
+        np.testing.assert_allclose(g.logprobs, lp, atol=1e-4)
+
+
+def test_greedy_is_argmax_and_seed_fixes_sampling(policy):
+    batch = prompts(policy)
+    greedy = policy.generate(batch, SamplingParams(max_new_tokens=6, temperature=0.0))
+    assert greedy[0].response_ids == greedy[4].response_ids  # same prompt, same greedy answer
+    a = policy.generate(batch, SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, top_k=50, seed=7))
+    b = policy.generate(batch, SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, top_k=50, seed=7))
+    c = policy.generate(batch, SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, top_k=50, seed=8))
+    assert [g.response_ids for g in a] == [g.response_ids for g in b] != [g.response_ids for g in c]
