@@ -68,7 +68,9 @@ class LiveView:
         self.live.__exit__(*exc)
 
     def stage(self, name: str, total: float | None) -> None:
-        self.progress.reset(self.current, total=total, description=name)
+        self.progress.reset(self.current, description=name)
+        # rich reads total=None as "unchanged"; a stage without a known size must pulse instead
+        next(t for t in self.progress.tasks if t.id == self.current).total = total
 
     def advance(self, amount: float) -> None:
         self.progress.advance(self.current, amount)
