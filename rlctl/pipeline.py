@@ -442,7 +442,8 @@ def _committed_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def _pipeline_state(checkpoint: Path) -> dict:
-    return json.loads((checkpoint / "trainer_state" / "pipeline.json").read_text())
+    """The controller state committed with a checkpoint (iteration, KL controller, history)."""
+    return Manifest.from_json((checkpoint / MANIFEST_NAME).read_text()).state["pipeline"]
 
 
 def _logprob_mismatch(scores: pa.Table) -> float | None:

@@ -9,7 +9,6 @@ it when configured. A Ray worker group will implement the same methods.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
@@ -56,9 +55,9 @@ class LocalWorkers:
         return module_digest(self.policy.model)
 
     def save(self, directory: str, manifest: Manifest, pipeline_state: dict) -> None:
+        """A checkpoint whose manifest (the commit point) carries the controller's state."""
         manifest.state = {**manifest.state, "pipeline": pipeline_state}
         save_checkpoint(directory, policy=self.policy, trainer_state=self.trainer.state_dict(), manifest=manifest, critic=self.critic)
-        (Path(directory) / "trainer_state" / "pipeline.json").write_text(json.dumps(pipeline_state, indent=2, sort_keys=True) + "\n")
 
 
 def module_digest(module: torch.nn.Module) -> str:
