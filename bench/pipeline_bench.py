@@ -24,7 +24,7 @@ PROMPTS = [{"id": f"b{i}", "prompt": f"Benchmark prompt number {i}: explain step
 STAGES = ("prompts", "rollout", "score", "advantage", "update")
 
 
-def one_run(workdir: Path, model: Path, iterations: int, batch: int, n: int, tokens: int) -> dict[str, float]:
+def one_run(workdir: Path, model: Path, iterations: int, batch: int, n: int, tokens: int, overrides: list[str]) -> dict[str, float]:
     prompts = workdir / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     config = workdir / "bench.toml"
@@ -39,7 +39,8 @@ def one_run(workdir: Path, model: Path, iterations: int, batch: int, n: int, tok
     )
     run = workdir / "run"
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "rlctl", "pipeline", str(config), "--run-dir", str(run), "--quiet"], check=True, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    subprocess.run([sys.executable, "-m", "rlctl", "pipeline", str(config), "--run-dir", str(run), "--quiet", *sets], check=True, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - started
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     out = {f"{s} s/iter": statistics.mean(r.get(f"seconds/{s}", 0.0) for r in rows) for s in STAGES}
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="config override, e.g. update.bf16=true")
     parser.add_argument("--append", type=Path, help="append the Markdown result to this file")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,16 +70,17 @@ def main() -> None:
         for r in range(args.runs):
             workdir = Path(tmp) / f"run{r}"
             workdir.mkdir()
-            results.append(one_run(workdir, model, args.iterations, args.batch, args.n, args.tokens))
+            results.append(one_run(workdir, model, args.iterations, args.batch, args.n, args.tokens, args.overrides))
     medians = {k: statistics.median(r[k] for r in results) for k in results[0]}
     cpu = _cpu_name()
-    command = f"python bench/pipeline_bench.py --runs {args.runs} --iterations {args.iterations} --batch {args.batch} --n {args.n} --tokens {args.tokens}"
+    sets = "".join(f" --set {o}" for o in args.overrides)
+    command = f"python bench/pipeline_bench.py --runs {args.runs} --iterations {args.iterations} --batch {args.batch} --n {args.n} --tokens {args.tokens}{sets}"
     lines = [
         f"### pipeline, `small` preset — {time.strftime('%Y-%m-%d')}",
         "",
         f"- machine: {cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch threads default, no GPU",
         f"- command: `{command}`",
-        f"- workload: {args.batch} prompts × {args.n} samples × {args.tokens} new tokens per iteration, GRPO with a reference model, fp32",
+        f"- workload: {args.batch} prompts × {args.n} samples × {args.tokens} new tokens per iteration, GRPO with a reference model, fp32 weights{' (' + ', '.join(args.overrides) + ')' if args.overrides else ''}",
         f"- median of {args.runs} runs (each the mean over its {args.iterations} iterations)",
         "",
         "| metric | median |",

@@ -20,11 +20,10 @@ def token_logprobs(*, logits: torch.Tensor, tokens: torch.Tensor, temperature: f
     return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def entropy_from_logits(*, logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits [..., V] → entropy [...] of softmax(logits / temperature)."""
-    scaled = logits.float() / effective_temperature(temperature)
-    logp = torch.log_softmax(scaled, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+def logprobs_and_entropy(*, logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [..., V], tokens [...] → (log-probs [...], entropy [...]) from one log_softmax."""
+    logp = torch.log_softmax(logits.float() / effective_temperature(temperature), dim=-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
 def sample_next(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from rlctl.algos.logprobs import entropy_from_logits, sample_next, token_logprobs
+from rlctl.algos.logprobs import logprobs_and_entropy, sample_next, token_logprobs
 from rlctl.backends.base import Generation, SamplingParams
 from rlctl.errors import InputError
 
@@ -223,9 +223,9 @@ class HFPolicy:
         """Differentiable (log-probs [B, T], entropy [B, T] or None) of the response tokens."""
         out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False)
         logits = response_logits(out.logits, batch)
-        logp = token_logprobs(logits=logits, tokens=batch.response_ids, temperature=temperature)
-        entropy = entropy_from_logits(logits=logits, temperature=temperature) if with_entropy else None
-        return logp, entropy
+        if with_entropy:
+            return logprobs_and_entropy(logits=logits, tokens=batch.response_ids, temperature=temperature)
+        return token_logprobs(logits=logits, tokens=batch.response_ids, temperature=temperature), None
 
     @torch.no_grad()
     def logprobs(self, prompt_ids, response_ids, *, temperature: float, batch_size: int = 16) -> list[list[float]]:

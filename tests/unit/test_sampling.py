@@ -2,7 +2,7 @@
 
 import torch
 
-from rlctl.algos.logprobs import sample_next, token_logprobs, truncate_logits
+from rlctl.algos.logprobs import logprobs_and_entropy, sample_next, token_logprobs, truncate_logits
 
 
 def test_greedy_picks_argmax_and_reports_temperature_one_logprob():
@@ -24,3 +24,12 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     assert torch.isfinite(truncate_logits(logits=logits, top_p=1.0, top_k=2)).tolist() == [[True, True, False, False]]
     assert torch.isfinite(truncate_logits(logits=logits, top_p=0.7, top_k=0)).tolist() == [[True, True, False, False]]
     assert torch.isfinite(truncate_logits(logits=logits, top_p=0.5, top_k=0)).tolist() == [[True, False, False, False]]
+
+
+def test_logprobs_and_entropy_share_one_definition():
+    g = torch.Generator().manual_seed(1)
+    logits, tokens = torch.randn(3, 5, 9, generator=g), torch.randint(0, 9, (3, 5), generator=g)
+    logp, entropy = logprobs_and_entropy(logits=logits, tokens=tokens, temperature=0.5)
+    assert torch.allclose(logp, token_logprobs(logits=logits, tokens=tokens, temperature=0.5))
+    probs = torch.softmax(logits / 0.5, -1)
+    assert torch.allclose(entropy, -(probs * probs.log()).sum(-1), atol=1e-6)

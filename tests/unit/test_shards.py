@@ -58,11 +58,14 @@ def test_manifest_records_files_with_rows_bytes_and_sha256(tmp_path):
     assert recorded["timings"]["seconds"] >= 0
 
 
-def test_single_parquet_file_round_trip(tmp_path):
+def test_single_parquet_file_round_trip_keeps_values_and_metadata(tmp_path):
+    from rlctl import schemas
+
     path = tmp_path / "one.parquet"
-    pq.write_table(table(), path)
-    back = shards.read(str(path), "rollouts").table
-    assert back.select(list(ROLLOUT_VALUES)).to_pydict() == table().to_pydict()
+    pq.write_table(schemas.validate(table(), "rollouts"), path)
+    raw = shards.read(str(path)).table  # no validation: what the file itself carries
+    assert raw.schema.metadata[b"rlctl.schema"] == b"rollouts" and raw.schema.metadata[b"rlctl.schema_version"] == b"1.0"
+    assert raw.select(list(ROLLOUT_VALUES)).to_pydict() == table().to_pydict()
 
 
 def test_parquet_parts_keep_schema_metadata(tmp_path):
