@@ -77,6 +77,8 @@ def _report(manifest, as_json: bool) -> None:
     elif manifest.metrics and manifest.stage == "update":
         shown = ("step", "pg_loss", "vf_loss", "entropy", "grad_norm", "tokens_per_s")
         _err("update: " + "  ".join(f"{k} {manifest.metrics[k]:.4g}" for k in shown if k in manifest.metrics))
+    elif "streamed_rows" in manifest.state:
+        _err(f"{manifest.stage}: streamed {manifest.state['streamed_rows']} rows to stdout in {manifest.timings.get('seconds', 0):.2f}s")
     else:
         what = f"{manifest.rows} rows" if manifest.schema else f"{len(manifest.files)} files"
         _err(f"{manifest.stage}: wrote {what} in {manifest.timings.get('seconds', 0):.2f}s")

@@ -8,14 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest, stage_key
-from rlctl.shards import STDIO, Shards, _fs, is_committed, read_manifest
+from rlctl.shards import STDIO, Shards, filesystem, is_committed, read_manifest
 
 
 def shards_ref(shards: Shards) -> InputRef:
     """The input's manifest sha256, or for a bare file the sha256 of its bytes."""
     if shards.manifest_sha256 or shards.uri == STDIO:
         return shards.ref()
-    fs, path = _fs(shards.uri)
+    fs, path = filesystem(shards.uri)
     digest = hashlib.sha256()
     with fs.open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

@@ -59,7 +59,7 @@ def read(uri: str, schema: str | None = None, *, stdin: BinaryIO | None = None) 
     if uri == STDIO:
         shards = _read_stream(stdin or sys.stdin.buffer)
     else:
-        fs, path = _fs(uri)
+        fs, path = filesystem(uri)
         if not fs.exists(path):
             raise InputError(f"input {uri!r} does not exist")
         shards = _read_folder(fs, path, uri) if fs.isdir(path) else _read_file(fs, path, uri)
@@ -73,7 +73,7 @@ def read(uri: str, schema: str | None = None, *, stdin: BinaryIO | None = None) 
 
 def read_manifest(uri: str) -> tuple[Manifest, str]:
     """The manifest of a committed output folder and its sha256."""
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     manifest_path = _join(path, MANIFEST_NAME)
     if not fs.exists(path):
         raise InputError(f"input {uri!r} does not exist")
@@ -87,7 +87,7 @@ def read_manifest(uri: str) -> tuple[Manifest, str]:
 
 
 def is_committed(uri: str) -> bool:
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     return fs.exists(_join(path, MANIFEST_NAME))
 
 
@@ -228,7 +228,7 @@ def write(
     if uri == STDIO:
         return _write_stream(batches, first_schema, manifest, stdout or sys.stdout.buffer)
     manifest.format = format
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     existed = fs.exists(path)
     _clear_output(fs, path, uri)
     fs.makedirs(path, exist_ok=True)
@@ -262,7 +262,7 @@ def commit(fs: fsspec.AbstractFileSystem, path: str, manifest: Manifest) -> None
 
 def prepare_output(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """Uncommit and clear an output folder so a new write can fill it; returns (fs, path)."""
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     _clear_output(fs, path, uri)
     fs.makedirs(path, exist_ok=True)
     return fs, path
@@ -306,10 +306,13 @@ def _write_stream(batches, schema: pa.Schema, manifest: Manifest, stdout: Binary
     manifest.finish()
     metadata = dict(schema.metadata or {})
     metadata[STREAM_MANIFEST_KEY] = manifest.to_json().encode()
+    rows = 0
     with pa.ipc.new_stream(stdout, schema.with_metadata(metadata)) as writer:
         for batch in batches:
             writer.write_batch(batch)
+            rows += batch.num_rows
     stdout.flush()
+    manifest.state = {**manifest.state, "streamed_rows": rows}  # the embedded copy predates the rows
     return manifest
 
 
@@ -379,7 +382,7 @@ class _HashingWriter(io.RawIOBase):
 # --- helpers --------------------------------------------------------------------------------
 
 
-def _fs(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
+def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     try:
         return fsspec.core.url_to_fs(uri)
     except (ImportError, ValueError) as exc:
@@ -394,7 +397,7 @@ def local_path(uri: str) -> str | None:
     """The local filesystem path of `uri`, or None for remote and in-memory stores."""
     if uri == STDIO:
         return None
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     return path if isinstance(fs, LocalFileSystem) else None
 
 

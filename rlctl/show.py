@@ -16,7 +16,7 @@ from rich.table import Table
 
 from rlctl.errors import InputError
 from rlctl.manifest import MANIFEST_NAME, Manifest
-from rlctl.shards import STDIO, _fs, read
+from rlctl.shards import STDIO, filesystem, read
 
 TOKEN_ID_COLUMNS = ("prompt_ids", "response_ids")
 
@@ -60,7 +60,7 @@ def show(uri: str, *, rows: int = 10, width: int = 40, as_json: bool = False, co
 def classify(uri: str) -> str:
     if uri == STDIO:
         return "shards"
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     if not fs.exists(path):
         raise InputError(f"{uri!r} does not exist")
     if path.endswith(MANIFEST_NAME):
@@ -137,7 +137,7 @@ def _schema_name(schema: pa.Schema) -> str | None:
 
 
 def _read_text(uri: str) -> str:
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     with fs.open(path, "rt") as f:
         return f.read()
 
