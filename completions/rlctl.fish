@@ -51,6 +51,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l backend
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l chat-template
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l config
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l device
+complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l dtype
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l force
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l format
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l help

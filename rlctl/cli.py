@@ -103,6 +103,7 @@ def rollout(
     top_k: Annotated[Optional[int], typer.Option("--top-k", help="Sample from the k most likely tokens; 0 = all.", min=0)] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed.")] = None,
     backend: Annotated[Optional[str], typer.Option("--backend", help="Rollout engine: hf or vllm.")] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype of generation: fp32 or bf16.")] = None,
     max_prompt_tokens: Annotated[Optional[int], typer.Option("--max-prompt-tokens", help="Longest prompt in tokens.", min=1)] = None,
     truncate: Annotated[Optional[str], typer.Option("--truncate", help="A too-long prompt is an error, or left-truncated (left).")] = None,
     chat_template: Annotated[Optional[bool], typer.Option("--chat-template/--no-chat-template", help="Render plain prompts with the chat template.")] = None,
@@ -119,7 +120,7 @@ def rollout(
     from rlctl.stages import rollout as stage
 
     cfg = _stage_config(config, set_)
-    rollout_cfg = override_section(cfg.rollout, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, backend=backend)
+    rollout_cfg = override_section(cfg.rollout, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, backend=backend, dtype=dtype)
     data_cfg = override_section(cfg.data, max_prompt_tokens=max_prompt_tokens, truncate=truncate, chat_template=chat_template)
     device = device or cfg.model.device
     manifest = stage.run(prompts=prompts, model=model, out=_output(out, fmt, rows_per_part, as_json), cfg=rollout_cfg, data=data_cfg, device=device, force=force)

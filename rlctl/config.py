@@ -60,6 +60,7 @@ class RolloutConfig:
     seed: int = 0
     backend: str = "hf"
     batch_size: int = 64  # sequences generated together
+    dtype: str = "fp32"  # compute dtype of generation: fp32 | bf16 (bf16 autocast on the HF engine)
 
 
 @dataclass(frozen=True)

@@ -82,10 +82,10 @@ def rollout_table(
     repeated = [ids for ids in prompt_ids for _ in range(cfg.n)]
     params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed)
     if on_tokens is not None:
-        generations = engine.generate(repeated, params, batch_size=cfg.batch_size, on_tokens=on_tokens)
+        generations = engine.generate(repeated, params, batch_size=cfg.batch_size, on_tokens=on_tokens, compute_dtype=cfg.dtype)
     else:
         with progress_bar("rollout", total=len(repeated) * cfg.max_new_tokens, unit="tok") as bar:
-            generations = engine.generate(repeated, params, batch_size=cfg.batch_size, on_tokens=bar.advance)
+            generations = engine.generate(repeated, params, batch_size=cfg.batch_size, on_tokens=bar.advance, compute_dtype=cfg.dtype)
     rows = pa.array([i for i in range(prompts.num_rows) for _ in range(cfg.n)], pa.int64())
     table = prompts.take(rows)
     responses = engine.tokenizer.batch_decode([g.response_ids for g in generations], skip_special_tokens=True)

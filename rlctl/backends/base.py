@@ -40,6 +40,7 @@ class RolloutEngine(Protocol):
         *,
         batch_size: int = 64,
         on_tokens: Callable[[int], None] | None = None,
+        compute_dtype: str = "fp32",
     ) -> list[Generation]: ...
 
 

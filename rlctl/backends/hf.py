@@ -13,6 +13,7 @@ import inspect
 import json
 import os
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from rlctl.backends.base import Generation, SamplingParams
 from rlctl.errors import InputError
 
 VALUE_HEAD_FILE = "value_head.safetensors"
+COMPUTE_DTYPES = ("fp32", "bf16")
 
 
 def quiet_transformers() -> None:
@@ -150,14 +152,20 @@ class HFPolicy:
         *,
         batch_size: int = 64,
         on_tokens: Callable[[int], None] | None = None,
+        compute_dtype: str = "fp32",
     ) -> list[Generation]:
         """Sample one response per prompt (repeat a prompt for n samples). Deterministic for a
-        seed: one generator drives all batches in order."""
+        seed: one generator drives all batches in order. `compute_dtype="bf16"` runs the
+        forward passes under bf16 autocast (the weights, shared with training, stay fp32)."""
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise InputError(f"rollout dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r}")
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
         results: list[Generation] = []
-        for start in range(0, len(prompt_ids), batch_size):
-            chunk = prompt_ids[start : start + batch_size]
-            results.extend(self._generate_batch(chunk, params, generator, on_tokens))
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if compute_dtype == "bf16" else nullcontext()
+        with autocast:
+            for start in range(0, len(prompt_ids), batch_size):
+                chunk = prompt_ids[start : start + batch_size]
+                results.extend(self._generate_batch(chunk, params, generator, on_tokens))
         return results
 
     def _generate_batch(self, prompt_ids, params: SamplingParams, generator, on_tokens) -> list[Generation]:

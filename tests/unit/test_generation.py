@@ -44,3 +44,22 @@ def test_greedy_is_argmax_and_seed_fixes_sampling(policy):
     b = policy.generate(batch, SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, top_k=50, seed=7))
     c = policy.generate(batch, SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, top_k=50, seed=8))
     assert [g.response_ids for g in a] == [g.response_ids for g in b] != [g.response_ids for g in c]
+
+
+def test_bf16_generation_is_seeded_and_close_to_the_fp32_definition(policy):
+    batch = prompts(policy)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
+    a = policy.generate(batch, params, compute_dtype="bf16")
+    b = policy.generate(batch, params, compute_dtype="bf16")
+    assert [g.response_ids for g in a] == [g.response_ids for g in b]
+    rescored = policy.logprobs(batch, [g.response_ids for g in a], temperature=1.0)  # fp32, as score does
+    for g, lp in zip(a, rescored):
+        np.testing.assert_allclose(g.logprobs, lp, atol=0.1)
+    assert next(policy.model.parameters()).dtype == __import__("torch").float32  # weights untouched
+
+
+def test_unknown_compute_dtype_is_an_input_error(policy):
+    from rlctl.errors import InputError
+
+    with pytest.raises(InputError, match="rollout dtype must be one of fp32, bf16"):
+        policy.generate(prompts(policy)[:1], SamplingParams(max_new_tokens=2), compute_dtype="fp8")
