@@ -24,7 +24,7 @@ _rlctl() {
         "replay") opts="--check --help --out --set" ;;
         "reshard") opts="--check --checkpoint --config --dtype --force --help --json --out --set --to" ;;
         "rollout") opts="--backend --chat-template --config --device --dtype --force --format --help --json --max-new-tokens --max-prompt-tokens --model --n --no-chat-template --out --prompts --rows-per-part --seed --set --temperature --top-k --top-p --truncate" ;;
-        "score") opts="--batch-size --config --critic --device --force --format --help --json --out --policy --ref --reward --reward-timeout --rollouts --rows-per-part --set" ;;
+        "score") opts="--batch-size --config --critic --device --dtype --force --format --help --json --out --policy --ref --reward --reward-timeout --rollouts --rows-per-part --set" ;;
         "show") opts="--columns --help --json --rows --width" ;;
         "update") opts="--batch --bf16 --config --critic --device --epochs --force --help --json --loss-agg-mode --lr --micro-batch-size --mini-batch-size --model --no-bf16 --out --seed --set" ;;
         *) opts="--help" ;;

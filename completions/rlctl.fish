@@ -74,6 +74,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from score' -l batch-size
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l config
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l critic
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l device
+complete -c rlctl -n '__fish_seen_subcommand_from score' -l dtype
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l force
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l format
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l help

@@ -24,7 +24,7 @@ _rlctl() {
     replay) _arguments '*:file:_files' '--check' '--help' '--out' '--set' ;;
     reshard) _arguments '*:file:_files' '--check' '--checkpoint' '--config' '--dtype' '--force' '--help' '--json' '--out' '--set' '--to' ;;
     rollout) _arguments '*:file:_files' '--backend' '--chat-template' '--config' '--device' '--dtype' '--force' '--format' '--help' '--json' '--max-new-tokens' '--max-prompt-tokens' '--model' '--n' '--no-chat-template' '--out' '--prompts' '--rows-per-part' '--seed' '--set' '--temperature' '--top-k' '--top-p' '--truncate' ;;
-    score) _arguments '*:file:_files' '--batch-size' '--config' '--critic' '--device' '--force' '--format' '--help' '--json' '--out' '--policy' '--ref' '--reward' '--reward-timeout' '--rollouts' '--rows-per-part' '--set' ;;
+    score) _arguments '*:file:_files' '--batch-size' '--config' '--critic' '--device' '--dtype' '--force' '--format' '--help' '--json' '--out' '--policy' '--ref' '--reward' '--reward-timeout' '--rollouts' '--rows-per-part' '--set' ;;
     show) _arguments '*:file:_files' '--columns' '--help' '--json' '--rows' '--width' ;;
     update) _arguments '*:file:_files' '--batch' '--bf16' '--config' '--critic' '--device' '--epochs' '--force' '--help' '--json' '--loss-agg-mode' '--lr' '--micro-batch-size' '--mini-batch-size' '--model' '--no-bf16' '--out' '--seed' '--set' ;;
     *) _describe 'command' commands ;;

@@ -137,6 +137,7 @@ def score(
     policy: Annotated[Optional[str], typer.Option("--policy", help="Policy model → old_logprobs.")] = None,
     reward_timeout: Annotated[Optional[float], typer.Option("--reward-timeout", help="Seconds a reward call may take.", min=0.0)] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per forward pass.", min=1)] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype of the forward passes: fp32 or bf16.")] = None,
     device: DeviceOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -150,7 +151,7 @@ def score(
     from rlctl.stages import score as stage
 
     cfg = _stage_config(config, set_)
-    score_cfg = override_section(cfg.score, reward=reward, reward_timeout=reward_timeout, batch_size=batch_size)
+    score_cfg = override_section(cfg.score, reward=reward, reward_timeout=reward_timeout, batch_size=batch_size, dtype=dtype)
     manifest = stage.run(
         rollouts=rollouts, out=_output(out, fmt, rows_per_part, as_json), cfg=score_cfg,
         ref=ref, critic=critic, policy=policy, device=device or cfg.model.device, force=force,

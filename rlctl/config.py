@@ -68,6 +68,7 @@ class ScoreConfig:
     reward: str = "builtin:length"
     reward_timeout: float = 60.0
     batch_size: int = 16  # sequences per forward pass
+    dtype: str = "fp32"  # compute dtype of the ref/policy/critic forward passes: fp32 | bf16
     old_logprobs: bool = True  # in a pipeline: recompute policy log-probs with a forward pass
 
 

@@ -79,12 +79,12 @@ def score_table(table: pa.Table, reward: RewardFunction, models: ScoringModels, 
     response_ids = table.column("response_ids").to_pylist()
     new = {"reward": pa.array(rewards, pa.float32())}
     if models.ref is not None:
-        new["ref_logprobs"] = list_column(models.ref.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size), pa.float32())
+        new["ref_logprobs"] = list_column(models.ref.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size, compute_dtype=cfg.dtype), pa.float32())
     if models.policy is not None:
-        new["old_logprobs"] = list_column(models.policy.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size), pa.float32())
+        new["old_logprobs"] = list_column(models.policy.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size, compute_dtype=cfg.dtype), pa.float32())
     if models.critic is not None:
         pad_id = models.policy.pad_id if models.policy is not None else 0
-        new["values"] = list_column(models.critic.values(prompt_ids, response_ids, pad_id=pad_id, batch_size=cfg.batch_size), pa.float32())
+        new["values"] = list_column(models.critic.values(prompt_ids, response_ids, pad_id=pad_id, batch_size=cfg.batch_size, compute_dtype=cfg.dtype), pa.float32())
     table = set_columns(table, new)
     if table.num_rows == 0:
         raise InputError("rollouts: no rows to score")

@@ -47,6 +47,13 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def compute_context(device: torch.device, compute_dtype: str):
+    """bf16 autocast for forward passes (weights stay fp32), or nothing for fp32."""
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise InputError(f"compute dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r}")
+    return torch.autocast(device.type, dtype=torch.bfloat16) if compute_dtype == "bf16" else nullcontext()
+
+
 def check_model_dir(uri: str) -> Path:
     path = Path(uri)
     if not path.exists():
@@ -157,12 +164,9 @@ class HFPolicy:
         """Sample one response per prompt (repeat a prompt for n samples). Deterministic for a
         seed: one generator drives all batches in order. `compute_dtype="bf16"` runs the
         forward passes under bf16 autocast (the weights, shared with training, stay fp32)."""
-        if compute_dtype not in COMPUTE_DTYPES:
-            raise InputError(f"rollout dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r}")
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
         results: list[Generation] = []
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if compute_dtype == "bf16" else nullcontext()
-        with autocast:
+        with compute_context(self.device, compute_dtype):
             for start in range(0, len(prompt_ids), batch_size):
                 chunk = prompt_ids[start : start + batch_size]
                 results.extend(self._generate_batch(chunk, params, generator, on_tokens))
@@ -236,13 +240,14 @@ class HFPolicy:
         return token_logprobs(logits=logits, tokens=batch.response_ids, temperature=temperature), None
 
     @torch.no_grad()
-    def logprobs(self, prompt_ids, response_ids, *, temperature: float, batch_size: int = 16) -> list[list[float]]:
+    def logprobs(self, prompt_ids, response_ids, *, temperature: float, batch_size: int = 16, compute_dtype: str = "fp32") -> list[list[float]]:
         results = []
-        for start in range(0, len(prompt_ids), batch_size):
-            batch = pack(prompt_ids[start : start + batch_size], response_ids[start : start + batch_size], self.pad_id, self.device)
-            logp, _ = self.forward(batch, temperature=temperature)
-            lengths = batch.response_mask.sum(-1).tolist()
-            results.extend(row[:n] for row, n in zip(logp.float().cpu().tolist(), lengths))
+        with compute_context(self.device, compute_dtype):
+            for start in range(0, len(prompt_ids), batch_size):
+                batch = pack(prompt_ids[start : start + batch_size], response_ids[start : start + batch_size], self.pad_id, self.device)
+                logp, _ = self.forward(batch, temperature=temperature)
+                lengths = batch.response_mask.sum(-1).tolist()
+                results.extend(row[:n] for row, n in zip(logp.float().cpu().tolist(), lengths))
         return results
 
 
@@ -282,14 +287,15 @@ class ValueModel(torch.nn.Module):
         return self.value_head(hidden.float()).squeeze(-1)
 
     @torch.no_grad()
-    def values(self, prompt_ids, response_ids, *, pad_id: int, batch_size: int = 16) -> list[list[float]]:
+    def values(self, prompt_ids, response_ids, *, pad_id: int, batch_size: int = 16, compute_dtype: str = "fp32") -> list[list[float]]:
         device = self.value_head.weight.device
         results = []
-        for start in range(0, len(prompt_ids), batch_size):
-            batch = pack(prompt_ids[start : start + batch_size], response_ids[start : start + batch_size], pad_id, device)
-            v = self.forward(batch)
-            lengths = batch.response_mask.sum(-1).tolist()
-            results.extend(row[:n] for row, n in zip(v.cpu().tolist(), lengths))
+        with compute_context(device, compute_dtype):
+            for start in range(0, len(prompt_ids), batch_size):
+                batch = pack(prompt_ids[start : start + batch_size], response_ids[start : start + batch_size], pad_id, device)
+                v = self.forward(batch)
+                lengths = batch.response_mask.sum(-1).tolist()
+                results.extend(row[:n] for row, n in zip(v.float().cpu().tolist(), lengths))
         return results
 
 

@@ -160,3 +160,11 @@ def test_too_long_prompt_names_its_id_unless_truncated(cli, tmp_path, tiny_model
 
 def test_tp_that_does_not_divide_the_heads(cli, tmp_path, tiny_model):
     bad(cli("reshard", "--checkpoint", tiny_model, "--out", tmp_path / "o", "--to", "tp=4"), tmp_path / "o", "tp=4 does not divide the model's 2 key/value heads")
+
+
+def test_score_in_bf16_stays_close_to_fp32(cli, tmp_path, tiny_model, scored):
+    result = cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "s16", "--reward", "builtin:length", "--ref", tiny_model, "--critic", tiny_model, "--dtype", "bf16")
+    assert result.exit_code == 0, result.stderr
+    fp32, bf16 = shards.read(str(scored)).table, shards.read(str(tmp_path / "s16")).table
+    for column in ("ref_logprobs", "values"):
+        np.testing.assert_allclose(np.concatenate(bf16.column(column).to_pylist()), np.concatenate(fp32.column(column).to_pylist()), atol=0.1)

@@ -61,5 +61,5 @@ def test_bf16_generation_is_seeded_and_close_to_the_fp32_definition(policy):
 def test_unknown_compute_dtype_is_an_input_error(policy):
     from rlctl.errors import InputError
 
-    with pytest.raises(InputError, match="rollout dtype must be one of fp32, bf16"):
+    with pytest.raises(InputError, match="compute dtype must be one of fp32, bf16"):
         policy.generate(prompts(policy)[:1], SamplingParams(max_new_tokens=2), compute_dtype="fp8")
