@@ -168,3 +168,19 @@ def test_score_in_bf16_stays_close_to_fp32(cli, tmp_path, tiny_model, scored):
     fp32, bf16 = shards.read(str(scored)).table, shards.read(str(tmp_path / "s16")).table
     for column in ("ref_logprobs", "values"):
         np.testing.assert_allclose(np.concatenate(bf16.column(column).to_pylist()), np.concatenate(fp32.column(column).to_pylist()), atol=0.1)
+
+
+def test_chat_template_flag_renders_plain_prompts(cli, tmp_path, tiny_model, prompts_file):
+    from transformers import AutoTokenizer
+
+    result = cli("rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", tmp_path / "c", "--chat-template", *ROLL)
+    assert result.exit_code == 0, result.stderr
+    first = shards.read(str(tmp_path / "c")).table.column("prompt_ids")[0].as_py()
+    assert AutoTokenizer.from_pretrained(tiny_model).decode(first) == "<|im_start|>user\nThe answer is<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_format_parquet_writes_parquet_parts_that_read_back(cli, tmp_path, scored):
+    result = cli("advantage", "--scores", scored, "--out", tmp_path / "pq", "--estimator", "grpo", "--format", "parquet", "--rows-per-part", "4")
+    assert result.exit_code == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "pq").glob("part-*")) == ["part-00000.parquet", "part-00001.parquet"]
+    assert shards.read(str(tmp_path / "pq"), "batch").table.num_rows == 6
