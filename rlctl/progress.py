@@ -19,7 +19,7 @@ from rich.text import Text
 
 class _Silent:
     def advance(self, amount: float = 1) -> None:
-        pass
+        """No terminal, no bar: progress is dropped."""
 
 
 class _Bar:

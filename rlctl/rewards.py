@@ -325,7 +325,7 @@ def _call_with_timeout(reward: RewardFunction, samples: RewardSamples, timeout: 
 
 
 class _Timeout(Exception):
-    pass
+    """Raised by the SIGALRM handler inside a reward call that ran past its time."""
 
 
 def _call(reward: RewardFunction, samples: RewardSamples) -> Any:

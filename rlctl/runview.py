@@ -35,13 +35,13 @@ class PlainView:
         return self
 
     def __exit__(self, *exc) -> None:
-        pass
+        """Nothing to tear down: each line was printed when its iteration ended."""
 
     def stage(self, name: str, total: float | None) -> None:
-        pass
+        """Plain output shows iterations only, not stages."""
 
     def advance(self, amount: float) -> None:
-        pass
+        """Plain output has no per-stage progress."""
 
     def message(self, text: str) -> None:
         print(text, file=self.stream, flush=True)

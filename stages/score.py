@@ -8,15 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pyarrow as pa
-from rlctl.schemas import spec
-from rlctl.stages.rollout import sampling_of
 
 from rlctl.config import ScoreConfig, to_dict
 from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
 from rlctl.manifest import Manifest
 from rlctl.rewards import RewardFunction, RewardSamples, compute_rewards, load_reward
+from rlctl.schemas import spec
 from rlctl.shards import OutputSpec, read, write
+from rlctl.stages.rollout import sampling_of
 from rlctl.tensors import list_column, set_columns
 
 

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlctl.schemas import spec
-from rlctl.stages.rollout import sampling_of
+import pyarrow as pa
 
 from rlctl.checkpoint import CRITIC_DIR, load_trainer_state, local_checkpoint_dir, save_checkpoint
 from rlctl.config import UpdateConfig, to_dict
 from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
 from rlctl.manifest import Manifest
+from rlctl.schemas import spec, validate
 from rlctl.shards import read
+from rlctl.stages.rollout import sampling_of
 from rlctl.trainer import TrainBatch, Trainer, check_update_config
 
 
@@ -47,6 +48,7 @@ def run(*, batch: str, model: str, out: str, cfg: UpdateConfig, critic: str | No
     if train_batch.size == 0:
         raise InputError(f"{batch}: the batch has no rows")
     manifest.metrics = trainer.train(train_batch)
+    validate(pa.Table.from_pylist([manifest.metrics]), "metrics", source="update metrics")  # the row honours its schema
     manifest.schema, manifest.schema_version = "metrics", spec("metrics").version
     return save_checkpoint(out, policy=policy, trainer_state=trainer.state_dict(), manifest=manifest, critic=critic_model)
 
