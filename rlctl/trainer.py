@@ -147,7 +147,7 @@ class Trainer:
         mask = batch.response_mask[indices]
         norms = {"batch_tokens": int(mask.sum()), "batch_seqs": len(indices), "horizon": cfg.loss_horizon or batch.response_mask.shape[1]}
         stats = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "entropy": 0.0}
-        if cfg.use_kl_loss:
+        if batch.ref_logprobs is not None:  # reported whenever measurable; a loss only with use_kl_loss
             stats["kl"] = 0.0
         if self.critic is not None:
             stats["vf_loss"] = 0.0
@@ -172,10 +172,10 @@ class Trainer:
             pg_loss = aggregate(loss=pg.loss, response_mask=m, mode=cfg.loss_agg_mode, **norms)
             entropy_loss = aggregate(loss=entropy, response_mask=m, mode=cfg.loss_agg_mode, **norms)
             loss = pg_loss - cfg.entropy_coef * entropy_loss
-            if cfg.use_kl_loss:
+            if batch.ref_logprobs is not None:
                 kl = KL_ESTIMATORS.get(cfg.kl_loss_estimator)(logprobs=logp, ref_logprobs=take(batch.ref_logprobs))
-                kl_loss = aggregate(loss=kl, response_mask=m, mode=cfg.loss_agg_mode, **norms)
-                loss = loss + cfg.kl_loss_coef * kl_loss
+                if cfg.use_kl_loss:
+                    loss = loss + cfg.kl_loss_coef * aggregate(loss=kl, response_mask=m, mode=cfg.loss_agg_mode, **norms)
                 stats["kl"] += float(torch.where(m, kl.detach(), 0).sum()) / tokens
             loss.backward()
             if self.critic is not None:

@@ -75,7 +75,7 @@ def test_update_and_reshard_write_loadable_checkpoints(cli, tmp_path, tiny_model
     result = cli("update", "--batch", tmp_path / "b", "--model", tiny_model, "--critic", tiny_model, "--out", tmp_path / "c1", "--lr", "1e-3", "--json")
     assert result.exit_code == 0, result.stderr
     metrics = json.loads(result.stdout)["metrics"]
-    assert metrics["step"] == 1 and {"pg_loss", "vf_loss", "entropy", "ppo_kl", "pg_clipfrac", "grad_norm", "lr", "tokens_per_s", "seconds"} <= set(metrics)
+    assert metrics["step"] == 1 and {"pg_loss", "vf_loss", "entropy", "kl", "ppo_kl", "pg_clipfrac", "grad_norm", "lr", "tokens_per_s", "seconds"} <= set(metrics)
     AutoModelForCausalLM.from_pretrained(tmp_path / "c1")
     # a second update starts from the first one's optimizer state and step
     result = cli("update", "--batch", tmp_path / "b", "--model", tmp_path / "c1", "--critic", tmp_path / "c1" / "critic", "--out", tmp_path / "c2", "--json")
