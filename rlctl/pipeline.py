@@ -230,7 +230,7 @@ class Pipeline:
         if cfg.pipeline.val_every and self.val_dataset is not None and i % cfg.pipeline.val_every == 0:
             row.update(self._validate(i))
         update_manifest.metrics = row
-        update_manifest.state = {**base_state, "handover": handover, "policy_version_after": workers.trainer.step}
+        update_manifest.state = {**base_state, "handover": handover, "policy_version_after": workers.trainer.step, "train_metrics": train_metrics}
         self._commit_manifest(self._dir(i, "update"), update_manifest)
         faults.point(f"iter-{i:04d}:after-update")
         self.history.append(row)
