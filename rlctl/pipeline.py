@@ -39,7 +39,6 @@ from rlctl.lineage import make_manifest, shards_ref
 from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest
 from rlctl.rewards import RewardFunction, from_callable, load_reward
 from rlctl.shards import Shards, is_committed, read, read_manifest, write
-from rlctl.workers.local import module_digest
 
 STAGES = ("rollout", "score", "advantage", "update")
 POLICY = "policy"  # model.ref / model.critic value meaning "the initial policy's weights"
@@ -122,6 +121,7 @@ class Pipeline:
         self.checkpoint = checkpoint
         state = _pipeline_state(checkpoint) if checkpoint else {}
         self.iteration = int(state.get("iteration", 0))
+        self.checkpoint_iteration = self.iteration if checkpoint else None
         self.kl_state = KLControllerState(float(state.get("kl_coef", cfg.advantage.kl_coef)), int(state.get("kl_steps", 0)))
         self.history: list[dict] = list(state.get("history", []))
 
@@ -181,7 +181,7 @@ class Pipeline:
         weights_source = self._weights_source(i)
         model_inputs = [InputRef("policy", weights)]
         if workers.critic is not None:
-            model_inputs.append(InputRef("critic", module_digest(workers.critic)))
+            model_inputs.append(InputRef("critic", workers.critic_digest()))
         if workers.ref is not None:
             model_inputs.append(InputRef(f"ref@{cfg.model.ref}", "frozen"))
         base_state = {"iteration": i, "weights_source": weights_source, "policy_version": workers.trainer.step}
@@ -270,7 +270,7 @@ class Pipeline:
 
     def _weights_source(self, i: int) -> str | None:
         """A folder holding exactly the weights iteration `i` starts from, if one is on disk."""
-        if self.checkpoint is not None and _pipeline_state(self.checkpoint).get("iteration") == i - 1:
+        if self.checkpoint is not None and self.checkpoint_iteration == i - 1:
             return str(self.checkpoint)
         return self.cfg.model.path if i == 1 else None
 
@@ -394,7 +394,7 @@ class Pipeline:
         state = {"iteration": i, "kl_coef": self.kl_state.kl_coef, "kl_steps": self.kl_state.steps, "history": self.history}
         manifest = Manifest(stage="checkpoint", config={"iteration": i}, state={"policy_version": self.workers.trainer.step})
         self.workers.save(str(directory), manifest, state)
-        self.checkpoint = directory
+        self.checkpoint, self.checkpoint_iteration = directory, i
         keep = self.cfg.pipeline.keep_checkpoints
         if keep > 0:
             for old in sorted(_committed_checkpoints(self.run_dir))[:-keep]:

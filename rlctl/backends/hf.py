@@ -75,13 +75,6 @@ def load_causal_lm(uri: str, device: torch.device):
     return model, tokenizer
 
 
-def load_tokenizer(uri: str):
-    from transformers import AutoTokenizer
-
-    quiet_transformers()
-    return AutoTokenizer.from_pretrained(check_model_dir(uri), padding_side="left")
-
-
 @dataclass(frozen=True)
 class PackedBatch:
     """Prompt + response sequences right-padded into one tensor, and where responses sit."""

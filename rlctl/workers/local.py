@@ -24,6 +24,7 @@ class LocalWorkers:
     def __init__(self, cfg: Config, *, policy_source: str, critic_source: str | None) -> None:
         self.device = resolve_device(cfg.model.device)
         self.loads: list[str] = []  # every model load, for accounting (each model once per run)
+        self._digests: dict[tuple[str, int], str] = {}
         self.policy = self._load_policy(policy_source)
         self.ref = self._load_policy(cfg.model.ref) if cfg.model.ref else None
         self.critic = None
@@ -51,8 +52,19 @@ class LocalWorkers:
         return {"mode": "in-memory (shared module)", "policy_version": self.trainer.step, "weights_sha256": self.weights_digest()}
 
     def weights_digest(self) -> str:
-        """sha256 over the policy's parameters: identifies the weights a stage used."""
-        return module_digest(self.policy.model)
+        """sha256 over the policy's parameters: identifies the weights a stage used. The
+        weights change only when the trainer steps, so the hash is kept per step."""
+        return self._digest("policy", self.policy.model)
+
+    def critic_digest(self) -> str:
+        return self._digest("critic", self.critic)
+
+    def _digest(self, name: str, module: torch.nn.Module) -> str:
+        key = (name, self.trainer.step)
+        if key not in self._digests:
+            self._digests = {k: v for k, v in self._digests.items() if k[0] != name}
+            self._digests[key] = module_digest(module)
+        return self._digests[key]
 
     def save(self, directory: str, manifest: Manifest, pipeline_state: dict) -> None:
         """A checkpoint whose manifest (the commit point) carries the controller's state."""
