@@ -21,7 +21,7 @@ _rlctl() {
         "model init") opts="--help --preset --seed" ;;
         "pipeline") opts="--dry-run --from --help --iterations --quiet --resume --run-dir --set --until" ;;
         "plot") opts="--help --out" ;;
-        "replay") opts="--check --help --out --set" ;;
+        "replay") opts="--check --help --out --reward --set --trust-run-code" ;;
         "reshard") opts="--check --checkpoint --config --dtype --force --help --json --out --set --to" ;;
         "rollout") opts="--backend --chat-template --config --device --dtype --force --format --help --json --max-new-tokens --max-prompt-tokens --model --n --no-chat-template --out --prompts --rows-per-part --seed --set --temperature --top-k --top-p --truncate" ;;
         "score") opts="--batch-size --config --critic --device --dtype --force --format --help --json --out --policy --ref --reward --reward-timeout --rollouts --rows-per-part --set" ;;

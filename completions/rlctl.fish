@@ -36,7 +36,9 @@ complete -c rlctl -n '__fish_seen_subcommand_from plot' -l out
 complete -c rlctl -n '__fish_seen_subcommand_from replay' -l check
 complete -c rlctl -n '__fish_seen_subcommand_from replay' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from replay' -l out
+complete -c rlctl -n '__fish_seen_subcommand_from replay' -l reward
 complete -c rlctl -n '__fish_seen_subcommand_from replay' -l set
+complete -c rlctl -n '__fish_seen_subcommand_from replay' -l trust-run-code
 complete -c rlctl -n '__fish_seen_subcommand_from reshard' -l check
 complete -c rlctl -n '__fish_seen_subcommand_from reshard' -l checkpoint
 complete -c rlctl -n '__fish_seen_subcommand_from reshard' -l config

@@ -21,7 +21,7 @@ _rlctl() {
     model-init) _arguments '*:file:_files' '--help' '--preset' '--seed' ;;
     pipeline) _arguments '*:file:_files' '--dry-run' '--from' '--help' '--iterations' '--quiet' '--resume' '--run-dir' '--set' '--until' ;;
     plot) _arguments '*:file:_files' '--help' '--out' ;;
-    replay) _arguments '*:file:_files' '--check' '--help' '--out' '--set' ;;
+    replay) _arguments '*:file:_files' '--check' '--help' '--out' '--reward' '--set' '--trust-run-code' ;;
     reshard) _arguments '*:file:_files' '--check' '--checkpoint' '--config' '--dtype' '--force' '--help' '--json' '--out' '--set' '--to' ;;
     rollout) _arguments '*:file:_files' '--backend' '--chat-template' '--config' '--device' '--dtype' '--force' '--format' '--help' '--json' '--max-new-tokens' '--max-prompt-tokens' '--model' '--n' '--no-chat-template' '--out' '--prompts' '--rows-per-part' '--seed' '--set' '--temperature' '--top-k' '--top-p' '--truncate' ;;
     score) _arguments '*:file:_files' '--batch-size' '--config' '--critic' '--device' '--dtype' '--force' '--format' '--help' '--json' '--out' '--policy' '--ref' '--reward' '--reward-timeout' '--rollouts' '--rows-per-part' '--set' ;;

@@ -49,8 +49,13 @@ def _version_callback(value: bool) -> None:
 @app.callback()
 def _root(
     version: Annotated[bool, typer.Option("--version", callback=_version_callback, is_eager=True, help="Print the version and exit.")] = False,
+    no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the sha256 check of committed parts (sizes are still checked); for very large trusted data.")] = False,
 ) -> None:
     """RL post-training of language models as stage commands over Arrow shards."""
+    if no_verify:
+        from rlctl.folders import NO_VERIFY_ENV
+
+        os.environ[NO_VERIFY_ENV] = "1"
 
 
 def _stage_config(config: Path | None, overrides: list[str] | None):
@@ -96,15 +101,15 @@ def rollout(
     prompts: Annotated[str, typer.Option("--prompts", help="Prompts: shard folder, .jsonl, .parquet or -.")],
     model: Annotated[str, typer.Option("--model", help="Policy weights: HF folder or rlctl checkpoint.")],
     out: OutOpt,
-    n: Annotated[Optional[int], typer.Option("--n", help="Samples per prompt.", min=1)] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Longest response in tokens.", min=1)] = None,
-    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature; 0 is greedy.", min=0.0)] = None,
-    top_p: Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass.", min=0.0, max=1.0)] = None,
-    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Sample from the k most likely tokens; 0 = all.", min=0)] = None,
+    n: Annotated[Optional[int], typer.Option("--n", help="Samples per prompt.")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Longest response in tokens.")] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature; 0 is greedy.")] = None,
+    top_p: Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass.")] = None,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Sample from the k most likely tokens; 0 = all.")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed.")] = None,
     backend: Annotated[Optional[str], typer.Option("--backend", help="Rollout engine: hf or vllm.")] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype of generation: fp32 or bf16.")] = None,
-    max_prompt_tokens: Annotated[Optional[int], typer.Option("--max-prompt-tokens", help="Longest prompt in tokens.", min=1)] = None,
+    max_prompt_tokens: Annotated[Optional[int], typer.Option("--max-prompt-tokens", help="Longest prompt in tokens.")] = None,
     truncate: Annotated[Optional[str], typer.Option("--truncate", help="A too-long prompt is an error, or left-truncated (left).")] = None,
     chat_template: Annotated[Optional[bool], typer.Option("--chat-template/--no-chat-template", help="Render plain prompts with the chat template.")] = None,
     device: DeviceOpt = None,
@@ -135,8 +140,8 @@ def score(
     ref: Annotated[Optional[str], typer.Option("--ref", help="Reference model → ref_logprobs.")] = None,
     critic: Annotated[Optional[str], typer.Option("--critic", help="Critic (causal LM + value head) → values.")] = None,
     policy: Annotated[Optional[str], typer.Option("--policy", help="Policy model → old_logprobs.")] = None,
-    reward_timeout: Annotated[Optional[float], typer.Option("--reward-timeout", help="Seconds a reward call may take.", min=0.0)] = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per forward pass.", min=1)] = None,
+    reward_timeout: Annotated[Optional[float], typer.Option("--reward-timeout", help="Seconds a reward call may take.")] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per forward pass.")] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype of the forward passes: fp32 or bf16.")] = None,
     device: DeviceOpt = None,
     config: ConfigOpt = None,
@@ -166,7 +171,7 @@ def advantage(
     estimator: Annotated[Optional[str], typer.Option("--estimator", help="gae, grpo, rloo, reinforce_pp or reinforce_pp_baseline.")] = None,
     gamma: Annotated[Optional[float], typer.Option("--gamma", help="Discount factor.")] = None,
     lam: Annotated[Optional[float], typer.Option("--lam", help="GAE lambda.")] = None,
-    kl_coef: Annotated[Optional[float], typer.Option("--kl-coef", help="KL penalty coefficient in the reward.", min=0.0)] = None,
+    kl_coef: Annotated[Optional[float], typer.Option("--kl-coef", help="KL penalty coefficient in the reward.")] = None,
     kl_estimator: Annotated[Optional[str], typer.Option("--kl-estimator", help="k1, k2, k3 or abs.")] = None,
     norm_by_std: Annotated[Optional[bool], typer.Option("--norm-by-std/--no-norm-by-std", help="GRPO: divide by the group's std.")] = None,
     kl_controller: Annotated[Optional[str], typer.Option("--kl-controller", help="fixed or adaptive.")] = None,
@@ -194,10 +199,10 @@ def update(
     model: Annotated[str, typer.Option("--model", help="Policy: HF folder or rlctl checkpoint (optimizer state is restored).")],
     out: Annotated[str, typer.Option("--out", help="Checkpoint folder to write.")],
     critic: Annotated[Optional[str], typer.Option("--critic", help="Critic to train too (written to OUT/critic).")] = None,
-    lr: Annotated[Optional[float], typer.Option("--lr", help="Policy learning rate.", min=0.0)] = None,
-    epochs: Annotated[Optional[int], typer.Option("--epochs", help="PPO epochs over the batch.", min=1)] = None,
-    mini_batch_size: Annotated[Optional[int], typer.Option("--mini-batch-size", help="Sequences per optimizer step (0 = all).", min=0)] = None,
-    micro_batch_size: Annotated[Optional[int], typer.Option("--micro-batch-size", help="Sequences per forward/backward.", min=1)] = None,
+    lr: Annotated[Optional[float], typer.Option("--lr", help="Policy learning rate.")] = None,
+    epochs: Annotated[Optional[int], typer.Option("--epochs", help="PPO epochs over the batch.")] = None,
+    mini_batch_size: Annotated[Optional[int], typer.Option("--mini-batch-size", help="Sequences per optimizer step (0 = all).")] = None,
+    micro_batch_size: Annotated[Optional[int], typer.Option("--micro-batch-size", help="Sequences per forward/backward.")] = None,
     loss_agg_mode: Annotated[Optional[str], typer.Option("--loss-agg-mode", help="token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm.")] = None,
     bf16: Annotated[Optional[bool], typer.Option("--bf16/--no-bf16", help="bf16 autocast for forward/backward.")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Shuffling seed.")] = None,
@@ -247,7 +252,7 @@ def reshard(
 @app.command()
 def pipeline(
     config: Annotated[Path, typer.Argument(help="Pipeline TOML config.")],
-    iterations: Annotated[Optional[int], typer.Option("--iterations", help="Iterations to run in total.", min=1)] = None,
+    iterations: Annotated[Optional[int], typer.Option("--iterations", help="Iterations to run in total.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an existing run folder (the default when one exists).")] = False,
     from_stage: Annotated[Optional[str], typer.Option("--from", help="First stage to run in each iteration.")] = None,
     until_stage: Annotated[Optional[str], typer.Option("--until", help="Last stage to run in each iteration.")] = None,
@@ -271,11 +276,13 @@ def replay(
     check: Annotated[bool, typer.Option("--check", help="Compare with the recorded output.")] = False,
     out: Annotated[Optional[str], typer.Option("--out", help="Where the replay writes (default: a scratch folder).")] = None,
     set_: SetOpt = None,
+    reward: Annotated[Optional[str], typer.Option("--reward", help="Reward to score with (instead of the one the run folder names).")] = None,
+    trust_run_code: Annotated[bool, typer.Option("--trust-run-code", help="Run the reward code the run folder names (file.py:fn, module:fn).")] = False,
 ) -> None:
     """Re-run one recorded stage from its recorded inputs, config, seed and RNG state."""
     from rlctl.replay import replay_stage
 
-    result = replay_stage(stage_dir, check=check, out=out, overrides=set_ or [])
+    result = replay_stage(stage_dir, check=check, out=out, overrides=set_ or [], reward=reward, trust_run_code=trust_run_code)
     typer.echo(result)
 
 

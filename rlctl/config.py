@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,43 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+
+# --- range rules: checked when a section is built (TOML, --set and flags alike) -------------
+
+Rule = Callable[[Any], "str | None"]
+
+
+def at_least(low: float) -> Rule:
+    return lambda v: None if v >= low else f"must be ≥ {low}"
+
+
+def above(low: float) -> Rule:
+    return lambda v: None if v > low else f"must be > {low}"
+
+
+def between(low: float, high: float) -> Rule:
+    return lambda v: None if low <= v <= high else f"must be between {low} and {high}"
+
+
+def one_of(*options: str) -> Rule:
+    return lambda v: None if v in options else f"must be one of {', '.join(options)}"
+
+
+def check_ranges(section: object, name: str, rules: dict[str, Rule]) -> None:
+    """Raise a one-line ConfigError for the first key of `section` outside its rule; every
+    float must be finite."""
+    for key in (f.name for f in dataclasses.fields(section)):
+        value = getattr(section, key)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name}.{key} must be a finite number, got {value!r}")
+        rule = rules.get(key)
+        problem = rule(value) if rule else None
+        if problem:
+            raise ConfigError(f"{name}.{key} {problem}, got {value!r}")
+
+
+COMPUTE_DTYPES = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -49,6 +88,9 @@ class DataConfig:
     truncate: str = "error"  # error | left
     chat_template: bool = False
 
+    def __post_init__(self) -> None:
+        check_ranges(self, "data", {"batch_size": at_least(1), "max_prompt_tokens": at_least(1), "truncate": one_of("error", "left")})
+
 
 @dataclass(frozen=True)
 class RolloutConfig:
@@ -62,6 +104,12 @@ class RolloutConfig:
     batch_size: int = 64  # sequences generated together
     dtype: str = "fp32"  # compute dtype of generation: fp32 | bf16 (bf16 autocast on the HF engine)
 
+    def __post_init__(self) -> None:
+        check_ranges(self, "rollout", {
+            "n": at_least(1), "max_new_tokens": at_least(1), "temperature": at_least(0.0), "top_p": lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
+            "top_k": at_least(0), "batch_size": at_least(1), "dtype": one_of(*COMPUTE_DTYPES),
+        })
+
 
 @dataclass(frozen=True)
 class ScoreConfig:
@@ -70,6 +118,9 @@ class ScoreConfig:
     batch_size: int = 16  # sequences per forward pass
     dtype: str = "fp32"  # compute dtype of the ref/policy/critic forward passes: fp32 | bf16
     old_logprobs: bool = True  # in a pipeline: recompute policy log-probs with a forward pass
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "score", {"reward_timeout": at_least(0.0), "batch_size": at_least(1), "dtype": one_of(*COMPUTE_DTYPES)})
 
 
 @dataclass(frozen=True)
@@ -83,6 +134,12 @@ class AdvantageConfig:
     kl_controller: str = "fixed"  # fixed | adaptive
     kl_target: float = 0.1
     kl_horizon: int = 10000
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "advantage", {
+            "gamma": between(0.0, 1.0), "lam": between(0.0, 1.0), "kl_coef": at_least(0.0), "kl_controller": one_of("fixed", "adaptive"),
+            "kl_target": above(0.0), "kl_horizon": at_least(1),
+        })
 
 
 @dataclass(frozen=True)
@@ -108,12 +165,25 @@ class UpdateConfig:
     warmup_steps: int = 0
     bf16: bool = False
     seed: int = 0
+    allow_skipped_steps: bool = False  # a step whose gradient is not finite is skipped; by default that fails the update
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "update", {
+            "lr": above(0.0), "critic_lr": above(0.0), "epochs": at_least(1), "mini_batch_size": at_least(0), "micro_batch_size": at_least(1),
+            "clip_ratio_low": between(0.0, 1.0), "clip_ratio_high": at_least(0.0),
+            "clip_ratio_c": lambda v: None if v == 0 or v > 1 else "must be 0 (off) or > 1",
+            "loss_horizon": at_least(0), "kl_loss_coef": at_least(0.0), "cliprange_value": above(0.0), "vf_coef": at_least(0.0),
+            "max_grad_norm": at_least(0.0), "weight_decay": at_least(0.0), "warmup_steps": at_least(0),
+        })
 
 
 @dataclass(frozen=True)
 class ReshardConfig:
     to: str = "hf"  # hf | tp=N
     dtype: str = "fp32"  # bf16 | fp16 | fp32
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "reshard", {"dtype": one_of("bf16", "fp16", "fp32")})
 
 
 @dataclass(frozen=True)
@@ -125,6 +195,9 @@ class PipelineConfig:
     keep_shards: int = 0  # keep the stage outputs of the last K iterations; 0 = all
     val_every: int = 0  # 0 = no validation
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "pipeline", {"iterations": at_least(1), "save_every": at_least(0), "keep_checkpoints": at_least(0), "keep_shards": at_least(0), "val_every": at_least(0)})
 
 
 @dataclass(frozen=True)
@@ -182,7 +255,10 @@ def section_from_dict(name: str, values: dict[str, Any], source: str = "config")
         if key not in hints:
             raise ConfigError(f"{source}: unknown key {name}.{key}{_suggest(key, hints, prefix=name + '.')}")
         kwargs[key] = coerce(value, hints[key], f"{name}.{key}")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
 
 
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
@@ -197,7 +273,10 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         if key not in hints:
             raise ConfigError(f"--set {item!r}: unknown key {section}.{key}{_suggest(key, hints, prefix=section + '.')}")
         value = coerce(parse_scalar(text), hints[key], dotted)
-        cfg = replace(cfg, **{section: replace(getattr(cfg, section), **{key: value})})
+        try:
+            cfg = replace(cfg, **{section: replace(getattr(cfg, section), **{key: value})})
+        except ConfigError as exc:
+            raise ConfigError(f"--set {item!r}: {exc}") from None
     return cfg
 
 

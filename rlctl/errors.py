@@ -37,3 +37,7 @@ class NotCommittedError(InputError):
 
 class RewardError(InputError):
     """A reward function that raised, timed out, or returned something unusable."""
+
+
+class TrainingError(RlctlError):
+    """Training went wrong in a way that must not be committed (a non-finite gradient)."""

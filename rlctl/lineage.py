@@ -4,9 +4,12 @@ stage whose output is already up to date do nothing."""
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 from typing import Any
 
+from rlctl.errors import InputError
+from rlctl.folders import verify_files
 from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest, stage_key
 from rlctl.shards import STDIO, Shards, filesystem, is_committed, read_manifest
 
@@ -27,7 +30,7 @@ def model_ref(uri: str) -> InputRef:
     """A checkpoint's manifest sha256, or for a plain HF folder a hash of its weights + config."""
     path = Path(uri)
     if (path / MANIFEST_NAME).exists():
-        return InputRef(uri, hashlib.sha256((path / MANIFEST_NAME).read_bytes()).hexdigest())
+        return InputRef(uri, read_manifest(uri)[1])
     digest = hashlib.sha256()
     for file in sorted(path.glob("*.json")) + sorted(path.glob("*.safetensors")):
         digest.update(file.name.encode())
@@ -50,6 +53,12 @@ def up_to_date(out_uri: str, manifest: Manifest, force: bool) -> Manifest | None
         return None
     existing, _ = read_manifest(out_uri)
     if existing.key != manifest.key:
+        return None
+    fs, path = filesystem(out_uri)
+    try:
+        verify_files(fs, path, existing, out_uri)
+    except InputError as exc:
+        print(f"rlctl: {out_uri} is up to date but damaged ({exc}); re-running", file=sys.stderr, flush=True)
         return None
     existing.state = {**existing.state, "skipped": True}
     return existing

@@ -4,17 +4,25 @@ A manifest records what a stage wrote (files with rows, bytes and sha256; the sc
 version), from what (input URIs and the sha256 of each input's manifest), how (stage, resolved
 config, seed, rlctl version) and when (wall-clock timings). Its presence is the commit point
 of an output folder; its sha256 identifies the output to the stages that read it.
+
+Manifests are strict JSON (no NaN or Infinity: a non-finite number is written as null) and
+carry `manifest_version`; a reader refuses a newer one, and refuses file entries that leave
+the folder or are listed twice (`check_files`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 MANIFEST_NAME = "_manifest.json"
+LOCK_NAME = "_lock.json"
+MANIFEST_VERSION = 2  # 2: parts carry a write id in their names; checkpoints list every file
+RESERVED_NAMES = (MANIFEST_NAME, LOCK_NAME)
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,8 @@ class Manifest:
     state: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
     format: str = "arrow"
+    write_id: str = ""
+    manifest_version: int = MANIFEST_VERSION
 
     def __post_init__(self) -> None:
         if not self.rlctl_version:
@@ -63,15 +73,72 @@ class Manifest:
         self.timings["seconds"] = round(self.timings["finished"] - self.timings["started"], 6)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        return json.dumps(strict_json_value(asdict(self)), indent=2, sort_keys=True, allow_nan=False) + "\n"
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
-        raw = json.loads(text)
-        raw["inputs"] = [InputRef(**i) for i in raw.get("inputs", [])]
-        raw["files"] = [FileEntry(**f) for f in raw.get("files", [])]
+        """Parse a manifest; ValueError for anything that is not one this rlctl can trust."""
+        raw = json.loads(text, parse_constant=_refuse_constant)
+        if not isinstance(raw, dict) or not isinstance(raw.get("stage"), str):
+            raise ValueError("not an rlctl manifest (no stage)")
+        version = raw.get("manifest_version", 1)
+        if not isinstance(version, int) or version > MANIFEST_VERSION:
+            raise ValueError(f"manifest_version {version!r} is newer than this rlctl reads ({MANIFEST_VERSION}); upgrade rlctl")
+        try:
+            raw["inputs"] = [InputRef(**i) for i in raw.get("inputs", [])]
+            raw["files"] = [_file_entry(f) for f in raw.get("files", [])]
+        except TypeError as exc:
+            raise ValueError(f"malformed entry: {exc}") from exc
         known = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in raw.items() if k in known})
+        manifest = cls(**{k: v for k, v in raw.items() if k in known})
+        manifest.manifest_version = version
+        check_files(manifest.files)
+        return manifest
+
+
+def _file_entry(raw: dict) -> FileEntry:
+    entry = FileEntry(**raw)
+    if not isinstance(entry.path, str) or not isinstance(entry.sha256, str):
+        raise TypeError(f"file entry {raw!r}")
+    for name in ("rows", "bytes"):
+        value = getattr(entry, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TypeError(f"file entry {entry.path!r}: {name} must be a non-negative integer")
+    return entry
+
+
+def check_files(files: list[FileEntry]) -> None:
+    """Every listed path stays inside the folder, is not reserved, and is listed once."""
+    seen: set[str] = set()
+    for entry in files:
+        if not is_safe_relative(entry.path):
+            raise ValueError(f"file entry {entry.path!r} leaves the folder (absolute, '..', a URL or a reserved name)")
+        if entry.path in seen:
+            raise ValueError(f"file {entry.path!r} is listed twice")
+        seen.add(entry.path)
+
+
+def is_safe_relative(path: str) -> bool:
+    """A relative POSIX path inside a folder: no scheme, no root, no `.`/`..`, not reserved."""
+    if not path or "://" in path or "\\" in path or path.startswith("/") or ":" in path.split("/")[0]:
+        return False
+    parts = path.split("/")
+    return all(part not in ("", ".", "..") for part in parts) and path not in RESERVED_NAMES
+
+
+def strict_json_value(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None, so the JSON is strict."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json_value(v) for v in value]
+    return value
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON (manifests are strict JSON)")
 
 
 def sha256_bytes(data: bytes) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -38,7 +39,8 @@ from rlctl.errors import ConfigError, InputError
 from rlctl.lineage import make_manifest, shards_ref
 from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest
 from rlctl.rewards import RewardFunction, from_callable, load_reward
-from rlctl.shards import Shards, is_committed, read, read_manifest, write
+from rlctl.runinfo import iteration_folders
+from rlctl.shards import Shards, commit_empty, filesystem, is_committed, read, read_manifest, write
 
 STAGES = ("rollout", "score", "advantage", "update")
 POLICY = "policy"  # model.ref / model.critic value meaning "the initial policy's weights"
@@ -114,6 +116,7 @@ class Pipeline:
         dataset = read(cfg.data.prompts, "prompts")
         self.dataset, self.dataset_ref = dataset.table, shards_ref(dataset)
         self.val_dataset = read(cfg.data.val_prompts, "prompts").table if cfg.data.val_prompts else None
+        self._run_lock = None
         self.view = view
         self._workers = None
         self._stepped = False  # --from/--until shape only the first iteration of this run
@@ -159,16 +162,22 @@ class Pipeline:
     def run(self, iterations: int | None = None) -> list[dict]:
         total = iterations or self.cfg.pipeline.iterations
         rows = []
-        while self.iteration < total:
-            row = self.step(total=total)
-            rows.append(row)
-            if row.get("stopped_early"):
-                break
+        took_lock = self._run_lock is None
+        try:
+            while self.iteration < total:
+                row = self.step(total=total)
+                rows.append(row)
+                if row.get("stopped_early"):
+                    break
+        finally:
+            if took_lock:
+                self.close()
         return rows
 
     def step(self, total: int | None = None) -> dict[str, Any]:
         """Run the next iteration; returns its metrics row (`reward_mean`, `kl_divergence`, ...)."""
         total = total or max(self.cfg.pipeline.iterations, self.iteration + 1)
+        self._hold_run_lock()
         self._write_resolved_config()
         i = self.iteration + 1
         cfg, workers = self.cfg, self.workers
@@ -245,6 +254,30 @@ class Pipeline:
             self.view.iteration_done(row, total)
         return row
 
+    def _hold_run_lock(self) -> None:
+        """One pipeline per run folder: the lock is held from the first step until close()."""
+        if self._run_lock is None:
+            from rlctl.locks import FolderLock
+
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fs, path = filesystem(str(self.run_dir))
+            self._run_lock = FolderLock.acquire(fs, path, what="pipeline run")
+
+    def close(self) -> None:
+        lock = getattr(self, "_run_lock", None)  # None too when __init__ failed early
+        if lock is not None:
+            lock.release()
+            self._run_lock = None
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
     def plan(self) -> str:
         """What a run would do: iterations, stages, models, outputs, and what is already done."""
         cfg, total = self.cfg, self.cfg.pipeline.iterations
@@ -292,10 +325,14 @@ class Pipeline:
             existing, digest = read_manifest(uri)
             if existing.key == manifest.key and not rerun:
                 started = time.perf_counter()
-                shards = read(uri, schema)
-                io["seconds"] += time.perf_counter() - started
-                timings[name] = 0.0
-                return shards
+                try:
+                    shards = read(uri, schema)  # verified against its manifest
+                except InputError as exc:
+                    notice(f"rlctl: {uri} is committed but damaged ({exc}); recomputing it")
+                else:
+                    io["seconds"] += time.perf_counter() - started
+                    timings[name] = 0.0
+                    return shards
         if name != "prompts" and name not in stages:
             if STAGES.index(name) < STAGES.index(stages[0]):
                 raise InputError(f"iteration {i}: stage {name} is not committed with the current config, so --from {stages[0]} cannot start there")
@@ -397,7 +434,7 @@ class Pipeline:
         self.checkpoint, self.checkpoint_iteration = directory, i
         keep = self.cfg.pipeline.keep_checkpoints
         if keep > 0:
-            for old in sorted(_committed_checkpoints(self.run_dir))[:-keep]:
+            for old in committed_checkpoints(self.run_dir)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
 
     def _prune(self, i: int) -> None:
@@ -417,12 +454,7 @@ class Pipeline:
         _atomic_write(self.run_dir / "config.resolved.toml", to_toml(self.cfg))
 
     def _commit_manifest(self, folder: Path, manifest: Manifest) -> None:
-        import fsspec
-
-        from rlctl.shards import commit, prepare_output
-
-        prepare_output(str(folder))
-        commit(fsspec.filesystem("file"), str(folder), manifest)
+        commit_empty(str(folder), manifest)
 
     def _dir(self, i: int, name: str) -> Path:
         return self.run_dir / f"iter-{i:04d}" / name
@@ -432,18 +464,39 @@ class Pipeline:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    committed = sorted(_committed_checkpoints(run_dir))
-    return committed[-1] if committed else None
+    """The newest committed checkpoint that verifies; a damaged newer one is skipped, saying so."""
+    from rlctl.checkpoint import is_intact
+
+    damaged = []
+    for candidate in reversed(committed_checkpoints(run_dir)):
+        reason = is_intact(str(candidate))
+        if reason is None:
+            if damaged:
+                notice(f"rlctl: resuming from {candidate.name}: {', '.join(damaged)} did not verify")
+            return candidate
+        notice(f"rlctl: checkpoint {candidate} is damaged: {reason}")
+        damaged.append(candidate.name)
+    if damaged:
+        notice("rlctl: no intact checkpoint left; starting the run from its initial model")
+    return None
 
 
-def _committed_checkpoints(run_dir: Path) -> list[Path]:
-    root = run_dir / "checkpoints"
-    return [p for p in root.glob("iter-*") if (p / MANIFEST_NAME).exists()] if root.exists() else []
+def committed_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint folders with a manifest, oldest first (numeric order)."""
+    return [p for p in iteration_folders(run_dir / "checkpoints") if (p / MANIFEST_NAME).exists()]
+
+
+def notice(text: str) -> None:
+    """A line for the user on stderr (what rlctl decided on their behalf)."""
+    print(text, file=sys.stderr, flush=True)
 
 
 def _pipeline_state(checkpoint: Path) -> dict:
     """The controller state committed with a checkpoint (iteration, KL controller, history)."""
-    return Manifest.from_json((checkpoint / MANIFEST_NAME).read_text()).state["pipeline"]
+    state = read_manifest(str(checkpoint))[0].state.get("pipeline")
+    if not isinstance(state, dict):
+        raise InputError(f"{checkpoint}: its manifest carries no pipeline state (not a pipeline checkpoint)")
+    return state
 
 
 def _logprob_mismatch(scores: pa.Table) -> float | None:
@@ -500,8 +553,9 @@ def run_pipeline_command(
     if dry_run:
         print(pipeline.plan())
         return
-    with make_view(quiet=quiet, first_iteration=pipeline.iteration, total=total) as view:
+    with pipeline, make_view(quiet=quiet, first_iteration=pipeline.iteration, total=total) as view:
         pipeline.view = view
+        pipeline._hold_run_lock()
         if pipeline.iteration >= total:
             view.message(f"{pipeline.run_dir}: all {total} iterations are done")
         pipeline.run(total)

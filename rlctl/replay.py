@@ -23,7 +23,12 @@ REPLAYABLE = ("prompts", "rollout", "score", "advantage", "update")
 TIMING_KEYS = ("seconds", "tokens_per_s")
 
 
-def replay_stage(stage_dir: str, *, check: bool = False, out: str | None = None, overrides: list[str] | None = None) -> str:
+def replay_stage(
+    stage_dir: str, *, check: bool = False, out: str | None = None, overrides: list[str] | None = None,
+    reward: str | None = None, trust_run_code: bool = False,
+) -> str:
+    """Re-run `stage_dir`. A reward that is code (file.py:fn, module:fn) recorded in the run
+    folder runs only with `trust_run_code`; `reward` names the reward to use instead."""
     path = Path(stage_dir.rstrip("/"))
     name, iter_dir = path.name, path.parent
     run_dir = iter_dir.parent
@@ -34,6 +39,14 @@ def replay_stage(stage_dir: str, *, check: bool = False, out: str | None = None,
     recorded, _ = read_manifest(str(path))
     cfg = _recorded_config(load_config(run_dir / "config.resolved.toml"), recorded, overrides or [])
     target = out or str(run_dir / "replay" / iter_dir.name / name)
+    if name == "score":
+        spec = reward or recorded.config.get("reward", cfg.score.reward)
+        if reward is None and is_code_reward(spec) and not trust_run_code:
+            raise InputError(
+                f"replaying {iter_dir.name}/score would run the reward code the run folder names ({spec}); "
+                "pass --reward SPEC to choose it yourself, or --trust-run-code if you trust this run folder"
+            )
+        cfg = dataclasses.replace(cfg, score=dataclasses.replace(cfg.score, reward=spec))
     replay = {"prompts": _prompts, "rollout": _rollout, "score": _score, "advantage": _advantage, "update": _update}[name]
     result = replay(cfg, recorded, iter_dir, target)
     if not check:
@@ -41,6 +54,12 @@ def replay_stage(stage_dir: str, *, check: bool = False, out: str | None = None,
     if isinstance(result, dict):
         return _compare_update(result, recorded)
     return compare_tables(read(str(path)).table, result)
+
+
+def is_code_reward(spec: str) -> bool:
+    """Whether loading this reward spec would import Python code (a file or a module)."""
+    kind = spec.partition(":")[0]
+    return kind not in ("builtin", "rm")
 
 
 def _recorded_config(run_cfg: Config, recorded: Manifest, overrides: list[str]) -> Config:
@@ -95,7 +114,7 @@ def _score(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa.T
         policy=HFPolicy.load(weights, cfg.model.device) if cfg.score.old_logprobs else None,
         critic=critic,
     )
-    reward = load_reward(recorded.config.get("reward", cfg.score.reward), device=cfg.model.device)
+    reward = load_reward(cfg.score.reward, device=cfg.model.device)
     table = score_table(read(str(iter_dir / "rollout"), "rollouts").table, reward, models, cfg.score)
     write(table, target, Manifest(stage="score", state={"replay_of": str(iter_dir / "score")}), schema="scores")
     return read(target).table

@@ -21,5 +21,19 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 def run_summary(run_dir: str | Path) -> dict[str, Any]:
     rows = read_metrics(run_dir)
     columns = [c for c in SUMMARY_COLUMNS if any(c in r for r in rows)]
-    checkpoints = sorted(p.name for p in (Path(run_dir) / "checkpoints").glob("iter-*")) if (Path(run_dir) / "checkpoints").exists() else []
+    checkpoints = [p.name for p in iteration_folders(Path(run_dir) / "checkpoints")]
     return {"run_dir": str(run_dir), "iterations_done": len(rows), "columns": columns, "rows": rows, "checkpoints": checkpoints}
+
+
+def iteration_number(folder: Path) -> int | None:
+    """`iter-0042` → 42 (any width: iter-10000 follows iter-9999); None for other names."""
+    prefix, _, number = folder.name.partition("-")
+    return int(number) if prefix == "iter" and number.isdigit() else None
+
+
+def iteration_folders(root: Path) -> list[Path]:
+    """The `iter-N` folders under `root`, in numeric order."""
+    if not root.is_dir():
+        return []
+    found = [(n, p) for p in root.iterdir() if p.is_dir() and (n := iteration_number(p)) is not None]
+    return [p for _, p in sorted(found)]

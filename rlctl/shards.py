@@ -1,10 +1,11 @@
 """Arrow shard store on any fsspec URL: the storage every stage reads from and writes to.
 
-An output is a folder of `part-NNNNN.arrow` files (Arrow IPC file format, memory-mapped when
-local; `.parquet` on request) and then `_manifest.json`, written **last**: a folder without a
-manifest is not an output, readers refuse it and the next writer replaces it. Each part is
-written under a `.tmp` name and renamed into place. `-` is an Arrow IPC *stream* on
-stdin/stdout, with the upstream manifest carried in the schema metadata.
+An output is a folder of `part-<write id>-NNNNN.arrow` files (Arrow IPC file format,
+memory-mapped when local; `.parquet` on request) and then `_manifest.json`, written **last**:
+a folder without a manifest is not an output. Readers open exactly the parts the manifest
+lists and verify each one's size and sha256; `rlctl.folders` holds the write protocol (new
+names per write, lock, commit, cleanup). `-` is an Arrow IPC *stream* on stdin/stdout, with
+the upstream manifest carried in the schema metadata.
 
 Readers also take a single `.arrow` / `.parquet` / `.jsonl` file, and verl-style prompt
 parquet (`prompt` as chat messages, `reward_model.ground_truth`).
@@ -29,13 +30,15 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from rlctl import faults, schemas
-from rlctl.errors import InputError, NotCommittedError
+from rlctl.errors import InputError, NotCommittedError, SchemaError
+from rlctl.folders import OutputWrite, PartMissingError, read_verified
 from rlctl.manifest import MANIFEST_NAME, FileEntry, InputRef, Manifest, sha256_bytes
 
 STDIO = "-"
 STREAM_MANIFEST_KEY = b"rlctl.manifest"
 DEFAULT_ROWS_PER_PART = 65536
 PART_SUFFIX = {"arrow": ".arrow", "parquet": ".parquet"}
+READ_ATTEMPTS = 3  # a folder replaced this many times while we read it is "changed under me"
 
 
 @dataclass(frozen=True)
@@ -54,15 +57,17 @@ class Shards:
 # --- reading --------------------------------------------------------------------------------
 
 
-def read(uri: str, schema: str | None = None, *, stdin: BinaryIO | None = None) -> Shards:
-    """Read a committed output folder, a single file, or `-`; validate against `schema`."""
+def read(uri: str, schema: str | None = None, *, stdin: BinaryIO | None = None, verify: bool | None = None) -> Shards:
+    """Read a committed output folder (every part verified against its manifest; `verify=False`
+    checks sizes only), a single file, or `-`; validate against `schema`."""
     if uri == STDIO:
         shards = _read_stream(stdin or sys.stdin.buffer)
     else:
         fs, path = filesystem(uri)
+        fs.invalidate_cache(path)
         if not fs.exists(path):
             raise InputError(f"input {uri!r} does not exist")
-        shards = _read_folder(fs, path, uri) if fs.isdir(path) else _read_file(fs, path, uri)
+        shards = _read_folder(fs, path, uri, verify) if fs.isdir(path) else _read_file(fs, path, uri)
     table = shards.table
     if schema == "prompts":
         table = _normalise_prompts(table)
@@ -74,41 +79,78 @@ def read(uri: str, schema: str | None = None, *, stdin: BinaryIO | None = None) 
 def read_manifest(uri: str) -> tuple[Manifest, str]:
     """The manifest of a committed output folder and its sha256."""
     fs, path = filesystem(uri)
-    manifest_path = _join(path, MANIFEST_NAME)
-    if not fs.exists(path):
-        raise InputError(f"input {uri!r} does not exist")
-    if not fs.exists(manifest_path):
-        raise NotCommittedError(f"{uri}: no {MANIFEST_NAME}, so this is not a committed output")
-    raw = fs.cat_file(manifest_path)
+    fs.invalidate_cache(path)
     try:
-        return Manifest.from_json(raw), sha256_bytes(raw)
-    except (ValueError, TypeError) as exc:
+        raw = fs.cat_file(_join(path, MANIFEST_NAME))
+    except FileNotFoundError:
+        if not fs.exists(path):
+            raise InputError(f"input {uri!r} does not exist") from None
+        raise NotCommittedError(f"{uri}: no {MANIFEST_NAME}, so this is not a committed output") from None
+    except (IsADirectoryError, NotADirectoryError):
+        raise InputError(f"{uri}: {MANIFEST_NAME} is not a file") from None
+    try:
+        manifest = Manifest.from_json(raw)
+    except (ValueError, TypeError, UnicodeDecodeError) as exc:
         raise InputError(f"{uri}: unreadable {MANIFEST_NAME}: {exc}") from exc
+    if manifest.schema in schemas.names() and manifest.schema_version:
+        schemas.check_version({schemas.VERSION_KEY: str(manifest.schema_version).encode()}, manifest.schema, source=uri)
+    return manifest, sha256_bytes(raw)
 
 
 def is_committed(uri: str) -> bool:
     fs, path = filesystem(uri)
+    fs.invalidate_cache(path)
     return fs.exists(_join(path, MANIFEST_NAME))
 
 
-def _read_folder(fs: fsspec.AbstractFileSystem, path: str, uri: str) -> Shards:
-    manifest, digest = read_manifest(uri)
-    tables = []
-    for entry in manifest.files:
-        part = _join(path, entry.path)
-        if not fs.exists(part):
-            raise InputError(f"{uri}: manifest lists {entry.path} but the file is missing")
-        size = fs.size(part)
-        if size != entry.bytes:
-            raise InputError(
-                f"{uri}: {entry.path} has {size} bytes but the manifest says {entry.bytes} (truncated?)"
-            )
-        tables.append(_read_file(fs, part, f"{uri}/{entry.path}").table)
-    if not tables:
-        empty = schemas.load(manifest.schema) if manifest.schema else pa.schema([])
-        return Shards(empty.empty_table(), uri, manifest, digest)
-    table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-    return Shards(table, uri, manifest, digest)
+def _read_folder(fs: fsspec.AbstractFileSystem, path: str, uri: str, verify: bool | None) -> Shards:
+    """The parts of the manifest as read; a part deleted by a newer write → read the new one."""
+    for _ in range(READ_ATTEMPTS):
+        manifest, digest = read_manifest(uri)
+        try:
+            tables = [_read_part(fs, path, entry, uri, manifest.format, verify) for entry in manifest.files]
+        except PartMissingError:
+            _, now = read_manifest(uri)
+            if now == digest:
+                raise
+            continue  # replaced under us: start again from the new manifest
+        if not tables:
+            empty = schemas.load(manifest.schema) if manifest.schema else pa.schema([])
+            return Shards(empty.empty_table(), uri, manifest, digest)
+        return Shards(_concat_parts(tables, manifest, uri), uri, manifest, digest)
+    raise InputError(f"{uri}: changed under me: replaced {READ_ATTEMPTS} times while being read; try again")
+
+
+def _read_part(fs, path: str, entry: FileEntry, uri: str, fmt: str, verify: bool | None) -> pa.Table:
+    buffer = read_verified(fs, path, entry, uri, verify=verify)
+    is_parquet = entry.path.endswith(".parquet") or fmt == "parquet"
+    try:
+        if is_parquet:
+            return pq.read_table(pa.BufferReader(buffer))
+        return _open_ipc(buffer)
+    except (pa.ArrowInvalid, OSError) as exc:
+        kind = "Parquet" if is_parquet else "Arrow IPC"
+        raise InputError(f"{uri}/{entry.path}: not a readable {kind} file: {exc}") from exc
+
+
+def _concat_parts(tables: list[pa.Table], manifest: Manifest, uri: str) -> pa.Table:
+    first = tables[0].schema.remove_metadata()
+    for entry, table in zip(manifest.files[1:], tables[1:]):
+        other = table.schema.remove_metadata()
+        if not other.equals(first):
+            raise SchemaError(f"{uri}: {entry.path} does not have the schema of {manifest.files[0].path}: {_schema_difference(first, other)}")
+    return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+
+
+def _schema_difference(a: pa.Schema, b: pa.Schema) -> str:
+    for field in a:
+        if field.name not in b.names:
+            return f"column {field.name!r} is missing"
+        other = b.field(field.name)
+        if not other.type.equals(field.type):
+            return f"column {field.name!r} is {schemas.type_string(other.type)}, not {schemas.type_string(field.type)}"
+    extra = [n for n in b.names if n not in a.names]
+    return f"extra column {extra[0]!r}" if extra else "column order differs"
 
 
 def _read_file(fs: fsspec.AbstractFileSystem, path: str, uri: str) -> Shards:
@@ -127,34 +169,51 @@ def _read_file(fs: fsspec.AbstractFileSystem, path: str, uri: str) -> Shards:
 
 
 def _read_ipc(fs: fsspec.AbstractFileSystem, path: str) -> pa.Table:
-    source = pa.memory_map(path) if isinstance(fs, LocalFileSystem) else pa.BufferReader(fs.cat_file(path))
+    buffer = pa.memory_map(path).read_buffer() if isinstance(fs, LocalFileSystem) else pa.py_buffer(fs.cat_file(path))
+    return _open_ipc(buffer)
+
+
+def _open_ipc(buffer: pa.Buffer) -> pa.Table:
+    """An Arrow IPC file, or an IPC stream saved to a file."""
     try:
-        return pa.ipc.open_file(source).read_all()
+        return pa.ipc.open_file(buffer).read_all()
     except pa.ArrowInvalid:
-        if hasattr(source, "seek"):
-            source.seek(0)
-        return pa.ipc.open_stream(source).read_all()
+        return pa.ipc.open_stream(buffer).read_all()
 
 
 def _read_jsonl(fs: fsspec.AbstractFileSystem, path: str, uri: str) -> pa.Table:
-    rows = []
-    with fs.open(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InputError(f"{uri} line {number}: invalid JSON: {exc.msg}") from exc
-            if not isinstance(row, dict):
-                raise InputError(f"{uri} line {number}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
+    with fs.open(path, "rb") as f:
+        raw_lines = f.read().split(b"\n")
+    rows = [row for number, raw in enumerate(raw_lines, start=1) if (row := _jsonl_row(raw, number, uri)) is not None]
     if not rows:
         raise InputError(f"{uri}: no rows")
     try:
         return pa.Table.from_struct_array(pa.array(rows))  # columns from every row, not the first
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         raise InputError(f"{uri}: rows do not share one type per key: {exc}") from exc
+
+
+def _jsonl_row(raw: bytes, number: int, uri: str) -> dict | None:
+    """One JSON Lines row (None for a blank line); strict JSON, UTF-8."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{uri} line {number}: not UTF-8 text (byte {exc.start})") from None
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line, parse_constant=_non_finite)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{uri} line {number}: invalid JSON: {exc.msg}") from exc
+    except ValueError as exc:
+        raise InputError(f"{uri} line {number}: {exc}") from exc
+    if not isinstance(row, dict):
+        raise InputError(f"{uri} line {number}: expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+def _non_finite(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def _read_stream(stream: BinaryIO) -> Shards:
@@ -229,64 +288,31 @@ def write(
         return _write_stream(batches, first_schema, manifest, stdout or sys.stdout.buffer)
     manifest.format = format
     fs, path = filesystem(uri)
-    existed = fs.exists(path)
-    _clear_output(fs, path, uri)
-    fs.makedirs(path, exist_ok=True)
-    try:
+    with OutputWrite(fs, path, uri) as out:
         files: list[FileEntry] = []
         for part_batches in _group_rows(batches, rows_per_part):
-            name = f"part-{len(files):05d}{PART_SUFFIX[format]}"
-            files.append(_write_part(fs, path, name, part_batches, first_schema, format))
-            faults.point(f"{uri}:{name}")
+            index = len(files)
+            files.append(write_part(out, out.part_name(index, PART_SUFFIX[format]), part_batches, first_schema, format))
+            faults.point(f"{uri}:part-{index:05d}{PART_SUFFIX[format]}")
         if not files:
-            files.append(_write_part(fs, path, f"part-00000{PART_SUFFIX[format]}", [], first_schema, format))
+            files.append(write_part(out, out.part_name(0, PART_SUFFIX[format]), [], first_schema, format))
         manifest.files = files
         faults.point(f"{uri}:before-commit")
-        commit(fs, path, manifest)
-    except BaseException:
-        _clear_output(fs, path, uri)  # an error is not a half-written output
-        if not existed and not fs.ls(path, detail=False):
-            fs.rm(path, recursive=True)
-        raise
-    return manifest
+        return out.commit(manifest)
 
 
-def commit(fs: fsspec.AbstractFileSystem, path: str, manifest: Manifest) -> None:
-    """Write `_manifest.json` into `path`: the commit point of an output folder."""
-    manifest.finish()
-    tmp = _join(path, MANIFEST_NAME + ".tmp")
-    with fs.open(tmp, "wb") as f:
-        f.write(manifest.to_json().encode())
-    fs.mv(tmp, _join(path, MANIFEST_NAME))
-
-
-def prepare_output(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """Uncommit and clear an output folder so a new write can fill it; returns (fs, path)."""
+def commit_empty(uri: str, manifest: Manifest) -> Manifest:
+    """Commit a folder that holds only its manifest (a pipeline's update/ record)."""
     fs, path = filesystem(uri)
-    _clear_output(fs, path, uri)
-    fs.makedirs(path, exist_ok=True)
-    return fs, path
+    with OutputWrite(fs, path, uri) as out:
+        manifest.files = []
+        return out.commit(manifest)
 
 
-def _clear_output(fs: fsspec.AbstractFileSystem, path: str, uri: str) -> None:
-    """Remove the manifest first (so a crash mid-way leaves an uncommitted folder), then parts."""
-    if not fs.exists(path):
-        return
-    if not fs.isdir(path):
-        raise InputError(f"output {uri!r} exists and is a file, not an output folder")
-    manifest = _join(path, MANIFEST_NAME)
-    if fs.exists(manifest):
-        fs.rm(manifest)
-    for entry in fs.ls(path, detail=False):
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if name.startswith("part-") or name.endswith(".tmp"):
-            fs.rm(entry, recursive=True)
-
-
-def _write_part(fs, path, name, batches, schema, format) -> FileEntry:
-    tmp = _join(path, name + ".tmp")
+def write_part(out: OutputWrite, name: str, batches, schema: pa.Schema, format: str) -> FileEntry:
+    """One part file of `out`, hashed and counted as it is written."""
     rows = 0
-    with fs.open(tmp, "wb") as raw:
+    with out.open(name) as raw:
         sink = _HashingWriter(raw)
         if format == "parquet":
             with pq.ParquetWriter(sink, schema) as writer:
@@ -298,7 +324,6 @@ def _write_part(fs, path, name, batches, schema, format) -> FileEntry:
                 for batch in batches:
                     writer.write_batch(batch)
                     rows += batch.num_rows
-    fs.mv(tmp, _join(path, name))
     return FileEntry(path=name, rows=rows, bytes=sink.size, sha256=sink.hexdigest())
 
 

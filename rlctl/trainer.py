@@ -20,7 +20,7 @@ from rlctl.algos.kl import KL_ESTIMATORS
 from rlctl.algos.losses import LOSS_AGG_MODES, aggregate, clipped_value_loss, ppo_policy_loss
 from rlctl.backends.hf import HFPolicy, ValueModel, pack
 from rlctl.config import UpdateConfig
-from rlctl.errors import InputError
+from rlctl.errors import InputError, TrainingError
 from rlctl.tensors import list_lengths, mask_from_lengths, padded
 
 
@@ -132,9 +132,16 @@ class Trainer:
                     totals[k] = totals.get(k, 0.0) + v
                 steps += 1
         self.policy.model.eval()
+        skipped = int(totals.get("skipped_steps", 0) + totals.get("vf_skipped_steps", 0))
+        if skipped and not cfg.allow_skipped_steps:
+            raise TrainingError(
+                f"update: {skipped} of {steps} optimizer steps had a non-finite gradient norm and were skipped; "
+                "nothing is committed (set update.allow_skipped_steps=true to go on without them)"
+            )
         seconds = time.perf_counter() - started
         tokens = int(batch.response_mask.sum()) * cfg.epochs
         metrics = {k: v / steps for k, v in totals.items()}
+        metrics.update({k: totals[k] for k in ("skipped_steps", "vf_skipped_steps") if k in totals})  # counts, not means
         metrics.update({"step": self.step, "lr": self.lr_at(self.step - 1), "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)})
         return metrics
 
@@ -208,6 +215,8 @@ class Trainer:
             stats["vf_grad_norm"] = _clip(self.critic.parameters(), self.cfg.max_grad_norm)
             if math.isfinite(stats["vf_grad_norm"]):
                 self.critic_optimizer.step()
+            else:
+                stats["vf_skipped_steps"] = 1.0
         self.step += 1
         return stats
 

@@ -14,9 +14,10 @@ import torch
 
 from rlctl.config import ReshardConfig, to_dict
 from rlctl.errors import InputError, RlctlError
+from rlctl.folders import OutputWrite, describe_files
 from rlctl.lineage import make_manifest, model_ref, up_to_date
-from rlctl.manifest import FileEntry, Manifest, sha256_bytes
-from rlctl.shards import commit, local_path, prepare_output
+from rlctl.manifest import Manifest
+from rlctl.shards import filesystem, local_path
 from rlctl.tp import TPPlan, parse_target, plan_tp
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -43,32 +44,34 @@ def run(*, checkpoint: str, out: str, cfg: ReshardConfig, check: bool = False, f
     if tp is not None:  # planned before anything is written: a bad layout leaves no output
         heads = config["num_attention_heads"]
         plan = plan_tp({k: tuple(v.shape) for k, v in state.items()}, tp, num_heads=heads, num_kv_heads=config.get("num_key_value_heads", heads))
-    fs, path = prepare_output(out)
-    target = Path(path)
-    for name in ("rank-*.safetensors", "model*.safetensors", LAYOUT_FILE):
-        for stale in target.glob(name):
-            stale.unlink()
-    config["torch_dtype"] = config["dtype"] = CONFIG_DTYPE[cfg.dtype]
-    (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    for name in COPIED:
-        if (source / name).exists():
-            shutil.copy2(source / name, target / name)
-    if plan is None:
-        files = [_save(state, target / "model.safetensors")]
-    else:
-        shards = plan.split(state)
-        files = [_save(shard, target / f"rank-{rank:02d}.safetensors") for rank, shard in enumerate(shards)]
-        (target / LAYOUT_FILE).write_text(json.dumps(plan.to_json(), indent=2) + "\n")
-        if check:
-            check_merge(plan, target, state)
-    if check and tp is None:
-        check_equal(load_state(target), state)
-    manifest.files = files
-    from rlctl.backends.hf import read_trainer_step
+    fs, path = filesystem(out)
+    with OutputWrite(fs, path, out, what="reshard output", fixed_names=True) as writing:
+        target = Path(path)
+        config["torch_dtype"] = config["dtype"] = CONFIG_DTYPE[cfg.dtype]
+        (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        names = ["config.json"]
+        for name in COPIED:
+            if (source / name).exists():
+                shutil.copy2(source / name, target / name)
+                names.append(name)
+        if plan is None:
+            _save(state, target / "model.safetensors")
+            names.append("model.safetensors")
+        else:
+            for rank, shard in enumerate(plan.split(state)):
+                _save(shard, target / f"rank-{rank:02d}.safetensors")
+                names.append(f"rank-{rank:02d}.safetensors")
+            (target / LAYOUT_FILE).write_text(json.dumps(plan.to_json(), indent=2) + "\n")
+            names.append(LAYOUT_FILE)
+            if check:
+                check_merge(plan, target, state)
+        if check and tp is None:
+            check_equal(load_state(target), state)
+        manifest.files = describe_files(fs, path, names)
+        from rlctl.backends.hf import read_trainer_step
 
-    manifest.state = {"checked": check, "tp": tp or 1, "policy_version": read_trainer_step(checkpoint)}
-    commit(fs, path, manifest)
-    return manifest
+        manifest.state = {"checked": check, "tp": tp or 1, "policy_version": read_trainer_step(checkpoint)}
+        return writing.commit(manifest)
 
 
 def load_state(folder: Path) -> dict[str, torch.Tensor]:
@@ -112,9 +115,7 @@ def check_equal(merged: dict[str, torch.Tensor], source: dict[str, torch.Tensor]
             raise RlctlError(f"reshard check failed: {name} does not merge back to the source")
 
 
-def _save(state: dict[str, torch.Tensor], path: Path) -> FileEntry:
+def _save(state: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
-    data = path.read_bytes()
-    return FileEntry(path=path.name, rows=0, bytes=len(data), sha256=sha256_bytes(data))

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from rlctl.checkpoint import CRITIC_DIR, load_trainer_state, local_checkpoint_dir, save_checkpoint
+from rlctl.checkpoint import (
+    CRITIC_DIR,
+    load_trainer_state,
+    local_checkpoint_dir,
+    same_folder,
+    save_checkpoint,
+)
 from rlctl.config import UpdateConfig, to_dict
 from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
@@ -28,11 +34,14 @@ def run(*, batch: str, model: str, out: str, cfg: UpdateConfig, critic: str | No
     from rlctl.backends.hf import HFPolicy, ValueModel, check_model_dir, resolve_device
 
     check_update_config(cfg)
+    local_checkpoint_dir(out)
+    for name, given in (("--model", model), ("--critic", critic)):
+        if given and (same_folder(out, given) or same_folder(out, str(Path(given).parent)) and Path(given).name == CRITIC_DIR):
+            raise InputError(f"update --out {out} is the {name} folder: write the new checkpoint elsewhere (an update in place could be applied twice after a crash)")
     source = read(batch, "batch")
     check_model_dir(model)
     if critic:
         check_model_dir(critic)
-    local_checkpoint_dir(out)
     inputs = [shards_ref(source), model_ref(model)] + ([model_ref(critic)] if critic else [])
     manifest = make_manifest("update", {"update": to_dict(cfg), "critic": critic or ""}, inputs, seed=cfg.seed)
     if (existing := up_to_date(out, manifest, force)) is not None:

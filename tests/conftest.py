@@ -59,6 +59,12 @@ def one_line_error(result) -> str:
     return lines[0]
 
 
+def part_files(folder: str | Path) -> list[Path]:
+    """The part files a committed folder's manifest lists, in order."""
+    manifest = json.loads((Path(folder) / "_manifest.json").read_text())
+    return [Path(folder) / entry["path"] for entry in manifest["files"]]
+
+
 def assert_not_written(path: str | Path) -> None:
     p = Path(path)
     assert not p.exists() or not any(p.iterdir()), f"{p} was written"

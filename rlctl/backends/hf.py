@@ -55,11 +55,24 @@ def compute_context(device: torch.device, compute_dtype: str):
 
 
 def check_model_dir(uri: str) -> Path:
+    """A local HF model folder: its config names a model type, and when it is (part of) an
+    rlctl checkpoint or reshard output, every file matches the manifest."""
+    from rlctl.checkpoint import verify_checkpoint
+
     path = Path(uri)
     if not path.exists():
         raise InputError(f"model {uri!r} does not exist")
-    if not (path / "config.json").exists():
+    if not path.is_dir():
+        raise InputError(f"model {uri!r} is a file, not a Hugging Face model folder")
+    if not (path / "config.json").is_file():
         raise InputError(f"model {uri!r} is not a Hugging Face model folder (no config.json)")
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InputError(f"model {uri!r}: config.json is not valid JSON: {exc}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise InputError(f"model {uri!r}: config.json names no model_type, so this is not a model folder")
+    verify_checkpoint(uri)
     return path
 
 
@@ -69,10 +82,18 @@ def load_causal_lm(uri: str, device: torch.device):
 
     quiet_transformers()
     path = check_model_dir(uri)
-    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left", trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False, use_safetensors=True).to(device)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"model {uri!r} cannot be loaded as a causal LM: {_first_line(exc)}") from None
     model.eval()
     return model, tokenizer
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 @dataclass(frozen=True)
@@ -295,11 +316,14 @@ class ValueModel(torch.nn.Module):
 def read_trainer_step(uri: str) -> int:
     """The optimizer step of these weights: a checkpoint's trainer state, or the step that
     `reshard` recorded for rollout weights; 0 for a plain HF folder."""
-    path = Path(uri)
-    state = path / "trainer_state" / "state.json"
-    if state.exists():
-        return int(json.loads(state.read_text())["step"])
-    manifest = path / "_manifest.json"
-    if manifest.exists():
-        return int(json.loads(manifest.read_text()).get("state", {}).get("policy_version", 0))
+    from rlctl import trainer_state
+    from rlctl.checkpoint import STATE_DIR, verify_checkpoint
+    from rlctl.shards import read_manifest
+
+    verify_checkpoint(uri)
+    if (Path(uri) / STATE_DIR).is_dir():
+        return trainer_state.read_document(Path(uri) / STATE_DIR)["step"]
+    if (Path(uri) / "_manifest.json").exists():
+        value = read_manifest(uri)[0].state.get("policy_version", 0)
+        return value if isinstance(value, int) else 0
     return 0

@@ -7,7 +7,7 @@ import pyarrow as pa
 
 from rlctl import shards
 from rlctl.manifest import MANIFEST_NAME, Manifest
-from tests.conftest import assert_not_written, one_line_error
+from tests.conftest import assert_not_written, one_line_error, part_files
 from tests.unit.test_shards import ROLLOUT_VALUES
 
 
@@ -38,7 +38,7 @@ def check(result, out, *fragments):
 def test_truncated_arrow_file(cli, tmp_path):
     rollouts(tmp_path)
     bad = tmp_path / "bad.arrow"
-    bad.write_bytes((tmp_path / "in" / "part-00000.arrow").read_bytes()[:200])
+    bad.write_bytes(part_files(tmp_path / "in")[0].read_bytes()[:200])
     check(score(cli, bad, tmp_path / "out"), tmp_path / "out", "bad.arrow", "truncated")
 
 

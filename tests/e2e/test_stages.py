@@ -11,13 +11,14 @@ import pytest
 
 from rlctl import shards
 from rlctl.manifest import Manifest
-from tests.conftest import assert_not_written, one_line_error
+from tests.conftest import assert_not_written, one_line_error, part_files
 
 ROLL = ("--n", "2", "--max-new-tokens", "8", "--seed", "3", "--temperature", "0.9")
 
 
-def part_bytes(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.glob("part-*"))}
+def part_bytes(folder: Path) -> list[bytes]:
+    """The committed parts' bytes in manifest order (names carry a per-write id)."""
+    return [p.read_bytes() for p in part_files(folder)]
 
 
 @pytest.fixture
@@ -182,5 +183,6 @@ def test_chat_template_flag_renders_plain_prompts(cli, tmp_path, tiny_model, pro
 def test_format_parquet_writes_parquet_parts_that_read_back(cli, tmp_path, scored):
     result = cli("advantage", "--scores", scored, "--out", tmp_path / "pq", "--estimator", "grpo", "--format", "parquet", "--rows-per-part", "4")
     assert result.exit_code == 0, result.stderr
-    assert sorted(p.name for p in (tmp_path / "pq").glob("part-*")) == ["part-00000.parquet", "part-00001.parquet"]
+    parts = part_files(tmp_path / "pq")
+    assert [p.name[-13:] for p in parts] == ["00000.parquet", "00001.parquet"] and sorted(parts) == sorted((tmp_path / "pq").glob("part-*"))
     assert shards.read(str(tmp_path / "pq"), "batch").table.num_rows == 6

@@ -15,6 +15,7 @@ import pytest
 from rlctl import shards
 from rlctl.errors import InputError, NotCommittedError
 from rlctl.manifest import MANIFEST_NAME, Manifest
+from tests.conftest import part_files
 
 ROLLOUT_VALUES = {
     "id": ["a", "a", "b"],
@@ -70,7 +71,7 @@ def test_single_parquet_file_round_trip_keeps_values_and_metadata(tmp_path):
 
 def test_parquet_parts_keep_schema_metadata(tmp_path):
     shards.write(table(), str(tmp_path / "pq"), Manifest(stage="t"), schema="rollouts", format="parquet")
-    assert (tmp_path / "pq" / "part-00000.parquet").exists()
+    assert [p.suffix for p in part_files(tmp_path / "pq")] == [".parquet"]
     assert shards.read(str(tmp_path / "pq")).table.schema.metadata[b"rlctl.schema"] == b"rollouts"
 
 
@@ -84,7 +85,7 @@ def test_folder_without_manifest_is_refused(tmp_path):
 
 def test_truncated_arrow_file_is_refused(tmp_path):
     shards.write(table(), str(tmp_path / "out"), Manifest(stage="t"), schema="rollouts")
-    part = tmp_path / "out" / "part-00000.arrow"
+    part = part_files(tmp_path / "out")[0]
     single = tmp_path / "single.arrow"
     single.write_bytes(part.read_bytes()[:-100])
     with pytest.raises(InputError, match="single.arrow: not a readable Arrow IPC file"):
@@ -98,7 +99,7 @@ def test_rewrite_replaces_a_committed_output_cleanly(tmp_path):
     out = tmp_path / "out"
     shards.write(table(), str(out), Manifest(stage="t"), schema="rollouts", rows_per_part=1)
     shards.write(table().slice(0, 1), str(out), Manifest(stage="t"), schema="rollouts")
-    assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, "part-00000.arrow"]
+    assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST_NAME, part_files(out)[0].name])
     assert shards.read(str(out)).table.num_rows == 1
 
 
