@@ -1,7 +1,7 @@
 """Reward functions: built-ins, user functions and reward models, behind one calling rule.
 
 `--reward SPEC` is `path/to/file.py:function`, `module:function`, `builtin:NAME` or
-`rm:MODEL_URI`. A user function either takes the list of response strings
+`rm:MODEL_URI`. Code rewards run in a child process (`rlctl.reward_process`). A user function either takes the list of response strings
 (`fn(samples) -> list[float] | Tensor`) or takes keyword arguments among `prompts`,
 `responses`, `ground_truths`, `data_sources`, `extras` — decided from its signature.
 
@@ -31,6 +31,7 @@ from rlctl.algos.registry import Registry
 from rlctl.errors import InputError, RewardError
 
 KEYWORD_ARGS = ("prompts", "responses", "ground_truths", "data_sources", "extras")
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -159,10 +160,15 @@ class RewardFunction:
     fn: Callable
     keywords: tuple[str, ...] | None  # None: called as fn(responses)
 
-    def __call__(self, samples: RewardSamples) -> Any:
+    def arguments(self, samples: RewardSamples) -> tuple[list, dict[str, Any]]:
+        """(args, kwargs) of a call on `samples`, by the calling rule of the function."""
         if self.keywords is None:
-            return self.fn(list(samples.responses))
-        return self.fn(**{k: list(getattr(samples, k)) for k in self.keywords})
+            return [list(samples.responses)], {}
+        return [], {k: list(getattr(samples, k)) for k in self.keywords}
+
+    def __call__(self, samples: RewardSamples) -> Any:
+        args, kwargs = self.arguments(samples)
+        return self.fn(*args, **kwargs)
 
 
 def from_callable(fn: Callable, spec: str = "<callable>") -> RewardFunction:
@@ -177,6 +183,7 @@ def from_callable(fn: Callable, spec: str = "<callable>") -> RewardFunction:
 
 
 def load_reward(spec: str, *, device: str = "cpu", batch_size: int = 16) -> RewardFunction:
+    """A reward from its spec. Code (file.py:fn, module:fn) is loaded in a child process."""
     kind, sep, rest = spec.partition(":")
     if not sep or not rest:
         raise InputError(f"--reward {spec!r}: expected file.py:function, module:function, builtin:NAME or rm:MODEL_URI")
@@ -184,6 +191,17 @@ def load_reward(spec: str, *, device: str = "cpu", batch_size: int = 16) -> Rewa
         return from_callable(BUILTINS.get(rest), spec)
     if kind == "rm":
         return RewardFunction(spec, RewardModel(rest, device=device, batch_size=batch_size), ("prompts", "responses"))
+    target = spec.rpartition(":")[0]
+    if target.endswith(".py") and not Path(target).is_file():
+        raise InputError(f"--reward {spec!r}: file {target} does not exist")
+    from rlctl.reward_process import RewardProcess
+
+    process = RewardProcess(spec)
+    return RewardFunction(spec, process, process.keywords)
+
+
+def load_code_reward(spec: str) -> RewardFunction:
+    """file.py:fn or module:fn imported into this process (the reward child's side)."""
     target, _, name = spec.rpartition(":")
     module = _load_module(target, spec)
     fn = getattr(module, name, None)
@@ -277,20 +295,31 @@ def _checked(result: Any, expected: int, spec: str) -> list[float]:
     elif hasattr(result, "tolist"):
         result = result.tolist()
     if not isinstance(result, Sequence) or isinstance(result, (str, bytes)):
-        raise _Failure(f"returned {type(result).__name__}, expected a list of floats")
+        raise _Failure(f"returned {getattr(result, 'type_name', type(result).__name__)}, expected a list of floats")
     if len(result) != expected:
         raise _Failure(f"returned {len(result)} values for {expected} samples")
     values = []
     for i, v in enumerate(result):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise RewardError(f"reward {spec} returned {type(v).__name__} {v!r} at sample {i}, expected a float")
-        if not math.isfinite(v):
-            raise RewardError(f"reward {spec} returned {v} at sample {i}")
-        values.append(float(v))
+            kind = getattr(v, "type_name", type(v).__name__)
+            raise RewardError(f"reward {spec} returned {kind} {v!r} at sample {i}, expected a float")
+        value = float(v) if abs(v) <= FLOAT32_MAX else math.inf
+        if not math.isfinite(value):
+            what = v if isinstance(v, float) and not math.isfinite(v) else f"{str(v)[:12]}…, outside the float32 range of the reward column"
+            raise RewardError(f"reward {spec} returned {what} at sample {i}")
+        values.append(value)
     return values
 
 
 def _call_with_timeout(reward: RewardFunction, samples: RewardSamples, timeout: float) -> Any:
+    from rlctl.reward_process import RewardCallFailed, RewardProcess
+
+    if isinstance(reward.fn, RewardProcess):  # the child process enforces the timeout itself
+        args, kwargs = reward.arguments(samples)
+        try:
+            return reward.fn.call(args, kwargs, timeout)
+        except RewardCallFailed as exc:
+            raise _Failure(str(exc)) from None
     if timeout <= 0:
         return _call(reward, samples)
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):

@@ -101,7 +101,9 @@ def test_specs_load_files_modules_and_builtins(tmp_path):
             return [1.0 for _ in samples]
     """))
     assert compute_rewards(load_reward(f"{path}:reward"), samples(["a"]), timeout=5) == [1.0]
-    assert load_reward("rlctl.rewards:length_reward").fn is length_reward
+    module = load_reward("rlctl.rewards:length_reward")  # code: loaded in a child process
+    assert module.keywords == ("responses",)
+    assert compute_rewards(module, samples(["x" * 50]), timeout=5) == length_reward(["x" * 50])
     assert load_reward("builtin:gsm8k").keywords == ("responses", "ground_truths")
     with pytest.raises(InputError, match="available: countdown, gsm8k, length"):
         load_reward("builtin:nope")
