@@ -71,6 +71,7 @@ def read(uri: str, schema: str | None = None, *, stdin: BinaryIO | None = None, 
     table = shards.table
     if schema == "prompts":
         table = _normalise_prompts(table)
+        _check_prompt_ids(table, uri if uri != STDIO else "stdin")
     if schema is not None:
         table = schemas.validate(table, schema, source=uri if uri != STDIO else "stdin")
     return Shards(table, shards.uri, shards.manifest, shards.manifest_sha256)
@@ -249,6 +250,19 @@ def _normalise_prompts(table: pa.Table) -> pa.Table:
         index = table.column_names.index("id")
         table = table.set_column(index, "id", table.column("id").cast(pa.string()))
     return table
+
+
+def _check_prompt_ids(table: pa.Table, source: str) -> None:
+    """One id, one prompt: the same id with two different prompts would mix their groups."""
+    ids = table.column("id").to_pylist()
+    texts = [table.column(name).to_pylist() if name in table.column_names else [None] * len(ids) for name in ("prompt", "messages")]
+    seen: dict[str, tuple[int, object]] = {}
+    for row, (prompt_id, prompt, messages) in enumerate(zip(ids, *texts)):
+        if prompt_id is None:
+            raise InputError(f"{source}: row {row} has a null id")
+        first = seen.setdefault(prompt_id, (row, (prompt, messages)))
+        if first[1] != (prompt, messages):
+            raise InputError(f"{source}: id {prompt_id!r} names two different prompts (rows {first[0]} and {row})")
 
 
 # --- writing --------------------------------------------------------------------------------

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
+
+from rlctl.errors import InputError
 
 
 def list_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    import pyarrow.compute as pc
-
     return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
@@ -52,3 +53,19 @@ def set_columns(table: pa.Table, columns: dict[str, pa.Array]) -> pa.Table:
         else:
             table = table.append_column(name, column)
     return table
+
+
+def check_token_ids(table: pa.Table, vocab_size: int, source: str = "input") -> None:
+    """Every prompt and response token id is a row of the model's embedding (exit 2 if not)."""
+    for name in ("prompt_ids", "response_ids"):
+        if name not in table.column_names:
+            continue
+        column = table.column(name)
+        flat = pc.list_flatten(column)
+        if not len(flat):
+            continue
+        outside = pc.or_(pc.less(flat, 0), pc.greater_equal(flat, vocab_size))
+        if pc.any(outside).as_py():
+            row = pc.filter(pc.list_parent_indices(column), outside)[0].as_py()
+            value = pc.filter(flat, outside)[0].as_py()
+            raise InputError(f"{source}: column {name!r} row {row} holds token id {value}, outside the model's vocabulary of {vocab_size}")

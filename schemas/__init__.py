@@ -35,6 +35,7 @@ class Column:
     required: bool
     per_token: bool
     description: str
+    min_length: int = 0  # list columns: the fewest elements a row may hold
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ def spec(name: str) -> SchemaSpec:
             required=c.get("required", False),
             per_token=c.get("per_token", False),
             description=c["description"],
+            min_length=c.get("min_length", 0),
         )
         for c in raw["columns"]
     )
@@ -192,6 +194,9 @@ def validate(table: pa.Table, name: str, source: str = "input") -> pa.Table:
             continue
         table = _conform_column(table, col, source)
     _check_per_token_lengths(table, s, source)
+    for col in s.columns:
+        if col.name in table.column_names:
+            _check_values(table.column(col.name), col, source)
     metadata = dict(table.schema.metadata or {})
     metadata.update({NAME_KEY: s.name.encode(), VERSION_KEY: s.version.encode()})
     return table.replace_schema_metadata(metadata)
@@ -265,3 +270,30 @@ def _check_per_token_lengths(table: pa.Table, s: SchemaSpec, source: str) -> Non
                 f"{source}: column {col.name!r} row {row} has {lengths[row].as_py()} values "
                 f"but response_ids has {expected[row].as_py()}"
             )
+
+
+def _check_values(data: pa.ChunkedArray, col: Column, source: str) -> None:
+    """Floats are finite; lists hold no null elements and at least `min_length` of them."""
+    is_list = pa.types.is_list(col.type)
+    values = pc.list_flatten(data) if is_list else data
+    element = col.type.value_type if is_list else col.type
+    if is_list:
+        if col.min_length:
+            short = pc.fill_null(pc.less(pc.list_value_length(data), col.min_length), False)
+            if pc.any(short).as_py():
+                row = pc.index(short, True).as_py()
+                raise SchemaError(f"{source}: column {col.name!r} row {row} has {len(data[row])} values; at least {col.min_length} needed")
+        if values.null_count:
+            raise SchemaError(f"{source}: column {col.name!r} row {_row_of(data, pc.is_null(values))} holds a null value")
+    if pa.types.is_floating(element) and len(values):
+        bad = pc.invert(pc.fill_null(pc.is_finite(values), True))
+        if pc.any(bad).as_py():
+            row = _row_of(data, bad) if is_list else pc.index(bad, True).as_py()
+            value = pc.filter(values, bad)[0].as_py()
+            raise SchemaError(f"{source}: column {col.name!r} row {row} holds {value}, not a finite number")
+
+
+def _row_of(lists: pa.ChunkedArray, flat_mask) -> int:
+    """The row of the first flattened element where `flat_mask` is true."""
+    parents = pc.list_parent_indices(lists)
+    return pc.filter(parents, flat_mask)[0].as_py()

@@ -40,9 +40,15 @@ def run(*, prompts: str, model: str, out: OutputSpec, cfg: RolloutConfig, data: 
     return write(table, out.uri, manifest, schema="rollouts", format=out.format, rows_per_part=out.rows_per_part)
 
 
-def encode_prompts(table: pa.Table, tokenizer, data: DataConfig) -> list[list[int]]:
+def encode_prompts(table: pa.Table, tokenizer, data: DataConfig, *, context_length: int | None = None, max_new_tokens: int = 0) -> list[list[int]]:
     """Token ids of every prompt: chat messages through the chat template, plain strings as
-    they are (or through the template with `chat_template`); too long → error or left-truncate."""
+    they are (or through the template with `chat_template`). Too long for `max_prompt_tokens`,
+    or for the model's context with `max_new_tokens` to come → error, or left-truncate."""
+    limit = data.max_prompt_tokens
+    if context_length is not None:
+        if max_new_tokens >= context_length:
+            raise InputError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's context of {context_length} tokens")
+        limit = min(limit, context_length - max_new_tokens)
     ids = table.column("id").to_pylist()
     prompts = table.column("prompt").to_pylist() if "prompt" in table.column_names else [None] * len(ids)
     messages = table.column("messages").to_pylist() if "messages" in table.column_names else [None] * len(ids)
@@ -59,13 +65,13 @@ def encode_prompts(table: pa.Table, tokenizer, data: DataConfig) -> list[list[in
         tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not tokens:
             raise InputError(f"prompt {prompt_id!r} is empty after tokenization")
-        if len(tokens) > data.max_prompt_tokens:
+        if len(tokens) > limit:
             if data.truncate != "left":
-                raise InputError(
-                    f"prompt {prompt_id!r} has {len(tokens)} tokens, over max_prompt_tokens={data.max_prompt_tokens} "
-                    "(use --truncate left to cut it)"
+                why = f"max_prompt_tokens={data.max_prompt_tokens}" if limit == data.max_prompt_tokens else (
+                    f"the model's context of {context_length} tokens less max_new_tokens={max_new_tokens}"
                 )
-            tokens = tokens[-data.max_prompt_tokens :]
+                raise InputError(f"prompt {prompt_id!r} has {len(tokens)} tokens, over {why} (use --truncate left to cut it)")
+            tokens = tokens[-limit:]
         encoded.append(tokens)
     return encoded
 
@@ -78,7 +84,9 @@ def rollout_table(
     Progress goes to `on_tokens` when given (the pipeline's view), else to a progress bar."""
     if data.truncate not in ("error", "left"):
         raise InputError(f"truncate must be error or left, got {data.truncate!r}")
-    prompt_ids = encode_prompts(prompts, engine.tokenizer, data)
+    prompt_ids = encode_prompts(
+        prompts, engine.tokenizer, data, context_length=getattr(engine, "context_length", None), max_new_tokens=cfg.max_new_tokens
+    )
     repeated = [ids for ids in prompt_ids for _ in range(cfg.n)]
     params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed)
     if on_tokens is not None:

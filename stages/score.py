@@ -17,7 +17,7 @@ from rlctl.rewards import RewardFunction, RewardSamples, compute_rewards, load_r
 from rlctl.schemas import spec
 from rlctl.shards import OutputSpec, read, write
 from rlctl.stages.rollout import sampling_of
-from rlctl.tensors import list_column, set_columns
+from rlctl.tensors import check_token_ids, list_column, set_columns
 
 
 @dataclass
@@ -73,6 +73,10 @@ def reward_samples(table: pa.Table) -> RewardSamples:
 
 def score_table(table: pa.Table, reward: RewardFunction, models: ScoringModels, cfg: ScoreConfig) -> pa.Table:
     """Rewards for every row, then the per-token columns each available model provides."""
+    model = models.ref or models.policy
+    vocab = model.vocab_size if model is not None else (models.critic.lm.get_input_embeddings().num_embeddings if models.critic is not None else None)
+    if vocab is not None:
+        check_token_ids(table, vocab, source="rollouts")
     rewards = compute_rewards(reward, reward_samples(table), timeout=cfg.reward_timeout)
     temperature = float(sampling_of(table).get("temperature", 1.0))
     prompt_ids = table.column("prompt_ids").to_pylist()

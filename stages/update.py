@@ -27,6 +27,7 @@ from rlctl.manifest import Manifest
 from rlctl.schemas import spec, validate
 from rlctl.shards import read
 from rlctl.stages.rollout import sampling_of
+from rlctl.tensors import check_token_ids
 from rlctl.trainer import TrainBatch, Trainer, check_update_config
 
 
@@ -47,6 +48,7 @@ def run(*, batch: str, model: str, out: str, cfg: UpdateConfig, critic: str | No
     if (existing := up_to_date(out, manifest, force)) is not None:
         return existing
     policy = HFPolicy.load(model, device)
+    check_token_ids(source.table, policy.vocab_size, source=batch)
     critic_model = ValueModel.load(critic, resolve_device(device)) if critic else None
     trainer = Trainer(policy, cfg, critic=critic_model, temperature=float(sampling_of(source.table).get("temperature", 1.0)))
     state = load_trainer_state(model) or {"step": 0}

@@ -157,6 +157,16 @@ class HFPolicy:
         self.stop_ids = sorted(stops)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
 
+    @property
+    def context_length(self) -> int | None:
+        """The longest sequence (prompt + response) the model's positions cover."""
+        value = getattr(self.model.config, "max_position_embeddings", None)
+        return int(value) if isinstance(value, int) else None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_input_embeddings().num_embeddings)
+
     @classmethod
     def load(cls, uri: str, device: str = "auto") -> HFPolicy:
         dev = resolve_device(device)
