@@ -37,7 +37,7 @@ from rlctl.algos.kl import KLControllerState
 from rlctl.config import Config, apply_overrides, from_dict, load_config, to_dict, to_toml
 from rlctl.errors import ConfigError, InputError
 from rlctl.lineage import make_manifest, shards_ref
-from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest
+from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest, strict_json_value
 from rlctl.rewards import RewardFunction, from_callable, load_reward
 from rlctl.runinfo import iteration_folders
 from rlctl.shards import Shards, commit_empty, filesystem, is_committed, read, read_manifest, write
@@ -447,7 +447,8 @@ class Pipeline:
                 shutil.rmtree(folder / name, ignore_errors=True)
 
     def _write_metrics(self) -> None:
-        _atomic_write(self.run_dir / "metrics.jsonl", "".join(json.dumps(row, sort_keys=True) + "\n" for row in self.history))
+        rows = (json.dumps(strict_json_value(row), sort_keys=True, allow_nan=False) + "\n" for row in self.history)
+        _atomic_write(self.run_dir / "metrics.jsonl", "".join(rows))
 
     def _write_resolved_config(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ from rlctl.checkpoint import (
 from rlctl.config import UpdateConfig, to_dict
 from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
-from rlctl.manifest import Manifest
+from rlctl.manifest import Manifest, strict_json_value
 from rlctl.schemas import spec, validate
 from rlctl.shards import read
 from rlctl.stages.rollout import sampling_of
@@ -58,7 +58,7 @@ def run(*, batch: str, model: str, out: str, cfg: UpdateConfig, critic: str | No
     train_batch = TrainBatch.from_table(source.table)
     if train_batch.size == 0:
         raise InputError(f"{batch}: the batch has no rows")
-    manifest.metrics = trainer.train(train_batch)
+    manifest.metrics = strict_json_value(trainer.train(train_batch))  # a skipped step's losses are recorded as null
     validate(pa.Table.from_pylist([manifest.metrics]), "metrics", source="update metrics")  # the row honours its schema
     manifest.schema, manifest.schema_version = "metrics", spec("metrics").version
     return save_checkpoint(out, policy=policy, trainer_state=trainer.state_dict(), manifest=manifest, critic=critic_model)

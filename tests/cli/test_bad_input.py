@@ -4,6 +4,7 @@ and no output folder left behind."""
 import json
 
 import pyarrow as pa
+import pytest
 
 from rlctl import shards
 from rlctl.manifest import MANIFEST_NAME, Manifest
@@ -113,3 +114,142 @@ def test_show_json_of_a_shard(cli, tmp_path):
     assert result.exit_code == 0
     data = json.loads(result.stdout)
     assert data["rows"] == 3 and len(data["head"]) == 1 and data["manifest"]["stage"] == "rollout"
+
+
+# --- values out of range: refused by the config types, before any input or model is read -----
+
+RANGE_CASES = [
+    (["rollout", "--n", "0"], "rollout.n must be ≥ 1, got 0"),
+    (["rollout", "--max-new-tokens", "0"], "rollout.max_new_tokens must be ≥ 1"),
+    (["rollout", "--temperature", "-0.5"], "rollout.temperature must be ≥ 0.0"),
+    (["rollout", "--top-p", "0"], "rollout.top_p must be in (0, 1]"),
+    (["rollout", "--top-p", "1.5"], "rollout.top_p must be in (0, 1]"),
+    (["rollout", "--top-k", "-1"], "rollout.top_k must be ≥ 0"),
+    (["rollout", "--set", "rollout.batch_size=0"], "rollout.batch_size must be ≥ 1"),
+    (["rollout", "--set", "rollout.dtype=fp8"], "rollout.dtype must be one of fp32, bf16"),
+    (["rollout", "--set", "data.truncate=right"], "data.truncate must be one of error, left"),
+    (["score", "--batch-size", "0"], "score.batch_size must be ≥ 1"),
+    (["score", "--reward-timeout", "-1"], "score.reward_timeout must be ≥ 0.0"),
+    (["advantage", "--gamma", "1.5"], "advantage.gamma must be between 0.0 and 1.0"),
+    (["advantage", "--lam", "-0.1"], "advantage.lam must be between 0.0 and 1.0"),
+    (["advantage", "--kl-coef", "-1"], "advantage.kl_coef must be ≥ 0.0"),
+    (["update", "--lr", "0"], "update.lr must be > 0.0"),
+    (["update", "--set", "update.lr=nan"], "update.lr must be a finite number"),
+    (["update", "--set", "update.critic_lr=inf"], "update.critic_lr must be a finite number"),
+    (["update", "--epochs", "0"], "update.epochs must be ≥ 1"),
+    (["update", "--micro-batch-size", "0"], "update.micro_batch_size must be ≥ 1"),
+    (["update", "--mini-batch-size", "-2"], "update.mini_batch_size must be ≥ 0"),
+    (["update", "--set", "update.clip_ratio_c=0.5"], "update.clip_ratio_c must be 0 (off) or > 1"),
+    (["update", "--set", "update.max_grad_norm=-1"], "update.max_grad_norm must be ≥ 0.0"),
+    (["reshard", "--dtype", "int8"], "reshard.dtype must be one of bf16, fp16, fp32"),
+]
+REQUIRED = {
+    "rollout": ["--prompts", "p.jsonl", "--model", "no-model"],
+    "score": ["--rollouts", "r", "--reward", "builtin:length"],
+    "advantage": ["--scores", "s"],
+    "update": ["--batch", "b", "--model", "no-model"],
+    "reshard": ["--checkpoint", "no-model"],
+}
+
+
+@pytest.mark.parametrize("args,message", RANGE_CASES, ids=[" ".join(a) for a, _ in RANGE_CASES])
+def test_a_value_out_of_range_is_refused_before_any_work(cli, tmp_path, args, message):
+    command = args[0]
+    result = cli(command, *REQUIRED[command], "--out", tmp_path / "out", *args[1:])
+    check(result, tmp_path / "out", message)
+
+
+def test_a_toml_value_out_of_range_names_the_file(cli, tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text("[rollout]\nn = 0\n")
+    result = cli("rollout", *REQUIRED["rollout"], "--out", tmp_path / "out", "--config", config)
+    check(result, tmp_path / "out", "c.toml", "rollout.n must be ≥ 1")
+
+
+def test_pipeline_iterations_below_one(cli, tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text("[pipeline]\niterations = 0\n")
+    check(cli("pipeline", config, "--run-dir", tmp_path / "out"), tmp_path / "out", "pipeline.iterations must be ≥ 1")
+
+
+# --- bad values inside the data ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("column,values,message", [
+    ("rollout_logprobs", [[-1.0, float("nan"), -3.5], [-0.5], [-0.25, -1e-7]], "column 'rollout_logprobs' row 0 holds nan"),
+    ("rollout_logprobs", [[-1.0, -2.0, -3.5], [float("-inf")], [-0.25, -1e-7]], "column 'rollout_logprobs' row 1 holds -inf"),
+    ("rollout_logprobs", [[-1.0, -2.0, -3.5], [-0.5], [-0.25, None]], "column 'rollout_logprobs' row 2 holds a null value"),
+    ("prompt_ids", [[1, 2], [], [7]], "column 'prompt_ids' row 1 has 0 values; at least 1 needed"),
+    ("response_ids", [[3, None, 5], [6], [8, 9]], "column 'response_ids' row 0 holds a null value"),
+])
+def test_non_finite_null_and_empty_values_are_refused_naming_column_and_row(cli, tmp_path, column, values, message):
+    element = pa.float32() if column == "rollout_logprobs" else pa.int32()
+    source = rollouts(tmp_path, **{column: pa.array(values, pa.list_(element))})
+    check(score(cli, source, tmp_path / "out"), tmp_path / "out", message)
+
+
+def test_a_nan_reward_is_refused_by_the_next_stage(cli, tmp_path):
+    source = str(tmp_path / "scores")
+    shards.write(pa.table({**ROLLOUT_VALUES, "reward": pa.array([1.0, float("nan"), 0.0], pa.float32())}), source, Manifest(stage="score"))
+    check(advantage(cli, source, tmp_path / "out"), tmp_path / "out", "column 'reward' row 1 holds nan")
+
+
+def test_token_ids_outside_the_vocabulary(cli, tmp_path, tiny_model):
+    source = rollouts(tmp_path, prompt_ids=pa.array([[1, 2], [1, 2], [99999]], pa.list_(pa.int32())))
+    result = cli("score", "--rollouts", source, "--out", tmp_path / "out", "--reward", "builtin:length", "--ref", tiny_model)
+    check(result, tmp_path / "out", "column 'prompt_ids' row 2 holds token id 99999, outside the model's vocabulary")
+
+
+def test_one_id_with_two_different_prompts(cli, tmp_path, tiny_model):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "one"}\n{"id": "b", "prompt": "two"}\n{"id": "a", "prompt": "three"}\n')
+    result = cli("rollout", "--prompts", prompts, "--model", tiny_model, "--out", tmp_path / "out")
+    check(result, tmp_path / "out", "id 'a' names two different prompts (rows 0 and 2)")
+
+
+def test_a_prompt_longer_than_the_models_context(cli, tmp_path, tiny_model, prompts_file):
+    result = cli("rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", tmp_path / "out", "--max-new-tokens", "1022")
+    check(result, tmp_path / "out", "over the model's context of 1024 tokens less max_new_tokens=1022", "--truncate left")
+    result = cli("rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", tmp_path / "out", "--max-new-tokens", "1024")
+    check(result, tmp_path / "out", "leaves no room for a prompt in the model's context of 1024 tokens")
+
+
+def test_left_truncation_fits_a_prompt_into_the_context():
+    from rlctl.config import DataConfig
+    from rlctl.stages.rollout import encode_prompts
+
+    class Words:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": list(range(len(text.split())))}
+
+    table = pa.table({"id": ["a"], "prompt": ["one two three four five six"]})
+    assert encode_prompts(table, Words(), DataConfig(truncate="left"), context_length=10, max_new_tokens=6) == [[2, 3, 4, 5]]
+
+
+def test_files_that_are_not_utf8(cli, tmp_path, tiny_model):
+    prompts = tmp_path / "latin1.jsonl"
+    prompts.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    check(cli("rollout", "--prompts", prompts, "--model", tiny_model, "--out", tmp_path / "out"), tmp_path / "out", "latin1.jsonl line 1: not UTF-8")
+    config = tmp_path / "c.toml"
+    config.write_bytes("[rollout]\n# caf\u00e9\n".encode("latin-1"))
+    check(advantage(cli, rollouts(tmp_path), tmp_path / "out", "--config", config), tmp_path / "out", "c.toml: not UTF-8")
+
+
+def test_a_config_path_that_is_a_folder(cli, tmp_path):
+    check(advantage(cli, rollouts(tmp_path), tmp_path / "out", "--config", tmp_path), tmp_path / "out", "is a folder, not a TOML file")
+
+
+def test_a_folder_with_a_config_json_that_is_not_a_model(cli, tmp_path, prompts_file, tiny_model):
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "config.json").write_text('{"hello": "world"}')
+    check(cli("rollout", "--prompts", prompts_file, "--model", fake, "--out", tmp_path / "out"), tmp_path / "out", "names no model_type")
+    (fake / "config.json").write_text('{"model_type": "qwen2"}')
+    check(cli("rollout", "--prompts", prompts_file, "--model", fake, "--out", tmp_path / "out"), tmp_path / "out", "cannot be loaded as a causal LM")
+
+
+def test_a_manifest_of_a_newer_schema_version(cli, tmp_path):
+    source = rollouts(tmp_path)
+    path = tmp_path / "in" / MANIFEST_NAME
+    path.write_text(path.read_text().replace('"schema_version": null', '"schema_version": "3.1"').replace('"schema": null', '"schema": "rollouts"'))
+    check(score(cli, source, tmp_path / "out"), tmp_path / "out", "rollouts schema version 3.1 is newer than this rlctl reads (1.0)")

@@ -102,6 +102,40 @@ def test_killed_twice_with_sparse_checkpoints_still_bit_identical(tmp_path, tiny
     assert all(torch.equal(expected[k], got[k]) for k in expected)
 
 
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_resume_skips_a_damaged_checkpoint_and_says_so(tmp_path, reference_run):
+    config, reference = reference_run
+    run = tmp_path / "run"
+    assert rlctl("pipeline", config, "--run-dir", run, "--quiet", env={"RLCTL_FAULT_KILL_AT": "iter-0003:after-checkpoint"}, check=False).returncode == -9
+    flip_a_byte(run / "checkpoints" / "iter-0003" / "model.safetensors")
+    resumed = rlctl("pipeline", config, "--run-dir", run, "--quiet")
+    assert "checkpoint" in resumed.stderr and "iter-0003 is damaged" in resumed.stderr
+    assert "resuming from iter-0002: iter-0003 did not verify" in resumed.stderr
+    expected, got = final_weights(reference), final_weights(run)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    assert metrics_without_timings(run) == metrics_without_timings(reference)
+
+
+@pytest.mark.slow
+def test_resume_recomputes_a_damaged_committed_stage_instead_of_training_on_it(tmp_path, reference_run):
+    config, reference = reference_run
+    run = tmp_path / "run"
+    assert rlctl("pipeline", config, "--run-dir", run, "--quiet", env={"RLCTL_FAULT_KILL_AT": "iter-0002/advantage:before-commit"}, check=False).returncode == -9
+    manifest = json.loads((run / "iter-0002" / "score" / "_manifest.json").read_text())
+    part = run / "iter-0002" / "score" / manifest["files"][0]["path"]
+    part.write_bytes(part.read_bytes().replace(b"Question", b"Questi0n", 1))
+    resumed = rlctl("pipeline", config, "--run-dir", run, "--quiet")
+    assert "iter-0002/score is committed but damaged" in resumed.stderr and "recomputing it" in resumed.stderr
+    expected, got = final_weights(reference), final_weights(run)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
 def test_replay_check_is_identical_for_every_stage(cli, tmp_path, tiny_model):
     config = write_config(tmp_path, tiny_model, pipeline={"iterations": 2})
     Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"]).run()
