@@ -167,6 +167,11 @@ class OutputWrite:
         interrupted = self.lock is not None and self.lock.broke_stale is not None and self.previous is None
         if self.fixed_names and interrupted:
             return  # an rlctl write of this folder died before its commit: its files may go
+        if self.previous is not None and self.previous.files:
+            holds_shards = all(PART_NAME.match(f.path) for f in self.previous.files)
+            if holds_shards == self.fixed_names:
+                kind = "shard output" if holds_shards else f"{self.previous.stage} output (a model folder)"
+                raise InputError(f"{self.uri} holds a committed {kind}; a {self.what} does not replace it: choose another output")
         for name in self._listing():
             if not self._is_ours(name):
                 raise InputError(
@@ -226,6 +231,7 @@ def _remove(fs: fsspec.AbstractFileSystem, path: str) -> None:
 def read_verified(fs: fsspec.AbstractFileSystem, folder: str, entry: FileEntry, uri: str, *, verify: bool | None = None) -> pa.Buffer:
     """The bytes of one listed file (memory-mapped when local), checked against its entry."""
     path = join(folder, entry.path)
+    check_inside(fs, folder, path, entry, uri)
     try:
         if isinstance(fs, LocalFileSystem):
             buffer = pa.memory_map(path).read_buffer()
@@ -241,11 +247,20 @@ def verify_files(fs: fsspec.AbstractFileSystem, folder: str, manifest: Manifest,
     """Every file the manifest lists is present and intact (streamed; nothing kept)."""
     for entry in manifest.files:
         path = join(folder, entry.path)
+        check_inside(fs, folder, path, entry, uri)
         try:
             size = fs.size(path)
         except FileNotFoundError:
             raise PartMissingError(f"{uri}: the manifest lists {entry.path} but the file is missing") from None
         check_entry(entry, size, lambda path=path: _stream_sha256(fs, path), uri, verify)
+
+
+def check_inside(fs: fsspec.AbstractFileSystem, folder: str, path: str, entry: FileEntry, uri: str) -> None:
+    """A local listed file must not be a link out of its folder (the path checks cover the rest)."""
+    if isinstance(fs, LocalFileSystem) and os.path.lexists(path):
+        root = os.path.realpath(folder)
+        if os.path.commonpath([root, os.path.realpath(path)]) != root:
+            raise InputError(f"{uri}: {entry.path} is a link that leaves the folder")
 
 
 def check_entry(entry: FileEntry, size: int, sha256, uri: str, verify: bool | None) -> None:

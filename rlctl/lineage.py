@@ -4,6 +4,7 @@ stage whose output is already up to date do nothing."""
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,13 @@ def make_manifest(stage: str, config: dict[str, Any], inputs: list[InputRef], se
 
 
 def up_to_date(out_uri: str, manifest: Manifest, force: bool) -> Manifest | None:
-    """The existing output's manifest (marked skipped) when it has the same key."""
+    """The existing output's manifest (marked skipped) when it has the same key and is intact.
+    An output that is one of the stage's own inputs is refused: the write would replace it."""
+    if out_uri != STDIO:
+        target = _location(out_uri)
+        for ref in manifest.inputs:
+            if ref.uri != STDIO and _location(ref.uri) == target:
+                raise InputError(f"--out {out_uri} is also an input of this {manifest.stage}: write the output elsewhere")
     if force or out_uri == STDIO or any(i.manifest_sha256 is None for i in manifest.inputs):
         return None
     if not is_committed(out_uri):
@@ -62,3 +69,10 @@ def up_to_date(out_uri: str, manifest: Manifest, force: bool) -> Manifest | None
         return None
     existing.state = {**existing.state, "skipped": True}
     return existing
+
+
+def _location(uri: str) -> tuple[str, str]:
+    """(protocol, absolute path) of a URI, to tell two spellings of one folder."""
+    fs, path = filesystem(uri)
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol, os.path.realpath(path) if protocol in ("file", "local") else path.rstrip("/")

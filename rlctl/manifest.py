@@ -78,7 +78,10 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
         """Parse a manifest; ValueError for anything that is not one this rlctl can trust."""
-        raw = json.loads(text, parse_constant=_refuse_constant)
+        try:
+            raw = json.loads(text, parse_constant=_refuse_constant)
+        except RecursionError:
+            raise ValueError("nested too deeply to be a manifest") from None
         if not isinstance(raw, dict) or not isinstance(raw.get("stage"), str):
             raise ValueError("not an rlctl manifest (no stage)")
         version = raw.get("manifest_version", 1)
@@ -89,6 +92,14 @@ class Manifest:
             raw["files"] = [_file_entry(f) for f in raw.get("files", [])]
         except TypeError as exc:
             raise ValueError(f"malformed entry: {exc}") from exc
+        for name, kind in (("config", dict), ("state", dict), ("metrics", dict), ("timings", dict), ("stage", str)):
+            if not isinstance(raw.get(name, kind()), kind):
+                raise ValueError(f"{name} must be a JSON {'object' if kind is dict else 'string'}")
+        for name in ("schema", "schema_version", "key", "write_id", "format", "rlctl_version"):
+            if raw.get(name) is not None and not isinstance(raw[name], str):
+                raise ValueError(f"{name} must be a string")
+        if raw.get("seed") is not None and (isinstance(raw["seed"], bool) or not isinstance(raw["seed"], int)):
+            raise ValueError("seed must be an integer")
         known = cls.__dataclass_fields__
         manifest = cls(**{k: v for k, v in raw.items() if k in known})
         manifest.manifest_version = version

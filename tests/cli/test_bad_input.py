@@ -253,3 +253,11 @@ def test_a_manifest_of_a_newer_schema_version(cli, tmp_path):
     path = tmp_path / "in" / MANIFEST_NAME
     path.write_text(path.read_text().replace('"schema_version": null', '"schema_version": "3.1"').replace('"schema": null', '"schema": "rollouts"'))
     check(score(cli, source, tmp_path / "out"), tmp_path / "out", "rollouts schema version 3.1 is newer than this rlctl reads (1.0)")
+
+
+def test_an_output_that_is_also_the_input(cli, tmp_path):
+    source = rollouts(tmp_path)
+    before = (tmp_path / "in" / MANIFEST_NAME).read_bytes()
+    result = score(cli, source, str(tmp_path / "in" / ".." / "in"))
+    assert result.exit_code == 2 and "is also an input of this score" in one_line_error(result)
+    assert (tmp_path / "in" / MANIFEST_NAME).read_bytes() == before

@@ -240,3 +240,55 @@ def test_a_file_added_beside_a_committed_output_blocks_an_overwrite(tmp_path):
     with pytest.raises(InputError, match="keep-me.csv"):
         shards.write(table(), uri, Manifest(stage="t"), schema="rollouts")
     assert (tmp_path / "out" / "keep-me.csv").exists() and shards.read(uri).table.num_rows == 3
+
+
+def test_a_part_that_is_a_link_out_of_the_folder_is_refused(tmp_path):
+    uri = committed(tmp_path)
+    outside = tmp_path / "elsewhere.arrow"
+    part = part_files(uri)[0]
+    os.replace(part, outside)
+    os.symlink(outside, part)
+    with pytest.raises(InputError, match="is a link that leaves the folder"):
+        shards.read(uri)
+
+
+@pytest.mark.parametrize("change,fragment", [
+    (lambda m: m.update(state=[1, 2]), "state must be a JSON object"),
+    (lambda m: m.update(config="x"), "config must be a JSON object"),
+    (lambda m: m.update(seed="7"), "seed must be an integer"),
+    (lambda m: m.update(files={"a": 1}), "malformed entry"),
+    (lambda m: m.update(key=5), "key must be a string"),
+])
+def test_manifest_fields_of_the_wrong_type_are_refused(tmp_path, change, fragment):
+    uri = committed(tmp_path)
+    edit_manifest(uri, change)
+    with pytest.raises(InputError, match=fragment):
+        shards.read(uri)
+
+
+def test_a_deeply_nested_manifest_is_refused_not_a_crash(tmp_path):
+    uri = committed(tmp_path)
+    with open(os.path.join(uri, MANIFEST_NAME), "w") as f:
+        f.write("[" * 100000 + "]" * 100000)
+    with pytest.raises(InputError, match="unreadable _manifest.json"):
+        shards.read(uri)
+
+
+def test_a_shard_write_never_replaces_a_model_folder_and_back(tmp_path):
+    from rlctl.folders import OutputWrite, describe_files
+
+    model = tmp_path / "model"
+    fs, path = shards.filesystem(str(model))
+    with OutputWrite(fs, path, str(model), what="checkpoint", fixed_names=True) as out:
+        (model / "model.safetensors").write_bytes(b"weights")
+        manifest = Manifest(stage="update")
+        manifest.files = describe_files(fs, path, ["model.safetensors"])
+        out.commit(manifest)
+    with pytest.raises(InputError, match="holds a committed update output \\(a model folder\\)"):
+        shards.write(table(), str(model), Manifest(stage="t"), schema="rollouts")
+    assert (model / "model.safetensors").read_bytes() == b"weights"
+    uri = committed(tmp_path)
+    with pytest.raises(InputError, match="holds a committed shard output"):
+        with OutputWrite(*shards.filesystem(uri), uri, what="checkpoint", fixed_names=True):
+            pass
+    assert shards.read(uri).table.num_rows == 3
