@@ -201,6 +201,22 @@ class PipelineConfig:
 
 
 @dataclass(frozen=True)
+class WorkersConfig:
+    """Who holds the models: this process (local), or a group of Ray actors, one rank each."""
+
+    backend: str = "local"  # local | ray
+    num_workers: int = 1  # data-parallel ranks of the policy group (ray)
+    address: str = ""  # "" = an embedded Ray for this command; auto or HOST:PORT joins a cluster
+    cpus_per_worker: int = 1  # Ray CPUs of a worker, and its torch/OpenMP threads
+    gpus_per_worker: float = 0.0  # 1 on a GPU machine: NCCL instead of gloo
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "workers", {
+            "backend": one_of("local", "ray"), "num_workers": at_least(1), "cpus_per_worker": at_least(1), "gpus_per_worker": at_least(0.0),
+        })
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -210,6 +226,7 @@ class Config:
     update: UpdateConfig = field(default_factory=UpdateConfig)
     reshard: ReshardConfig = field(default_factory=ReshardConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)

@@ -147,14 +147,15 @@ class Pipeline:
         """The resident models, loaded on first use (once per run)."""
         if self._workers is None:
             from rlctl.modelinit import init_model
-            from rlctl.workers.local import LocalWorkers, checkpoint_sources
+            from rlctl.workers import make_workers
+            from rlctl.workers.local import checkpoint_sources
 
             if not Path(self.cfg.model.path, "config.json").exists():
                 if not self.cfg.model.init_preset:
                     raise InputError(f"model {self.cfg.model.path!r} does not exist (set model.init_preset to create it)")
                 init_model(self.cfg.model.path, self.cfg.model.init_preset, self.cfg.model.init_seed)
             policy, critic = checkpoint_sources(str(self.checkpoint) if self.checkpoint else None, self.cfg)
-            self._workers = LocalWorkers(self.cfg, policy_source=policy, critic_source=critic)
+            self._workers = make_workers(self.cfg, policy_source=policy, critic_source=critic)
         return self._workers
 
     # -- running ---------------------------------------------------------------------
@@ -171,7 +172,7 @@ class Pipeline:
                     break
         finally:
             if took_lock:
-                self.close()
+                self._release_lock()
         return rows
 
     def step(self, total: int | None = None) -> dict[str, Any]:
@@ -264,6 +265,14 @@ class Pipeline:
             self._run_lock = FolderLock.acquire(fs, path, what="pipeline run")
 
     def close(self) -> None:
+        """Stop the workers (a Ray group's processes) and release the run folder."""
+        workers = getattr(self, "_workers", None)
+        if workers is not None:
+            workers.close()
+            self._workers = None
+        self._release_lock()
+
+    def _release_lock(self) -> None:
         lock = getattr(self, "_run_lock", None)  # None too when __init__ failed early
         if lock is not None:
             lock.release()

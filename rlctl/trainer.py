@@ -75,11 +75,58 @@ def check_update_config(cfg: UpdateConfig, batch_size: int | None = None) -> Non
         raise InputError(f"update: mini_batch_size={cfg.mini_batch_size} does not divide the batch of {batch_size} sequences")
 
 
+@dataclass(frozen=True)
+class RankGroup:
+    """This process's place in a data-parallel group (rank 0 of 1 when training alone).
+
+    Every rank holds the whole batch and computes the same mini-batch order and normalisers;
+    it trains on its contiguous share of each mini-batch (`share`). FSDP averages gradients
+    over ranks, while each rank's loss is its share of the whole mini-batch's loss, so the loss
+    is scaled by the group size (`grad_scale`) to make the gradients sum. Statistics are
+    partial sums, added across ranks (`sum`)."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def grad_scale(self) -> float:
+        return float(self.size)
+
+    def micro_batches(self, indices: torch.Tensor, micro_batch_size: int) -> list[tuple[list[int], float]]:
+        """(rows, weight) of each forward/backward pass this rank makes on a mini-batch.
+
+        The rank's share is its contiguous slice of `indices`. Every rank makes the same number
+        of passes (FSDP's collectives run in lockstep), so a rank with fewer rows adds passes
+        over one row with weight 0, which change neither gradients nor statistics."""
+        from rlctl.dispatch import row_slices
+
+        slices = row_slices(len(indices), self.size)
+        passes = max(1, max(-(-(s.stop - s.start) // micro_batch_size) for s in slices))
+        mine = indices[slices[self.rank]].tolist()
+        batches = [(mine[i * micro_batch_size : (i + 1) * micro_batch_size], 1.0) for i in range(passes)]
+        return [(rows, weight) if rows else (indices[:1].tolist(), 0.0) for rows, weight in batches]
+
+    def sum(self, stats: dict[str, float]) -> dict[str, float]:
+        if self.size == 1:
+            return stats
+        import torch.distributed as dist
+
+        keys = sorted(stats)
+        values = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(values)
+        return dict(zip(keys, values.tolist()))
+
+
+ALONE = RankGroup()
+
+
 class Trainer:
     """Holds the policy (and critic) optimizers; `train(batch)` runs one update."""
 
-    def __init__(self, policy: HFPolicy, cfg: UpdateConfig, *, critic: ValueModel | None = None, temperature: float = 1.0) -> None:
-        self.policy, self.cfg, self.critic, self.temperature = policy, cfg, critic, temperature
+    def __init__(
+        self, policy: HFPolicy, cfg: UpdateConfig, *, critic: ValueModel | None = None, temperature: float = 1.0, ranks: RankGroup = ALONE,
+    ) -> None:
+        self.policy, self.cfg, self.critic, self.temperature, self.ranks = policy, cfg, critic, temperature, ranks
         self.step = 0
         self.optimizer = torch.optim.AdamW(policy.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.critic_optimizer = (
@@ -161,8 +208,8 @@ class Trainer:
         tokens = max(norms["batch_tokens"], 1)
         device = self.policy.device
         autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
-        for start in range(0, len(indices), cfg.micro_batch_size):
-            micro = indices[start : start + cfg.micro_batch_size].tolist()
+        for micro, weight in self.ranks.micro_batches(indices, cfg.micro_batch_size):
+            scale = weight * self.ranks.grad_scale
             packed = pack([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro], self.policy.pad_id, device)
             width = packed.response_mask.shape[1]
             m = packed.response_mask
@@ -183,8 +230,8 @@ class Trainer:
                 kl = KL_ESTIMATORS.get(cfg.kl_loss_estimator)(logprobs=logp, ref_logprobs=take(batch.ref_logprobs))
                 if cfg.use_kl_loss:
                     loss = loss + cfg.kl_loss_coef * aggregate(loss=kl, response_mask=m, mode=cfg.loss_agg_mode, **norms)
-                stats["kl"] += float(torch.where(m, kl.detach(), 0).sum()) / tokens
-            loss.backward()
+                stats["kl"] += weight * float(torch.where(m, kl.detach(), 0).sum()) / tokens
+            (loss * scale).backward()
             if self.critic is not None:
                 with autocast:
                     values = self.critic(packed)
@@ -193,13 +240,13 @@ class Trainer:
                     cliprange_value=cfg.cliprange_value,
                 )
                 vf_loss = aggregate(loss=vf, response_mask=m, mode=cfg.loss_agg_mode, **norms)
-                (cfg.vf_coef * vf_loss).backward()
-                stats["vf_loss"] += float(vf_loss.detach())
-            stats["pg_loss"] += float(pg_loss.detach())
-            stats["pg_clipfrac"] += float(pg.clipped.sum()) / tokens
-            stats["ppo_kl"] += float(pg.approx_kl.detach().sum()) / tokens
-            stats["entropy"] += float(torch.where(m, entropy.detach(), 0).sum()) / tokens
-        return stats
+                (cfg.vf_coef * vf_loss * scale).backward()
+                stats["vf_loss"] += weight * float(vf_loss.detach())
+            stats["pg_loss"] += weight * float(pg_loss.detach())
+            stats["pg_clipfrac"] += weight * float(pg.clipped.sum()) / tokens
+            stats["ppo_kl"] += weight * float(pg.approx_kl.detach().sum()) / tokens
+            stats["entropy"] += weight * float(torch.where(m, entropy.detach(), 0).sum()) / tokens
+        return self.ranks.sum(stats)
 
     def _optimizer_step(self) -> dict[str, float]:
         lr = self.lr_at(self.step)
@@ -226,7 +273,8 @@ def _clip(parameters, max_norm: float) -> float:
     if not params:
         return 0.0
     limit = max_norm if max_norm > 0 else float("inf")
-    return float(torch.nn.utils.clip_grad_norm_(params, limit))
+    norm = torch.nn.utils.clip_grad_norm_(params, limit)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP
 
 
 def flat_gradients(model: torch.nn.Module) -> np.ndarray:

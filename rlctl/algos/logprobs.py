@@ -27,18 +27,27 @@ def logprobs_and_entropy(*, logits: torch.Tensor, tokens: torch.Tensor, temperat
 
 
 def sample_next(
-    *, logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator | None
+    *, logits: torch.Tensor, temperature: float, top_p: float, top_k: int, uniform: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] → (tokens [B], log-probs [B]). temperature 0 is greedy."""
+    """logits [B, V], uniform [B] in [0, 1) → (tokens [B], log-probs [B]). temperature 0 is greedy.
+
+    Sampling is by inverse CDF from one uniform number per row, so a row's token depends only
+    on its own logits and its own random stream, not on which other rows share the batch."""
     scaled = logits.float() / effective_temperature(temperature)
     logp = torch.log_softmax(scaled, dim=-1)
     if temperature <= 0:
         tokens = scaled.argmax(-1)
     else:
         filtered = truncate_logits(logits=scaled, top_p=top_p, top_k=top_k)
-        probs = torch.softmax(filtered, dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        cdf = torch.softmax(filtered, dim=-1).cumsum(-1)
+        threshold = uniform.to(cdf.device, cdf.dtype).unsqueeze(-1) * cdf[:, -1:]  # < the total mass, so a token always wins
+        tokens = (cdf < threshold).sum(-1).clamp(max=cdf.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def row_generator(seed: int, row: int) -> torch.Generator:
+    """The random stream of sample row `row` (0-based across the whole output) for `seed`."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + row) % (1 << 63))
 
 
 def truncate_logits(*, logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:

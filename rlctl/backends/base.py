@@ -41,6 +41,7 @@ class RolloutEngine(Protocol):
         batch_size: int = 64,
         on_tokens: Callable[[int], None] | None = None,
         compute_dtype: str = "fp32",
+        first_row: int = 0,  # the global index of prompt_ids[0]: it names each row's random stream
     ) -> list[Generation]: ...
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from rlctl.algos.logprobs import logprobs_and_entropy, sample_next, token_logprobs
+from rlctl.algos.logprobs import logprobs_and_entropy, row_generator, sample_next, token_logprobs
 from rlctl.backends.base import Generation, SamplingParams
 from rlctl.errors import InputError
 
@@ -184,19 +184,22 @@ class HFPolicy:
         batch_size: int = 64,
         on_tokens: Callable[[int], None] | None = None,
         compute_dtype: str = "fp32",
+        first_row: int = 0,
     ) -> list[Generation]:
         """Sample one response per prompt (repeat a prompt for n samples). Deterministic for a
-        seed: one generator drives all batches in order. `compute_dtype="bf16"` runs the
-        forward passes under bf16 autocast (the weights, shared with training, stay fp32)."""
-        generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seed: row i draws from its own stream (`row_generator(seed, first_row + i)`), so the
+        rows do not depend on the batch size or on how rows are split across workers.
+        `compute_dtype="bf16"` runs the forward passes under bf16 autocast (the weights, shared
+        with training, stay fp32)."""
         results: list[Generation] = []
         with compute_context(self.device, compute_dtype):
             for start in range(0, len(prompt_ids), batch_size):
                 chunk = prompt_ids[start : start + batch_size]
-                results.extend(self._generate_batch(chunk, params, generator, on_tokens))
+                streams = [row_generator(params.seed, first_row + start + i) for i in range(len(chunk))]
+                results.extend(self._generate_batch(chunk, params, streams, on_tokens))
         return results
 
-    def _generate_batch(self, prompt_ids, params: SamplingParams, generator, on_tokens) -> list[Generation]:
+    def _generate_batch(self, prompt_ids, params: SamplingParams, streams: list[torch.Generator], on_tokens) -> list[Generation]:
         from transformers import DynamicCache
 
         B = len(prompt_ids)
@@ -220,8 +223,9 @@ class HFPolicy:
         next_position = position_ids[:, -1] + 1
         for step in range(params.max_new_tokens):
             logits = out.logits[:, -1, :]
+            uniform = torch.stack([torch.rand((), generator=streams[row]) for row in active.tolist()])
             new_tokens, new_logprobs = sample_next(
-                logits=logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, generator=generator
+                logits=logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, uniform=uniform
             )
             for row, tok, lp in zip(active.tolist(), new_tokens.tolist(), new_logprobs.tolist()):
                 tokens[row].append(tok)

@@ -66,10 +66,14 @@ class LocalWorkers:
             self._digests[key] = module_digest(module)
         return self._digests[key]
 
-    def save(self, directory: str, manifest: Manifest, pipeline_state: dict) -> None:
+    def save(self, directory: str, manifest: Manifest, pipeline_state: dict | None) -> Manifest:
         """A checkpoint whose manifest (the commit point) carries the controller's state."""
-        manifest.state = {**manifest.state, "pipeline": pipeline_state}
-        save_checkpoint(directory, policy=self.policy, trainer_state=self.trainer.state_dict(), manifest=manifest, critic=self.critic)
+        if pipeline_state is not None:
+            manifest.state = {**manifest.state, "pipeline": pipeline_state}
+        return save_checkpoint(directory, policy=self.policy, trainer_state=self.trainer.state_dict(), manifest=manifest, critic=self.critic)
+
+    def close(self) -> None:
+        """Nothing to stop: the models live in this process and go with it."""
 
 
 def module_digest(module: torch.nn.Module) -> str:

@@ -1,0 +1,433 @@
+"""Models held by a group of Ray actors, one torch.distributed rank each (gloo on the CPU,
+NCCL on GPUs): the same methods as `LocalWorkers`, so the controller never knows which it has.
+
+Each rank holds:
+- the policy being trained, sharded with FSDP2 (`fully_shard` per decoder layer, then the
+  root) over the group's device mesh, and its AdamW optimizer over the shards;
+- a plain full copy of the policy: the rollout engine and the scorer of old log-probs. After
+  every update the hand-over gathers the full parameters into it (no checkpoint is written
+  between update and rollout). Generation therefore needs no collective per decode step, and
+  ranks may finish their rows at different times;
+- the reference model, replicated (never trained), and the critic (sharded for training, a
+  plain copy for values), when configured.
+
+Rows are spread over ranks by `rlctl.dispatch` (contiguous slices, results in row order);
+sampling draws from one random stream per row, so the rows do not depend on the group size.
+
+Checkpoints stay the public HF folder: rank 0 writes the gathered weights and the full
+optimizer state (safetensors + JSON, indexed like a single-process optimizer), so a run
+resumes on any number of workers, or locally. torch.distributed.checkpoint is not used: its
+metadata is a pickle, and nothing rlctl reads may be one.
+
+    rlctl pipeline examples/grpo.toml --set workers.backend=ray --set workers.num_workers=2
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rlctl.backends.base import Generation, SamplingParams
+from rlctl.config import Config, WorkersConfig
+from rlctl.dispatch import gather, row_slices
+from rlctl.errors import InputError, RlctlError
+from rlctl.manifest import Manifest
+
+CONNECT_TIMEOUT = 5.0
+
+
+class WorkerDiedError(RlctlError):
+    """A worker process of the group ended (OOM, SIGKILL, node loss): exit code 1."""
+
+
+# --- starting and joining Ray ------------------------------------------------------------------
+
+
+def start_ray(cfg: WorkersConfig) -> bool:
+    """Start an embedded Ray for this command, or join `cfg.address`; True when we started it.
+
+    Ray's own logging stays off the terminal: worker output is not forwarded to the driver
+    and Ray logs only errors; its files are under the session folder `ray_logs()` names."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray ≥ 2.60 enables token auth by default
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    import ray
+
+    if cfg.address and cfg.address != "auto":
+        _check_reachable(cfg.address)
+    if ray.is_initialized():  # a Python API user's own ray.init(): use that session
+        return False
+    options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR", "configure_logging": True}
+    if not cfg.address:
+        cpus = cfg.num_workers * cfg.cpus_per_worker
+        ray.init(num_cpus=cpus, num_gpus=int(round(cfg.num_workers * cfg.gpus_per_worker)) or None, **options)
+        return True
+    try:
+        ray.init(address=cfg.address, **options)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise InputError(f"workers.address {cfg.address!r}: cannot join a Ray cluster there: {str(exc).splitlines()[0]}") from None
+    return False
+
+
+def _check_reachable(address: str) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise InputError(f"workers.address {address!r}: expected auto or HOST:PORT")
+    try:
+        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT):
+            pass
+    except OSError as exc:
+        raise InputError(f"workers.address {address!r}: no Ray cluster answers there ({exc.strerror or exc})") from None
+
+
+def ray_logs() -> str | None:
+    """Where this Ray session writes its logs (for --verbose and error messages)."""
+    try:
+        import ray
+
+        return str(Path(ray._private.worker._global_node.get_session_dir_path()) / "logs")
+    except Exception:  # noqa: BLE001 — no session, or a Ray without this private path
+        return None
+
+
+# --- the group, seen from the controller --------------------------------------------------------
+
+
+class RayWorkers:
+    """N ranks holding the policy (and reference, critic); the controller holds only a tokenizer."""
+
+    def __init__(self, cfg: Config, *, policy_source: str, critic_source: str | None) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from transformers import AutoTokenizer
+
+        from rlctl.backends.hf import check_model_dir, quiet_transformers
+
+        quiet_transformers()
+        check_model_dir(policy_source)  # bad input is exit 2 here, before Ray starts
+        if cfg.model.ref:
+            check_model_dir(cfg.model.ref)
+        if critic_source:
+            check_model_dir(critic_source)
+        self.cfg, self.size = cfg, cfg.workers.num_workers
+        self._started_ray = start_ray(cfg.workers)
+        self.loads: list[str] = []
+        self._digests: dict[tuple[str, int], str] = {}
+        bundle = {"CPU": cfg.workers.cpus_per_worker, **({"GPU": cfg.workers.gpus_per_worker} if cfg.workers.gpus_per_worker else {})}
+        self._group = placement_group([bundle] * self.size, strategy="PACK")
+        try:
+            ray.get(self._group.ready(), timeout=60)
+        except Exception as exc:  # noqa: BLE001 — GetTimeoutError: the cluster lacks the resources
+            self.close()
+            raise InputError(f"workers: the Ray cluster cannot place {self.size} workers of {bundle}: {type(exc).__name__}") from None
+        threads = str(cfg.workers.cpus_per_worker)
+        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"], "TOKENIZERS_PARALLELISM": "false"}
+        actor = ray.remote(RankWorker)
+        self.actors = [
+            actor.options(
+                num_cpus=cfg.workers.cpus_per_worker, num_gpus=cfg.workers.gpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self._group, placement_group_bundle_index=rank),
+                runtime_env={"env_vars": env}, max_restarts=0,
+            ).remote()
+            for rank in range(self.size)
+        ]
+        self.pids = self._all("pid")
+        master, port = self._call([self.actors[0].rendezvous.remote()])[0]
+        setup = {"config": asdict(cfg), "policy": policy_source, "critic": critic_source, "master": master, "port": port}
+        self.pad_id, self.vocab_size, self.context_length = self._all("setup", setup, per_rank=lambda rank: {"rank": rank, "world": self.size})[0]
+        self.loads += [f"policy:{policy_source}"] + ([f"ref:{cfg.model.ref}"] if cfg.model.ref else []) + ([f"critic:{critic_source}"] if critic_source else [])
+        self.tokenizer = AutoTokenizer.from_pretrained(policy_source, padding_side="left", trust_remote_code=False)
+        self.trainer = _TrainerProxy(self)
+        self.trainer.step = self._call([self.actors[0].step.remote()])[0]
+        self.engine = self.policy = _PolicyProxy(self, "policy")
+        self.ref = _PolicyProxy(self, "ref") if cfg.model.ref else None
+        self.critic = _CriticProxy(self) if critic_source else None
+
+    # -- the methods the controller calls -------------------------------------------------
+
+    def hand_over_weights(self) -> dict:
+        """Gather the trained full parameters into every rank's rollout engine (in memory)."""
+        seconds = self._all("hand_over")
+        return {"mode": "gathered full parameters into each rank's engine (FSDP2 all-gather)", "workers": self.size,
+                "seconds": max(seconds), "policy_version": self.trainer.step, "weights_sha256": self.weights_digest()}
+
+    def weights_digest(self) -> str:
+        return self._digest("policy")
+
+    def critic_digest(self) -> str:
+        return self._digest("critic")
+
+    def save(self, directory: str, manifest: Manifest, pipeline_state: dict | None) -> Manifest:
+        """Rank 0 writes the checkpoint; every rank takes part in gathering the state."""
+        if pipeline_state is not None:
+            manifest.state = {**manifest.state, "pipeline": pipeline_state}
+        return Manifest.from_json(self._all("save", directory, manifest.to_json())[0])
+
+    def close(self) -> None:
+        import ray
+
+        for actor in getattr(self, "actors", []):
+            ray.kill(actor)
+        self.actors = []
+        if getattr(self, "_group", None) is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self._group)
+            except Exception:  # noqa: BLE001 — the cluster may be gone already
+                pass
+            self._group = None
+        if getattr(self, "_started_ray", False):
+            ray.shutdown()
+            self._started_ray = False
+
+    # -- calling ranks --------------------------------------------------------------------
+
+    def _digest(self, name: str) -> str:
+        key = (name, self.trainer.step)
+        if key not in self._digests:
+            self._digests = {k: v for k, v in self._digests.items() if k[0] != name}
+            self._digests[key] = self._call([self.actors[0].digest.remote(name)])[0]
+        return self._digests[key]
+
+    def _all(self, method: str, *args, per_rank=None) -> list:
+        """Call `method` on every rank (with `per_rank(rank)` keywords); results in rank order."""
+        refs = [getattr(a, method).remote(*args, **(per_rank(r) if per_rank else {})) for r, a in enumerate(self.actors)]
+        return self._call(refs, what=method)
+
+    def _split(self, method: str, columns: list[list], *args) -> list:
+        """Row slices of `columns` to ranks (each told where its slice starts); results in row order."""
+        slices = row_slices(len(columns[0]), self.size)
+        refs = [getattr(actor, method).remote([column[s] for column in columns], s.start, *args) for actor, s in zip(self.actors, slices)]
+        return gather(self._call(refs, what=method))
+
+    def _call(self, refs: list, what: str = "setup") -> list:
+        """ray.get that fails fast: the first rank to die or raise stops the whole call."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        index = {ref: i for i, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except RayActorError:
+                rank = index[done[0]]
+                pid = self.pids[rank] if getattr(self, "pids", None) else "?"
+                self.close()
+                raise WorkerDiedError(f"worker rank {rank} (pid {pid}) died during {what}; nothing of this step was committed") from None
+            except RayTaskError as exc:
+                self.close()
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, RlctlError):
+                    raise cause from None  # the worker's own typed error: its exit code holds
+                raise RlctlError(f"worker rank {index[done[0]]} failed during {what}: {str(exc).strip().splitlines()[-1]}") from None
+        return ray.get(refs)
+
+
+class _TrainerProxy:
+    def __init__(self, workers: RayWorkers) -> None:
+        self._workers, self.step = workers, 0
+
+    def train(self, batch) -> dict[str, float]:
+        import ray
+
+        shared = ray.put(batch)  # one copy in the object store, read by every rank
+        metrics = self._workers._all("train", shared)[0]
+        self.step = int(metrics["step"])
+        return metrics
+
+
+class _PolicyProxy:
+    """The rollout engine / a log-prob scorer, spread over the ranks."""
+
+    def __init__(self, workers: RayWorkers, which: str) -> None:
+        self._workers, self._which = workers, which
+        self.tokenizer, self.pad_id = workers.tokenizer, workers.pad_id
+        self.vocab_size, self.context_length = workers.vocab_size, workers.context_length
+
+    def generate(self, prompt_ids, params: SamplingParams, *, batch_size: int = 64, on_tokens=None, compute_dtype: str = "fp32", first_row: int = 0) -> list[Generation]:
+        rows = self._workers._split("generate", [list(prompt_ids)], first_row, asdict(params), batch_size, compute_dtype)
+        if on_tokens:
+            on_tokens(sum(len(g[0]) for g in rows))
+        return [Generation(list(ids), list(logprobs), reason) for ids, logprobs, reason in rows]
+
+    def logprobs(self, prompt_ids, response_ids, *, temperature: float, batch_size: int = 16, compute_dtype: str = "fp32") -> list[list[float]]:
+        return self._workers._split("logprobs", [list(prompt_ids), list(response_ids)], self._which, temperature, batch_size, compute_dtype)
+
+
+class _CriticProxy:
+    def __init__(self, workers: RayWorkers) -> None:
+        self._workers = workers
+
+    def values(self, prompt_ids, response_ids, *, pad_id: int, batch_size: int = 16, compute_dtype: str = "fp32") -> list[list[float]]:
+        return self._workers._split("values", [list(prompt_ids), list(response_ids)], pad_id, batch_size, compute_dtype)
+
+
+# --- one rank ------------------------------------------------------------------------------------
+
+
+class RankWorker:
+    """A Ray actor: one torch.distributed rank holding its models (see the module docstring)."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's address and a free port for the group's torch.distributed store."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, spec: dict, *, rank: int, world: int) -> tuple[int, int, int | None]:
+        import copy
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from rlctl.backends.hf import HFPolicy, ValueModel, quiet_transformers, resolve_device
+        from rlctl.checkpoint import load_trainer_state
+        from rlctl.config import from_dict
+        from rlctl.trainer import RankGroup, Trainer
+
+        quiet_transformers()
+        cfg = from_dict({k: v for k, v in spec["config"].items()})
+        torch.set_num_threads(cfg.workers.cpus_per_worker)
+        gpu = cfg.workers.gpus_per_worker > 0
+        device = resolve_device("cuda" if gpu else "cpu")
+        if gpu:
+            torch.cuda.set_device(0)  # Ray gives each actor its own visible device
+        dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://{spec['master']}:{spec['port']}", rank=rank, world_size=world, timeout=timedelta(minutes=10))
+        self.rank, self.world, self.cfg = rank, world, cfg
+        mesh = init_device_mesh(device.type, (world,))
+        engine = HFPolicy.load(spec["policy"], str(device))
+        train_model = _sharded(copy.deepcopy(engine.model), mesh)
+        self.engine = engine
+        self.ref = HFPolicy.load(cfg.model.ref, str(device)) if cfg.model.ref else None
+        self.critic_engine = self.train_critic = None
+        if spec["critic"]:
+            self.critic_engine = ValueModel.load(spec["critic"], device)
+            self.train_critic = _sharded_critic(copy.deepcopy(self.critic_engine), mesh)
+        self.train_policy = HFPolicy(train_model, engine.tokenizer, device)
+        self.trainer = Trainer(self.train_policy, cfg.update, critic=self.train_critic, temperature=cfg.rollout.temperature, ranks=RankGroup(rank, world))
+        state = load_trainer_state(spec["policy"])
+        if state is not None:
+            self._load_trainer_state(state)
+        return engine.pad_id, engine.vocab_size, engine.context_length
+
+    def step(self) -> int:
+        return self.trainer.step
+
+    # -- work on rows ----------------------------------------------------------------------
+
+    def generate(self, rows: list, start: int, first_row: int, params: dict, batch_size: int, compute_dtype: str) -> list:
+        (prompt_ids,) = rows
+        out = self.engine.generate(prompt_ids, SamplingParams(**params), batch_size=batch_size, compute_dtype=compute_dtype, first_row=first_row + start)
+        return [(g.response_ids, g.logprobs, g.finish_reason) for g in out]
+
+    def logprobs(self, rows: list, start: int, which: str, temperature: float, batch_size: int, compute_dtype: str) -> list:
+        prompt_ids, response_ids = rows
+        model = self.engine if which == "policy" else self.ref
+        return model.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=batch_size, compute_dtype=compute_dtype)
+
+    def values(self, rows: list, start: int, pad_id: int, batch_size: int, compute_dtype: str) -> list:
+        prompt_ids, response_ids = rows
+        return self.critic_engine.values(prompt_ids, response_ids, pad_id=pad_id, batch_size=batch_size, compute_dtype=compute_dtype)
+
+    def train(self, batch) -> dict:
+        return self.trainer.train(batch)
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def hand_over(self) -> float:
+        """Every rank gathers the full trained parameters into its plain engine copy."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        started = time.perf_counter()
+        full = StateDictOptions(full_state_dict=True)
+        self.engine.model.load_state_dict(get_model_state_dict(self.train_policy.model, options=full))
+        if self.train_critic is not None:
+            self.critic_engine.load_state_dict(get_model_state_dict(self.train_critic, options=full))
+        return time.perf_counter() - started
+
+    def digest(self, which: str) -> str:
+        from rlctl.workers.local import module_digest
+
+        return module_digest(self.engine.model if which == "policy" else self.critic_engine)
+
+    def save(self, directory: str, manifest_json: str) -> str:
+        """Gather the full optimizer state (all ranks); rank 0 writes the checkpoint."""
+        from rlctl.checkpoint import save_checkpoint
+
+        state = {
+            "step": self.trainer.step,
+            "optimizer": _full_optimizer_state(self.train_policy.model, self.trainer.optimizer),
+            "critic_optimizer": _full_optimizer_state(self.train_critic, self.trainer.critic_optimizer) if self.train_critic is not None else None,
+        }
+        if self.rank != 0:
+            return manifest_json
+        manifest = save_checkpoint(directory, policy=self.engine, trainer_state=state, manifest=Manifest.from_json(manifest_json), critic=self.critic_engine)
+        return manifest.to_json()
+
+    def _load_trainer_state(self, state: dict) -> None:
+        import torch
+
+        self.trainer.step = int(state["step"])
+        _set_full_optimizer_state(self.train_policy.model, self.trainer.optimizer, state.get("optimizer"))
+        if self.train_critic is not None:
+            _set_full_optimizer_state(self.train_critic, self.trainer.critic_optimizer, state.get("critic_optimizer"))
+        if state.get("rng") is not None:
+            torch.set_rng_state(state["rng"])
+
+
+def _sharded(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _sharded_critic(critic, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in critic.lm.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(critic, mesh=mesh)
+    return critic
+
+
+def _full_optimizer_state(model, optimizer) -> dict:
+    """The optimizer's full state, keyed by parameter index like a single-process AdamW."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    return {
+        "state": {index[name]: values for name, values in full["state"].items()},
+        "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in full["param_groups"]],
+    }
+
+
+def _set_full_optimizer_state(model, optimizer, state: dict | None) -> None:
+    if not state:
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = [name for name, _ in model.named_parameters()]
+    keyed = {
+        "state": {names[i]: values for i, values in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+    set_optimizer_state_dict(model, optimizer, keyed, options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,157 @@
+"""Ray worker groups (CPU, gloo): N ranks training with FSDP2 make the update one process makes,
+rows spread over ranks come back as one process would write them, and a dead worker stops the
+command with exit 1 naming it."""
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlctl import shards
+from rlctl.algos.losses import LOSS_AGG_MODES
+from rlctl.config import Config, UpdateConfig, WorkersConfig, load_config
+from rlctl.manifest import Manifest
+from rlctl.trainer import TrainBatch
+
+pytest.importorskip("ray")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One embedded Ray for the module; each worker group joins it."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gae_batch(tmp_path_factory, tiny_model) -> str:
+    """A batch with values and returns (critic) and reference log-probs."""
+    from typer.testing import CliRunner
+
+    from rlctl.cli import app
+    from tests.conftest import CLI_ENV
+
+    tmp = tmp_path_factory.mktemp("batch")
+    prompts = tmp / "p.jsonl"
+    prompts.write_text("".join(f'{{"id": "p{i}", "prompt": "Question {i}: count to {i}"}}\n' for i in range(5)))
+    runner = CliRunner(env=CLI_ENV)
+    for args in (
+        ["rollout", "--prompts", prompts, "--model", tiny_model, "--out", tmp / "r", "--n", "2", "--max-new-tokens", "6"],
+        ["score", "--rollouts", tmp / "r", "--out", tmp / "s", "--reward", "builtin:length", "--ref", tiny_model, "--critic", tiny_model],
+        ["advantage", "--scores", tmp / "s", "--out", tmp / "b", "--estimator", "gae", "--gamma", "0.99", "--lam", "0.95"],
+    ):
+        result = runner.invoke(app, [str(a) for a in args])
+        assert result.exit_code == 0, result.stderr
+    return str(tmp / "b")
+
+
+def config(tiny_model, *, workers: int, backend: str = "ray", **update) -> Config:
+    cfg = load_config(data={"model": {"path": tiny_model, "critic": tiny_model, "device": "cpu"}})
+    upd = UpdateConfig(lr=1e-3, critic_lr=1e-3, micro_batch_size=2, mini_batch_size=5, epochs=2, **update)
+    return replace(cfg, update=upd, workers=WorkersConfig(backend=backend, num_workers=workers))
+
+
+def trained_weights(cfg: Config, tiny_model: str, batch: TrainBatch, out) -> dict[str, torch.Tensor]:
+    from rlctl.workers import make_workers
+
+    workers = make_workers(cfg, policy_source=tiny_model, critic_source=tiny_model)
+    try:
+        workers.trainer.train(batch)
+        workers.hand_over_weights()
+        workers.save(str(out), Manifest(stage="test"), None)
+    finally:
+        workers.close()
+    weights = load_file(str(out / "model.safetensors"))
+    weights.update({f"critic.{k}": v for k, v in load_file(str(out / "critic" / "model.safetensors")).items()})
+    weights.update({f"critic.{k}": v for k, v in load_file(str(out / "critic" / "value_head.safetensors")).items()})
+    return weights
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_two_workers_make_the_update_one_process_makes(ray_session, tiny_model, gae_batch, tmp_path, mode):
+    batch = TrainBatch.from_table(shards.read(gae_batch, "batch").table)
+    local = trained_weights(config(tiny_model, workers=1, backend="local", loss_agg_mode=mode), tiny_model, batch, tmp_path / "local")
+    for n in (1, 2):
+        got = trained_weights(config(tiny_model, workers=n, loss_agg_mode=mode), tiny_model, batch, tmp_path / f"ray{n}")
+        assert got.keys() == local.keys()
+        worst = max(float((got[k] - local[k]).abs().max()) for k in local)
+        assert worst < 1e-5, (n, mode, worst)
+        moved = max(float((got[k] - load_file(f"{tiny_model}/model.safetensors").get(k, got[k])).abs().max()) for k in got if not k.startswith("critic."))
+        assert moved > 1e-4  # the update did something
+
+
+def test_rows_spread_over_ranks_come_back_as_one_process_writes_them(ray_session, tiny_model, gae_batch):
+    from rlctl.workers import make_workers
+
+    table = shards.read(gae_batch, "batch").table
+    prompt_ids, response_ids = table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist()
+    results = {}
+    for backend, n in (("local", 1), ("ray", 2)):
+        cfg = replace(config(tiny_model, workers=n, backend=backend), model=replace(config(tiny_model, workers=n).model, ref=tiny_model))
+        workers = make_workers(cfg, policy_source=tiny_model, critic_source=tiny_model)
+        try:
+            from rlctl.backends.base import SamplingParams
+
+            generated = workers.engine.generate(prompt_ids, SamplingParams(max_new_tokens=8, temperature=1.0, seed=11), batch_size=3)
+            results[backend] = (
+                [g.response_ids for g in generated], [g.logprobs for g in generated],
+                workers.ref.logprobs(prompt_ids, response_ids, temperature=1.0), workers.critic.values(prompt_ids, response_ids, pad_id=0),
+            )
+        finally:
+            workers.close()
+    local, ray_ = results["local"], results["ray"]
+    assert local[0] == ray_[0]  # the same tokens: every row draws from its own random stream
+    for a, b in zip(local[1:], ray_[1:]):
+        for row_a, row_b in zip(a, b):
+            assert len(row_a) == len(row_b) and max(abs(x - y) for x, y in zip(row_a, row_b)) < 1e-5
+
+
+def test_an_unreachable_address_is_bad_input_not_a_hang(cli, tmp_path, tiny_model):
+    from tests.e2e.test_pipeline import write_config
+
+    started = time.time()
+    result = cli("pipeline", write_config(tmp_path, tiny_model), "--run-dir", tmp_path / "run", "--set", "workers.backend=ray", "--set", "workers.address=127.0.0.1:9")
+    assert result.exit_code == 2, result.stderr
+    assert "no Ray cluster answers there" in result.stderr and time.time() - started < 30
+
+
+KILL_ONE = """
+import os, signal, sys, time
+from pathlib import Path
+run = Path(sys.argv[1])
+while not list(run.glob("iter-0002/advantage/_manifest.json")):
+    time.sleep(0.05)
+time.sleep(0.3)
+pids = [int(p) for p in os.popen("pgrep -f 'ray::RankWorker'").read().split()]
+os.kill(max(pids), signal.SIGKILL)
+print(max(pids))
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_update_stops_the_run_and_a_rerun_resumes(tmp_path, tiny_model):
+    from tests.e2e.test_pipeline import final_weights, rlctl, write_config
+
+    config_file = write_config(tmp_path, tiny_model, pipeline={"iterations": 3, "val_every": 0})
+    ray2 = ["--set", "workers.backend=ray", "--set", "workers.num_workers=2"]
+    rlctl("pipeline", config_file, "--run-dir", tmp_path / "reference", "--quiet", *ray2)
+    run = tmp_path / "run"
+    killer = subprocess.Popen([sys.executable, "-c", KILL_ONE, str(run)], stdout=subprocess.PIPE, text=True)
+    killed = rlctl("pipeline", config_file, "--run-dir", run, "--quiet", *ray2, check=False)
+    victim = killer.communicate(timeout=60)[0].strip()
+    assert killed.returncode == 1, killed.stderr[-2000:]
+    assert f"(pid {victim}) died during" in killed.stderr
+    assert not (run / "iter-0002" / "update" / "_manifest.json").exists()
+    rlctl("pipeline", config_file, "--run-dir", run, "--quiet", *ray2)
+    expected, got = final_weights(tmp_path / "reference"), final_weights(run)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+
