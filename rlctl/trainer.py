@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from rlctl import faults
 from rlctl.algos.kl import KL_ESTIMATORS
 from rlctl.algos.losses import LOSS_AGG_MODES, aggregate, clipped_value_loss, ppo_policy_loss
 from rlctl.backends.hf import HFPolicy, ValueModel, pack
@@ -175,6 +176,7 @@ class Trainer:
             for start in range(0, batch.size, mini):
                 stats = self.accumulate_gradients(batch, order[start : start + mini])
                 stats.update(self._optimizer_step())
+                faults.point(f"rank-{self.ranks.rank}:optimizer-step-{self.step}")
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + v
                 steps += 1

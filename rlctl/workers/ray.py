@@ -38,6 +38,7 @@ from rlctl.errors import InputError, RlctlError
 from rlctl.manifest import Manifest
 
 CONNECT_TIMEOUT = 5.0
+FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY")  # and every RLCTL_* (fault points, --no-verify)
 
 
 class WorkerDiedError(RlctlError):
@@ -126,6 +127,7 @@ class RayWorkers:
             raise InputError(f"workers: the Ray cluster cannot place {self.size} workers of {bundle}: {type(exc).__name__}") from None
         threads = str(cfg.workers.cpus_per_worker)
         env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"], "TOKENIZERS_PARALLELISM": "false"}
+        env.update({k: v for k, v in os.environ.items() if k.startswith("RLCTL_") or k in FORWARDED_ENV})
         actor = ray.remote(RankWorker)
         self.actors = [
             actor.options(
