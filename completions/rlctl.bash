@@ -19,14 +19,14 @@ _rlctl() {
     case "$cmd" in
         "advantage") opts="--config --estimator --force --format --gamma --help --json --kl-coef --kl-controller --kl-estimator --kl-state --lam --no-norm-by-std --norm-by-std --out --rows-per-part --scores --set" ;;
         "model init") opts="--help --preset --seed" ;;
-        "pipeline") opts="--dry-run --from --help --iterations --quiet --resume --run-dir --set --until" ;;
+        "pipeline") opts="--address --dry-run --from --help --iterations --quiet --resume --run-dir --set --until --workers --workers-backend" ;;
         "plot") opts="--help --out" ;;
         "replay") opts="--check --help --out --reward --set --trust-run-code" ;;
         "reshard") opts="--check --checkpoint --config --dtype --force --help --json --out --set --to" ;;
-        "rollout") opts="--backend --chat-template --config --device --dtype --force --format --help --json --max-new-tokens --max-prompt-tokens --model --n --no-chat-template --out --prompts --rows-per-part --seed --set --temperature --top-k --top-p --truncate" ;;
-        "score") opts="--batch-size --config --critic --device --dtype --force --format --help --json --out --policy --ref --reward --reward-timeout --rollouts --rows-per-part --set" ;;
+        "rollout") opts="--address --backend --chat-template --config --device --dtype --force --format --help --json --max-new-tokens --max-prompt-tokens --model --n --no-chat-template --out --prompts --rows-per-part --seed --set --temperature --top-k --top-p --truncate --workers --workers-backend" ;;
+        "score") opts="--address --batch-size --config --critic --device --dtype --force --format --help --json --out --policy --ref --reward --reward-timeout --rollouts --rows-per-part --set --workers --workers-backend" ;;
         "show") opts="--columns --help --json --rows --width" ;;
-        "update") opts="--batch --bf16 --config --critic --device --epochs --force --help --json --loss-agg-mode --lr --micro-batch-size --mini-batch-size --model --no-bf16 --out --seed --set" ;;
+        "update") opts="--address --batch --bf16 --config --critic --device --epochs --force --help --json --loss-agg-mode --lr --micro-batch-size --mini-batch-size --model --no-bf16 --out --seed --set --workers --workers-backend" ;;
         *) opts="--help" ;;
     esac
     if [[ "$cur" == -* ]]; then

@@ -22,6 +22,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from model' -a 'init' -d 'Write a r
 complete -c rlctl -n '__fish_seen_subcommand_from init' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from init' -l preset
 complete -c rlctl -n '__fish_seen_subcommand_from init' -l seed
+complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l address
 complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l dry-run
 complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l from
 complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l help
@@ -31,6 +32,8 @@ complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l resume
 complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l run-dir
 complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l set
 complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l until
+complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l workers
+complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l workers-backend
 complete -c rlctl -n '__fish_seen_subcommand_from plot' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from plot' -l out
 complete -c rlctl -n '__fish_seen_subcommand_from replay' -l check
@@ -49,6 +52,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from reshard' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from reshard' -l out
 complete -c rlctl -n '__fish_seen_subcommand_from reshard' -l set
 complete -c rlctl -n '__fish_seen_subcommand_from reshard' -l to
+complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l address
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l backend
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l chat-template
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l config
@@ -72,6 +76,9 @@ complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l temperature
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l top-k
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l top-p
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l truncate
+complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l workers
+complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l workers-backend
+complete -c rlctl -n '__fish_seen_subcommand_from score' -l address
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l batch-size
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l config
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l critic
@@ -89,11 +96,14 @@ complete -c rlctl -n '__fish_seen_subcommand_from score' -l reward-timeout
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l rollouts
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l rows-per-part
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l set
+complete -c rlctl -n '__fish_seen_subcommand_from score' -l workers
+complete -c rlctl -n '__fish_seen_subcommand_from score' -l workers-backend
 complete -c rlctl -n '__fish_seen_subcommand_from show' -l columns
 complete -c rlctl -n '__fish_seen_subcommand_from show' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from show' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from show' -l rows
 complete -c rlctl -n '__fish_seen_subcommand_from show' -l width
+complete -c rlctl -n '__fish_seen_subcommand_from update' -l address
 complete -c rlctl -n '__fish_seen_subcommand_from update' -l batch
 complete -c rlctl -n '__fish_seen_subcommand_from update' -l bf16
 complete -c rlctl -n '__fish_seen_subcommand_from update' -l config
@@ -112,3 +122,5 @@ complete -c rlctl -n '__fish_seen_subcommand_from update' -l no-bf16
 complete -c rlctl -n '__fish_seen_subcommand_from update' -l out
 complete -c rlctl -n '__fish_seen_subcommand_from update' -l seed
 complete -c rlctl -n '__fish_seen_subcommand_from update' -l set
+complete -c rlctl -n '__fish_seen_subcommand_from update' -l workers
+complete -c rlctl -n '__fish_seen_subcommand_from update' -l workers-backend

@@ -19,14 +19,14 @@ _rlctl() {
   case $cmd in
     advantage) _arguments '*:file:_files' '--config' '--estimator' '--force' '--format' '--gamma' '--help' '--json' '--kl-coef' '--kl-controller' '--kl-estimator' '--kl-state' '--lam' '--no-norm-by-std' '--norm-by-std' '--out' '--rows-per-part' '--scores' '--set' ;;
     model-init) _arguments '*:file:_files' '--help' '--preset' '--seed' ;;
-    pipeline) _arguments '*:file:_files' '--dry-run' '--from' '--help' '--iterations' '--quiet' '--resume' '--run-dir' '--set' '--until' ;;
+    pipeline) _arguments '*:file:_files' '--address' '--dry-run' '--from' '--help' '--iterations' '--quiet' '--resume' '--run-dir' '--set' '--until' '--workers' '--workers-backend' ;;
     plot) _arguments '*:file:_files' '--help' '--out' ;;
     replay) _arguments '*:file:_files' '--check' '--help' '--out' '--reward' '--set' '--trust-run-code' ;;
     reshard) _arguments '*:file:_files' '--check' '--checkpoint' '--config' '--dtype' '--force' '--help' '--json' '--out' '--set' '--to' ;;
-    rollout) _arguments '*:file:_files' '--backend' '--chat-template' '--config' '--device' '--dtype' '--force' '--format' '--help' '--json' '--max-new-tokens' '--max-prompt-tokens' '--model' '--n' '--no-chat-template' '--out' '--prompts' '--rows-per-part' '--seed' '--set' '--temperature' '--top-k' '--top-p' '--truncate' ;;
-    score) _arguments '*:file:_files' '--batch-size' '--config' '--critic' '--device' '--dtype' '--force' '--format' '--help' '--json' '--out' '--policy' '--ref' '--reward' '--reward-timeout' '--rollouts' '--rows-per-part' '--set' ;;
+    rollout) _arguments '*:file:_files' '--address' '--backend' '--chat-template' '--config' '--device' '--dtype' '--force' '--format' '--help' '--json' '--max-new-tokens' '--max-prompt-tokens' '--model' '--n' '--no-chat-template' '--out' '--prompts' '--rows-per-part' '--seed' '--set' '--temperature' '--top-k' '--top-p' '--truncate' '--workers' '--workers-backend' ;;
+    score) _arguments '*:file:_files' '--address' '--batch-size' '--config' '--critic' '--device' '--dtype' '--force' '--format' '--help' '--json' '--out' '--policy' '--ref' '--reward' '--reward-timeout' '--rollouts' '--rows-per-part' '--set' '--workers' '--workers-backend' ;;
     show) _arguments '*:file:_files' '--columns' '--help' '--json' '--rows' '--width' ;;
-    update) _arguments '*:file:_files' '--batch' '--bf16' '--config' '--critic' '--device' '--epochs' '--force' '--help' '--json' '--loss-agg-mode' '--lr' '--micro-batch-size' '--mini-batch-size' '--model' '--no-bf16' '--out' '--seed' '--set' ;;
+    update) _arguments '*:file:_files' '--address' '--batch' '--bf16' '--config' '--critic' '--device' '--epochs' '--force' '--help' '--json' '--loss-agg-mode' '--lr' '--micro-batch-size' '--mini-batch-size' '--model' '--no-bf16' '--out' '--seed' '--set' '--workers' '--workers-backend' ;;
     *) _describe 'command' commands ;;
   esac
 }

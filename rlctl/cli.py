@@ -38,6 +38,15 @@ FormatOpt = Annotated[str, typer.Option("--format", help="Shard file format: arr
 RowsOpt = Annotated[int, typer.Option("--rows-per-part", help="Rows per part file.", min=1)]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto, cpu or cuda.")]
 OutOpt = Annotated[str, typer.Option("--out", help="Output folder URI, or - for an Arrow stream on stdout.")]
+WorkersBackendOpt = Annotated[Optional[str], typer.Option("--workers-backend", help="Who holds the models: local (this process) or ray (a worker group).")]
+WorkersOpt = Annotated[Optional[int], typer.Option("--workers", help="Ranks of the Ray worker group (data-parallel, FSDP2 for training).")]
+AddressOpt = Annotated[Optional[str], typer.Option("--address", help="Ray cluster to join: auto or HOST:PORT; empty starts one for this command.")]
+
+
+def _workers_config(cfg, backend: str | None, workers: int | None, address: str | None):
+    from rlctl.config import override_section
+
+    return override_section(cfg.workers, backend=backend, num_workers=workers, address=address)
 
 
 def _version_callback(value: bool) -> None:
@@ -112,6 +121,9 @@ def rollout(
     max_prompt_tokens: Annotated[Optional[int], typer.Option("--max-prompt-tokens", help="Longest prompt in tokens.")] = None,
     truncate: Annotated[Optional[str], typer.Option("--truncate", help="A too-long prompt is an error, or left-truncated (left).")] = None,
     chat_template: Annotated[Optional[bool], typer.Option("--chat-template/--no-chat-template", help="Render plain prompts with the chat template.")] = None,
+    workers_backend: WorkersBackendOpt = None,
+    workers: WorkersOpt = None,
+    address: AddressOpt = None,
     device: DeviceOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -128,7 +140,10 @@ def rollout(
     rollout_cfg = override_section(cfg.rollout, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, backend=backend, dtype=dtype)
     data_cfg = override_section(cfg.data, max_prompt_tokens=max_prompt_tokens, truncate=truncate, chat_template=chat_template)
     device = device or cfg.model.device
-    manifest = stage.run(prompts=prompts, model=model, out=_output(out, fmt, rows_per_part, as_json), cfg=rollout_cfg, data=data_cfg, device=device, force=force)
+    manifest = stage.run(
+        prompts=prompts, model=model, out=_output(out, fmt, rows_per_part, as_json), cfg=rollout_cfg, data=data_cfg, device=device, force=force,
+        workers=_workers_config(cfg, workers_backend, workers, address),
+    )
     _report(manifest, as_json)
 
 
@@ -143,6 +158,9 @@ def score(
     reward_timeout: Annotated[Optional[float], typer.Option("--reward-timeout", help="Seconds a reward call may take.")] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per forward pass.")] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype of the forward passes: fp32 or bf16.")] = None,
+    workers_backend: WorkersBackendOpt = None,
+    workers: WorkersOpt = None,
+    address: AddressOpt = None,
     device: DeviceOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -160,6 +178,7 @@ def score(
     manifest = stage.run(
         rollouts=rollouts, out=_output(out, fmt, rows_per_part, as_json), cfg=score_cfg,
         ref=ref, critic=critic, policy=policy, device=device or cfg.model.device, force=force,
+        workers=_workers_config(cfg, workers_backend, workers, address),
     )
     _report(manifest, as_json)
 
@@ -206,6 +225,9 @@ def update(
     loss_agg_mode: Annotated[Optional[str], typer.Option("--loss-agg-mode", help="token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm.")] = None,
     bf16: Annotated[Optional[bool], typer.Option("--bf16/--no-bf16", help="bf16 autocast for forward/backward.")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Shuffling seed.")] = None,
+    workers_backend: WorkersBackendOpt = None,
+    workers: WorkersOpt = None,
+    address: AddressOpt = None,
     device: DeviceOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -220,7 +242,10 @@ def update(
         raise InputError("update writes a checkpoint folder; --out - is not possible")
     cfg = _stage_config(config, set_)
     update_cfg = override_section(cfg.update, lr=lr, epochs=epochs, mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size, loss_agg_mode=loss_agg_mode, bf16=bf16, seed=seed)
-    manifest = stage.run(batch=batch, model=model, out=out, cfg=update_cfg, critic=critic, device=device or cfg.model.device, force=force)
+    manifest = stage.run(
+        batch=batch, model=model, out=out, cfg=update_cfg, critic=critic, device=device or cfg.model.device, force=force,
+        workers=_workers_config(cfg, workers_backend, workers, address),
+    )
     _report(manifest, as_json)
 
 
@@ -258,14 +283,19 @@ def pipeline(
     until_stage: Annotated[Optional[str], typer.Option("--until", help="Last stage to run in each iteration.")] = None,
     set_: SetOpt = None,
     run_dir: Annotated[Optional[str], typer.Option("--run-dir", help="Where the run's outputs go.")] = None,
+    workers_backend: WorkersBackendOpt = None,
+    workers: WorkersOpt = None,
+    address: AddressOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and exit.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", help="One plain line per iteration.")] = False,
 ) -> None:
     """Run rollout → score → advantage → update → reshard for N iterations, models resident."""
     from rlctl.pipeline import run_pipeline_command
 
+    flags = {"workers.backend": workers_backend, "workers.num_workers": workers, "workers.address": address}
+    overrides = [*(set_ or []), *(f"{key}={value}" if key != "workers.address" else f'{key}="{value}"' for key, value in flags.items() if value is not None)]
     run_pipeline_command(
-        config=config, overrides=set_ or [], iterations=iterations, resume=resume,
+        config=config, overrides=overrides, iterations=iterations, resume=resume,
         from_stage=from_stage, until_stage=until_stage, run_dir=run_dir, dry_run=dry_run, quiet=quiet,
     )
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pyarrow as pa
 
 from rlctl.backends.base import ROLLOUT_BACKENDS, RolloutEngine, SamplingParams
-from rlctl.config import DataConfig, RolloutConfig, to_dict
+from rlctl.config import DataConfig, RolloutConfig, WorkersConfig, to_dict
 from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
 from rlctl.manifest import Manifest
@@ -25,7 +25,12 @@ from rlctl.tensors import list_column, set_columns
 SAMPLING_KEY = b"rlctl.sampling"
 
 
-def run(*, prompts: str, model: str, out: OutputSpec, cfg: RolloutConfig, data: DataConfig, device: str = "auto", force: bool = False) -> Manifest:
+def run(
+    *, prompts: str, model: str, out: OutputSpec, cfg: RolloutConfig, data: DataConfig, device: str = "auto", force: bool = False,
+    workers: WorkersConfig = WorkersConfig(),
+) -> Manifest:
+    """Generate and commit; `workers.backend = "ray"` spreads the rows over a worker group
+    (the same rows as one process: each row samples from its own random stream)."""
     source = read(prompts, "prompts")
     from rlctl.backends.hf import check_model_dir, read_trainer_step
 
@@ -35,8 +40,15 @@ def run(*, prompts: str, model: str, out: OutputSpec, cfg: RolloutConfig, data: 
     )
     if (existing := up_to_date(out.uri, manifest, force)) is not None:
         return existing
-    engine = ROLLOUT_BACKENDS.get(cfg.backend)(model, device)
-    table = rollout_table(source.table, engine, cfg, data, policy_version=read_trainer_step(model))
+    version = read_trainer_step(model)
+    if workers.backend == "ray":
+        from rlctl.workers import worker_group
+
+        with worker_group(workers, policy=model, temperature=cfg.temperature) as group:
+            table = rollout_table(source.table, group.engine, cfg, data, policy_version=version)
+    else:
+        table = rollout_table(source.table, ROLLOUT_BACKENDS.get(cfg.backend)(model, device), cfg, data, policy_version=version)
+    manifest.state = {**manifest.state, "workers": to_dict(workers)}
     return write(table, out.uri, manifest, schema="rollouts", format=out.format, rows_per_part=out.rows_per_part)
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from rlctl.config import ScoreConfig, to_dict
+from rlctl.config import ScoreConfig, WorkersConfig, to_dict
 from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
 from rlctl.manifest import Manifest
@@ -31,7 +31,7 @@ class ScoringModels:
 
 def run(
     *, rollouts: str, out: OutputSpec, cfg: ScoreConfig, ref: str | None = None, critic: str | None = None,
-    policy: str | None = None, device: str = "auto", force: bool = False,
+    policy: str | None = None, device: str = "auto", force: bool = False, workers: WorkersConfig = WorkersConfig(),
 ) -> Manifest:
     from rlctl.backends.hf import HFPolicy, ValueModel, check_model_dir, resolve_device
 
@@ -46,6 +46,13 @@ def run(
     manifest = make_manifest("score", config, inputs)
     if (existing := up_to_date(out.uri, manifest, force)) is not None:
         return existing
+    manifest.state = {**manifest.state, "workers": to_dict(workers)}
+    if workers.backend == "ray" and any(model_uris.values()):
+        from rlctl.workers import worker_group
+
+        with worker_group(workers, policy=policy, ref=ref, critic=critic, temperature=float(sampling_of(source.table).get("temperature", 1.0))) as group:
+            table = score_table(source.table, reward, ScoringModels(ref=group.ref, policy=group.policy, critic=group.critic), cfg)
+        return write(table, out.uri, manifest, schema="scores", format=out.format, rows_per_part=out.rows_per_part)
     models = ScoringModels(
         ref=HFPolicy.load(ref, device) if ref else None,
         policy=HFPolicy.load(policy, device) if policy else None,
@@ -73,8 +80,7 @@ def reward_samples(table: pa.Table) -> RewardSamples:
 
 def score_table(table: pa.Table, reward: RewardFunction, models: ScoringModels, cfg: ScoreConfig) -> pa.Table:
     """Rewards for every row, then the per-token columns each available model provides."""
-    model = models.ref or models.policy
-    vocab = model.vocab_size if model is not None else (models.critic.lm.get_input_embeddings().num_embeddings if models.critic is not None else None)
+    vocab = next((m.vocab_size for m in (models.ref, models.policy, models.critic) if m is not None), None)
     if vocab is not None:
         check_token_ids(table, vocab, source="rollouts")
     rewards = compute_rewards(reward, reward_samples(table), timeout=cfg.reward_timeout)

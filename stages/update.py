@@ -20,7 +20,7 @@ from rlctl.checkpoint import (
     same_folder,
     save_checkpoint,
 )
-from rlctl.config import UpdateConfig, to_dict
+from rlctl.config import UpdateConfig, WorkersConfig, to_dict
 from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
 from rlctl.manifest import Manifest, strict_json_value
@@ -31,7 +31,10 @@ from rlctl.tensors import check_token_ids
 from rlctl.trainer import TrainBatch, Trainer, check_update_config
 
 
-def run(*, batch: str, model: str, out: str, cfg: UpdateConfig, critic: str | None = None, device: str = "auto", force: bool = False) -> Manifest:
+def run(
+    *, batch: str, model: str, out: str, cfg: UpdateConfig, critic: str | None = None, device: str = "auto", force: bool = False,
+    workers: WorkersConfig = WorkersConfig(),
+) -> Manifest:
     from rlctl.backends.hf import HFPolicy, ValueModel, check_model_dir, resolve_device
 
     check_update_config(cfg)
@@ -47,21 +50,41 @@ def run(*, batch: str, model: str, out: str, cfg: UpdateConfig, critic: str | No
     manifest = make_manifest("update", {"update": to_dict(cfg), "critic": critic or ""}, inputs, seed=cfg.seed)
     if (existing := up_to_date(out, manifest, force)) is not None:
         return existing
+    train_batch = TrainBatch.from_table(source.table)
+    if train_batch.size == 0:
+        raise InputError(f"{batch}: the batch has no rows")
+    temperature = float(sampling_of(source.table).get("temperature", 1.0))
+    if workers.backend == "ray":
+        return _update_on_workers(source, train_batch, model, critic, out, cfg, workers, manifest, temperature)
     policy = HFPolicy.load(model, device)
     check_token_ids(source.table, policy.vocab_size, source=batch)
     critic_model = ValueModel.load(critic, resolve_device(device)) if critic else None
-    trainer = Trainer(policy, cfg, critic=critic_model, temperature=float(sampling_of(source.table).get("temperature", 1.0)))
+    trainer = Trainer(policy, cfg, critic=critic_model, temperature=temperature)
     state = load_trainer_state(model) or {"step": 0}
     if critic:
         state["critic_optimizer"] = _critic_optimizer_state(critic)
     trainer.load_state_dict(state)
-    train_batch = TrainBatch.from_table(source.table)
-    if train_batch.size == 0:
-        raise InputError(f"{batch}: the batch has no rows")
-    manifest.metrics = strict_json_value(trainer.train(train_batch))  # a skipped step's losses are recorded as null
-    validate(pa.Table.from_pylist([manifest.metrics]), "metrics", source="update metrics")  # the row honours its schema
-    manifest.schema, manifest.schema_version = "metrics", spec("metrics").version
+    record_metrics(manifest, trainer.train(train_batch))
     return save_checkpoint(out, policy=policy, trainer_state=trainer.state_dict(), manifest=manifest, critic=critic_model)
+
+
+def record_metrics(manifest: Manifest, metrics: dict) -> None:
+    """The metrics row into the manifest: strict JSON (a skipped step's losses are null) and
+    checked against the metrics schema."""
+    manifest.metrics = strict_json_value(metrics)
+    validate(pa.Table.from_pylist([manifest.metrics]), "metrics", source="update metrics")
+    manifest.schema, manifest.schema_version = "metrics", spec("metrics").version
+
+
+def _update_on_workers(source, train_batch, model, critic, out, cfg, workers, manifest, temperature) -> Manifest:
+    """The same update on a Ray worker group (FSDP2 ranks); rank 0 writes the checkpoint."""
+    from rlctl.workers import worker_group
+
+    with worker_group(workers, policy=model, critic=critic, update=cfg, temperature=temperature) as group:
+        check_token_ids(source.table, group.vocab_size, source=source.uri)
+        record_metrics(manifest, group.trainer.train(train_batch))
+        manifest.state = {**manifest.state, "workers": to_dict(workers)}
+        return group.save(out, manifest, None)
 
 
 def _critic_optimizer_state(critic_uri: str):

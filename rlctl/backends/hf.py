@@ -301,6 +301,10 @@ class ValueModel(torch.nn.Module):
         critic.eval()
         return critic
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm.get_input_embeddings().num_embeddings)
+
     def save(self, directory: str | Path) -> None:
         from safetensors.torch import save_file
 

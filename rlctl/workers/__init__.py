@@ -6,7 +6,11 @@ weights_digest, critic_digest, save, close); `make_workers` picks one from `[wor
 
 from __future__ import annotations
 
-from rlctl.config import Config
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+from rlctl.config import Config, ModelConfig, RolloutConfig, UpdateConfig, WorkersConfig
 
 
 def make_workers(cfg: Config, *, policy_source: str, critic_source: str | None):
@@ -17,3 +21,22 @@ def make_workers(cfg: Config, *, policy_source: str, critic_source: str | None):
     from rlctl.workers.local import LocalWorkers
 
     return LocalWorkers(cfg, policy_source=policy_source, critic_source=critic_source)
+
+
+@contextmanager
+def worker_group(
+    workers: WorkersConfig, *, policy: str | None = None, ref: str | None = None, critic: str | None = None,
+    update: UpdateConfig | None = None, temperature: float = 1.0,
+) -> Iterator:
+    """A Ray worker group for one stage command, stopped when the stage ends. It trains only
+    when `update` is given; otherwise it generates and scores."""
+    from rlctl.workers.ray import RayWorkers
+
+    cfg = Config(model=ModelConfig(path=policy or "", ref=ref or "", critic=critic or ""), rollout=RolloutConfig(temperature=temperature), workers=workers)
+    if update is not None:
+        cfg = replace(cfg, update=update)
+    group = RayWorkers(cfg, policy_source=policy, critic_source=critic, train=update is not None, temperature=temperature)
+    try:
+        yield group
+    finally:
+        group.close()

@@ -100,7 +100,11 @@ def ray_logs() -> str | None:
 class RayWorkers:
     """N ranks holding the policy (and reference, critic); the controller holds only a tokenizer."""
 
-    def __init__(self, cfg: Config, *, policy_source: str, critic_source: str | None) -> None:
+    def __init__(
+        self, cfg: Config, *, policy_source: str | None, critic_source: str | None, train: bool = True, temperature: float | None = None,
+    ) -> None:
+        """`train=False` builds a group that only generates or scores (no FSDP copy, no optimizer);
+        `policy_source=None` a group of only the reference and/or the critic."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -109,11 +113,9 @@ class RayWorkers:
         from rlctl.backends.hf import check_model_dir, quiet_transformers
 
         quiet_transformers()
-        check_model_dir(policy_source)  # bad input is exit 2 here, before Ray starts
-        if cfg.model.ref:
-            check_model_dir(cfg.model.ref)
-        if critic_source:
-            check_model_dir(critic_source)
+        for source in (policy_source, cfg.model.ref, critic_source):
+            if source:
+                check_model_dir(source)  # bad input is exit 2 here, before Ray starts
         self.cfg, self.size = cfg, cfg.workers.num_workers
         self._started_ray = start_ray(cfg.workers)
         self.loads: list[str] = []
@@ -139,13 +141,17 @@ class RayWorkers:
         ]
         self.pids = self._all("pid")
         master, port = self._call([self.actors[0].rendezvous.remote()])[0]
-        setup = {"config": asdict(cfg), "policy": policy_source, "critic": critic_source, "master": master, "port": port}
+        setup = {
+            "config": asdict(cfg), "policy": policy_source, "critic": critic_source, "master": master, "port": port,
+            "train": train and policy_source is not None, "temperature": cfg.rollout.temperature if temperature is None else temperature,
+        }
         self.pad_id, self.vocab_size, self.context_length = self._all("setup", setup, per_rank=lambda rank: {"rank": rank, "world": self.size})[0]
-        self.loads += [f"policy:{policy_source}"] + ([f"ref:{cfg.model.ref}"] if cfg.model.ref else []) + ([f"critic:{critic_source}"] if critic_source else [])
-        self.tokenizer = AutoTokenizer.from_pretrained(policy_source, padding_side="left", trust_remote_code=False)
-        self.trainer = _TrainerProxy(self)
-        self.trainer.step = self._call([self.actors[0].step.remote()])[0]
-        self.engine = self.policy = _PolicyProxy(self, "policy")
+        self.loads += [f"{role}:{source}" for role, source in (("policy", policy_source), ("ref", cfg.model.ref), ("critic", critic_source)) if source]
+        self.tokenizer = AutoTokenizer.from_pretrained(policy_source or cfg.model.ref or critic_source, padding_side="left", trust_remote_code=False)
+        self.trainer = _TrainerProxy(self) if setup["train"] else None
+        if self.trainer is not None:
+            self.trainer.step = self._call([self.actors[0].step.remote()])[0]
+        self.engine = self.policy = _PolicyProxy(self, "policy") if policy_source else None
         self.ref = _PolicyProxy(self, "ref") if cfg.model.ref else None
         self.critic = _CriticProxy(self) if critic_source else None
 
@@ -265,7 +271,7 @@ class _PolicyProxy:
 
 class _CriticProxy:
     def __init__(self, workers: RayWorkers) -> None:
-        self._workers = workers
+        self._workers, self.vocab_size = workers, workers.vocab_size
 
     def values(self, prompt_ids, response_ids, *, pad_id: int, batch_size: int = 16, compute_dtype: str = "fp32") -> list[list[float]]:
         return self._workers._split("values", [list(prompt_ids), list(response_ids)], pad_id, batch_size, compute_dtype)
@@ -311,21 +317,23 @@ class RankWorker:
             torch.cuda.set_device(0)  # Ray gives each actor its own visible device
         dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://{spec['master']}:{spec['port']}", rank=rank, world_size=world, timeout=timedelta(minutes=10))
         self.rank, self.world, self.cfg = rank, world, cfg
-        mesh = init_device_mesh(device.type, (world,))
-        engine = HFPolicy.load(spec["policy"], str(device))
-        train_model = _sharded(copy.deepcopy(engine.model), mesh)
-        self.engine = engine
+        self.engine = HFPolicy.load(spec["policy"], str(device)) if spec["policy"] else None
         self.ref = HFPolicy.load(cfg.model.ref, str(device)) if cfg.model.ref else None
-        self.critic_engine = self.train_critic = None
-        if spec["critic"]:
-            self.critic_engine = ValueModel.load(spec["critic"], device)
-            self.train_critic = _sharded_critic(copy.deepcopy(self.critic_engine), mesh)
-        self.train_policy = HFPolicy(train_model, engine.tokenizer, device)
-        self.trainer = Trainer(self.train_policy, cfg.update, critic=self.train_critic, temperature=cfg.rollout.temperature, ranks=RankGroup(rank, world))
-        state = load_trainer_state(spec["policy"])
-        if state is not None:
-            self._load_trainer_state(state)
-        return engine.pad_id, engine.vocab_size, engine.context_length
+        self.critic_engine = ValueModel.load(spec["critic"], device) if spec["critic"] else None
+        self.trainer = self.train_policy = self.train_critic = None
+        if spec["train"]:
+            mesh = init_device_mesh(device.type, (world,))
+            self.train_policy = HFPolicy(_sharded(copy.deepcopy(self.engine.model), mesh), self.engine.tokenizer, device)
+            if self.critic_engine is not None:
+                self.train_critic = _sharded_critic(copy.deepcopy(self.critic_engine), mesh)
+            self.trainer = Trainer(self.train_policy, cfg.update, critic=self.train_critic, temperature=spec["temperature"], ranks=RankGroup(rank, world))
+            state = load_trainer_state(spec["policy"])
+            if state is not None:
+                self._load_trainer_state(state)
+        first = self.engine or self.ref
+        if first is None:
+            return 0, self.critic_engine.vocab_size, None
+        return first.pad_id, first.vocab_size, first.context_length
 
     def step(self) -> int:
         return self.trainer.step
@@ -368,9 +376,11 @@ class RankWorker:
         return module_digest(self.engine.model if which == "policy" else self.critic_engine)
 
     def save(self, directory: str, manifest_json: str) -> str:
-        """Gather the full optimizer state (all ranks); rank 0 writes the checkpoint."""
+        """Gather the trained weights and the full optimizer state (all ranks); rank 0 writes
+        the checkpoint. The gather happens here too, so a save never depends on a hand-over."""
         from rlctl.checkpoint import save_checkpoint
 
+        self.hand_over()
         state = {
             "step": self.trainer.step,
             "optimizer": _full_optimizer_state(self.train_policy.model, self.trainer.optimizer),

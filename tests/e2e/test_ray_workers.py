@@ -159,3 +159,28 @@ def test_a_two_worker_run_resumes_on_one_worker_and_locally(tmp_path, tiny_model
     checkpoints = sorted((run / "checkpoints").glob("iter-*"))
     assert checkpoints[-1].name == "iter-0004"
     assert load_file(str(run / "checkpoints" / "iter-0002" / "model.safetensors")).keys() == at_two.keys() - {k for k in at_two if k.startswith("critic.")}
+
+
+def test_stage_commands_on_two_workers_write_what_one_process_writes(ray_session, cli, tmp_path, tiny_model, prompts_file):
+    """rollout, score and update with --workers 2 against the same commands run locally."""
+    runs = {}
+    for name, flags in (("local", []), ("ray", ["--workers-backend", "ray", "--workers", "2"])):
+        out = tmp_path / name
+        for args in (
+            ["rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", out / "r", "--n", "3", "--max-new-tokens", "5", "--seed", "4"],
+            ["score", "--rollouts", out / "r", "--out", out / "s", "--reward", "builtin:length", "--ref", tiny_model, "--policy", tiny_model, "--critic", tiny_model],
+            ["advantage", "--scores", out / "s", "--out", out / "b", "--estimator", "gae"],
+            ["update", "--batch", out / "b", "--model", tiny_model, "--critic", tiny_model, "--out", out / "c", "--lr", "1e-3", "--mini-batch-size", "3", "--micro-batch-size", "2"],
+        ):
+            result = cli(*args, *(flags if args[0] != "advantage" else []))
+            assert result.exit_code == 0, (name, args[0], result.stderr)
+        runs[name] = out
+    local_r, ray_r = shards.read(str(runs["local"] / "r")).table, shards.read(str(runs["ray"] / "r")).table
+    assert local_r.column("response_ids").to_pylist() == ray_r.column("response_ids").to_pylist()
+    local_s, ray_s = shards.read(str(runs["local"] / "s")).table, shards.read(str(runs["ray"] / "s")).table
+    for column in ("ref_logprobs", "old_logprobs", "values", "rollout_logprobs"):
+        a, b = local_s.column(column).to_pylist(), ray_s.column(column).to_pylist()
+        assert max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)) < 1e-5, column
+    local_w, ray_w = load_file(str(runs["local"] / "c" / "model.safetensors")), load_file(str(runs["ray"] / "c" / "model.safetensors"))
+    assert max(float((local_w[k] - ray_w[k]).abs().max()) for k in local_w) < 1e-5
+    assert shards.read_manifest(str(runs["ray"] / "c"))[0].state["workers"]["num_workers"] == 2
