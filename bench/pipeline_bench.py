@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 PROMPTS = [{"id": f"b{i}", "prompt": f"Benchmark prompt number {i}: explain step {i}.", "data_source": "bench"} for i in range(32)]
-STAGES = ("prompts", "rollout", "score", "advantage", "update")
+STAGES = ("prompts", "rollout", "score", "advantage", "update", "handover")
 
 
 def one_run(workdir: Path, model: Path, iterations: int, batch: int, n: int, tokens: int, overrides: list[str]) -> dict[str, float]:

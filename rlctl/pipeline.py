@@ -235,7 +235,9 @@ class Pipeline:
 
         train_metrics = workers.trainer.train(TrainBatch.from_table(advantage.table))
         timings["update"] = time.perf_counter() - started
+        started = time.perf_counter()
         handover = workers.hand_over_weights()
+        timings["handover"] = time.perf_counter() - started
         row = self._metrics_row(i, rollout.table, score.table, advantage.manifest.metrics, train_metrics, timings, io)
         if cfg.pipeline.val_every and self.val_dataset is not None and i % cfg.pipeline.val_every == 0:
             row.update(self._validate(i))

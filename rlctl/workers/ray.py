@@ -3,7 +3,8 @@ NCCL on GPUs): the same methods as `LocalWorkers`, so the controller never knows
 
 Each rank holds:
 - the policy being trained, sharded with FSDP2 (`fully_shard` per decoder layer, then the
-  root) over the group's device mesh, and its AdamW optimizer over the shards;
+  root) over the group's device mesh, and its AdamW optimizer over the shards (a group of
+  one rank trains its engine directly, as `LocalWorkers` does: nothing to shard or gather);
 - a plain full copy of the policy: the rollout engine and the scorer of old log-probs. After
   every update the hand-over gathers the full parameters into it (no checkpoint is written
   between update and rollout). Generation therefore needs no collective per decode step, and
@@ -321,11 +322,15 @@ class RankWorker:
         self.ref = HFPolicy.load(cfg.model.ref, str(device)) if cfg.model.ref else None
         self.critic_engine = ValueModel.load(spec["critic"], device) if spec["critic"] else None
         self.trainer = self.train_policy = self.train_critic = None
-        if spec["train"]:
+        self.shared = world == 1  # one rank: nothing to shard; the engine is the trained module
+        if spec["train"] and self.shared:
+            self.train_policy, self.train_critic = self.engine, self.critic_engine
+        elif spec["train"]:
             mesh = init_device_mesh(device.type, (world,))
             self.train_policy = HFPolicy(_sharded(copy.deepcopy(self.engine.model), mesh), self.engine.tokenizer, device)
             if self.critic_engine is not None:
                 self.train_critic = _sharded_critic(copy.deepcopy(self.critic_engine), mesh)
+        if spec["train"]:
             self.trainer = Trainer(self.train_policy, cfg.update, critic=self.train_critic, temperature=spec["temperature"], ranks=RankGroup(rank, world))
             state = load_trainer_state(spec["policy"])
             if state is not None:
@@ -364,6 +369,8 @@ class RankWorker:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         started = time.perf_counter()
+        if self.shared:
+            return 0.0  # the engine is the trained module
         full = StateDictOptions(full_state_dict=True)
         self.engine.model.load_state_dict(get_model_state_dict(self.train_policy.model, options=full))
         if self.train_critic is not None:
@@ -381,11 +388,14 @@ class RankWorker:
         from rlctl.checkpoint import save_checkpoint
 
         self.hand_over()
-        state = {
-            "step": self.trainer.step,
-            "optimizer": _full_optimizer_state(self.train_policy.model, self.trainer.optimizer),
-            "critic_optimizer": _full_optimizer_state(self.train_critic, self.trainer.critic_optimizer) if self.train_critic is not None else None,
-        }
+        if self.shared:
+            state = self.trainer.state_dict()
+        else:
+            state = {
+                "step": self.trainer.step,
+                "optimizer": _full_optimizer_state(self.train_policy.model, self.trainer.optimizer),
+                "critic_optimizer": _full_optimizer_state(self.train_critic, self.trainer.critic_optimizer) if self.train_critic is not None else None,
+            }
         if self.rank != 0:
             return manifest_json
         manifest = save_checkpoint(directory, policy=self.engine, trainer_state=state, manifest=Manifest.from_json(manifest_json), critic=self.critic_engine)
@@ -394,10 +404,13 @@ class RankWorker:
     def _load_trainer_state(self, state: dict) -> None:
         import torch
 
-        self.trainer.step = int(state["step"])
-        _set_full_optimizer_state(self.train_policy.model, self.trainer.optimizer, state.get("optimizer"))
-        if self.train_critic is not None:
-            _set_full_optimizer_state(self.train_critic, self.trainer.critic_optimizer, state.get("critic_optimizer"))
+        if self.shared:
+            self.trainer.load_state_dict(state)
+        else:
+            self.trainer.step = int(state["step"])
+            _set_full_optimizer_state(self.train_policy.model, self.trainer.optimizer, state.get("optimizer"))
+            if self.train_critic is not None:
+                _set_full_optimizer_state(self.train_critic, self.trainer.critic_optimizer, state.get("critic_optimizer"))
         if state.get("rng") is not None:
             torch.set_rng_state(state["rng"])
 
