@@ -85,6 +85,10 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
         raise ConfigError(f"rollout.backend {cfg.rollout.backend!r}: the pipeline runs the hf backend today")
     if cfg.rollout.temperature <= 0:
         raise ConfigError("rollout.temperature must be > 0 for training rollouts (validation is greedy)")
+    if cfg.workers.backend == "ray" and cfg.workers.address not in ("", "auto"):
+        from rlctl.workers.ray import check_reachable
+
+        check_reachable(cfg.workers.address)
 
 
 def select_prompts(dataset: pa.Table, *, iteration: int, batch_size: int, shuffle: bool, seed: int) -> pa.Table:
@@ -301,6 +305,7 @@ class Pipeline:
             f"policy        {cfg.model.path}{' (created: ' + cfg.model.init_preset + ')' if not Path(cfg.model.path, 'config.json').exists() else ''}",
             f"reference     {cfg.model.ref or '-'}",
             f"critic        {cfg.model.critic or '-'}",
+            f"workers       {describe_workers(cfg)}",
             f"reward        {self.reward.spec}",
             f"prompts       {cfg.data.prompts} ({self.dataset.num_rows} rows, {cfg.data.batch_size} per iteration × n={cfg.rollout.n})",
             f"outputs       {self.run_dir}/iter-NNNN/{{prompts,rollout,score,advantage,update}}, metrics.jsonl",
@@ -498,6 +503,15 @@ def committed_checkpoints(run_dir: Path) -> list[Path]:
     return [p for p in iteration_folders(run_dir / "checkpoints") if (p / MANIFEST_NAME).exists()]
 
 
+def describe_workers(cfg: Config) -> str:
+    w = cfg.workers
+    if w.backend == "local":
+        return "local (models in this process)"
+    where = w.address or "an embedded Ray"
+    kind = "NCCL" if w.gpus_per_worker else "gloo"
+    return f"ray: {w.num_workers} × ({w.cpus_per_worker} CPU{', ' + format(w.gpus_per_worker, 'g') + ' GPU' if w.gpus_per_worker else ''}) on {where}, FSDP2 over {kind}"
+
+
 def notice(text: str) -> None:
     """A line for the user on stderr (what rlctl decided on their behalf)."""
     print(text, file=sys.stderr, flush=True)
@@ -568,6 +582,8 @@ def run_pipeline_command(
     with pipeline, make_view(quiet=quiet, first_iteration=pipeline.iteration, total=total) as view:
         pipeline.view = view
         pipeline._hold_run_lock()
+        if pipeline.cfg.workers.backend != "local":
+            view.message(f"workers: {describe_workers(pipeline.cfg)}")
         if pipeline.iteration >= total:
             view.message(f"{pipeline.run_dir}: all {total} iterations are done")
         pipeline.run(total)

@@ -59,7 +59,7 @@ def start_ray(cfg: WorkersConfig) -> bool:
     import ray
 
     if cfg.address and cfg.address != "auto":
-        _check_reachable(cfg.address)
+        check_reachable(cfg.address)
     if ray.is_initialized():  # a Python API user's own ray.init(): use that session
         return False
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR", "configure_logging": True}
@@ -74,7 +74,7 @@ def start_ray(cfg: WorkersConfig) -> bool:
     return False
 
 
-def _check_reachable(address: str) -> None:
+def check_reachable(address: str) -> None:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise InputError(f"workers.address {address!r}: expected auto or HOST:PORT")

@@ -142,6 +142,10 @@ RANGE_CASES = [
     (["update", "--set", "update.clip_ratio_c=0.5"], "update.clip_ratio_c must be 0 (off) or > 1"),
     (["update", "--set", "update.max_grad_norm=-1"], "update.max_grad_norm must be ≥ 0.0"),
     (["reshard", "--dtype", "int8"], "reshard.dtype must be one of bf16, fp16, fp32"),
+    (["update", "--workers", "0"], "workers.num_workers must be ≥ 1"),
+    (["rollout", "--workers-backend", "spark"], "workers.backend must be one of local, ray"),
+    (["score", "--set", "workers.cpus_per_worker=0"], "workers.cpus_per_worker must be ≥ 1"),
+    (["update", "--set", "workers.gpus_per_worker=-1"], "workers.gpus_per_worker must be ≥ 0.0"),
 ]
 REQUIRED = {
     "rollout": ["--prompts", "p.jsonl", "--model", "no-model"],
