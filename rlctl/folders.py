@@ -22,6 +22,7 @@ Reads verify each file against its manifest entry: present, the same size, the s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -199,11 +200,9 @@ class OutputWrite:
             self.lock.release()
             self.lock = None
         if self._made_folder and not self.committed:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # gone already: nothing to tidy
                 if not self.fs.ls(self.path, detail=False):
                     self.fs.rm(self.path, recursive=True)
-            except FileNotFoundError:
-                pass
 
 
 def _readable_manifest(fs: fsspec.AbstractFileSystem, path: str) -> Manifest | None:
@@ -216,13 +215,11 @@ def _readable_manifest(fs: fsspec.AbstractFileSystem, path: str) -> Manifest | N
 
 
 def _remove(fs: fsspec.AbstractFileSystem, path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):  # removed by someone else first: the goal holds
         if fs.isdir(path):
             fs.rm(path, recursive=True)
         else:
             fs.rm(path)
-    except FileNotFoundError:
-        pass
 
 
 # --- verified reads -------------------------------------------------------------------------

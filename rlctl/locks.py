@@ -14,6 +14,7 @@ best-effort: two writers that both find the same stale lock at the same instant 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -121,10 +122,8 @@ def _read_holder(fs: fsspec.AbstractFileSystem, lock_path: str) -> dict | None:
 
 
 def _remove(fs: fsspec.AbstractFileSystem, lock_path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):  # released meanwhile
         fs.rm(lock_path)
-    except FileNotFoundError:
-        pass
     fs.invalidate_cache(lock_path)
 
 

@@ -17,6 +17,7 @@ The two processes speak JSON lines over a private pipe pair (not stdin/stdout):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import select
@@ -80,10 +81,8 @@ class RewardProcess:
             self._child = None
         for fd in (self._to_child, self._from_child):
             if fd >= 0:
-                try:
+                with contextlib.suppress(OSError):  # already closed
                     os.close(fd)
-                except OSError:
-                    pass
         self._to_child = self._from_child = -1
 
     def __del__(self) -> None:
@@ -130,7 +129,7 @@ class RewardProcess:
 
 
 class _TimedOut(Exception):
-    pass
+    """The child did not answer within the call's timeout."""
 
 
 def _stderr_fd() -> int:

@@ -25,6 +25,7 @@ metadata is a pickle, and nothing rlctl reads may be one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -79,8 +80,7 @@ def check_reachable(address: str) -> None:
     if not host or not port.isdigit():
         raise InputError(f"workers.address {address!r}: expected auto or HOST:PORT")
     try:
-        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT):
-            pass
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT).close()
     except OSError as exc:
         raise InputError(f"workers.address {address!r}: no Ray cluster answers there ({exc.strerror or exc})") from None
 
@@ -161,7 +161,8 @@ class RayWorkers:
     def hand_over_weights(self) -> dict:
         """Gather the trained full parameters into every rank's rollout engine (in memory)."""
         seconds = self._all("hand_over")
-        return {"mode": "gathered full parameters into each rank's engine (FSDP2 all-gather)", "workers": self.size,
+        mode = "in-memory (shared module on the one rank)" if self.size == 1 else "gathered full parameters into each rank's engine (FSDP2 all-gather)"
+        return {"mode": mode, "workers": self.size,
                 "seconds": max(seconds), "policy_version": self.trainer.step, "weights_sha256": self.weights_digest()}
 
     def weights_digest(self) -> str:
@@ -185,10 +186,8 @@ class RayWorkers:
         if getattr(self, "_group", None) is not None:
             from ray.util.placement_group import remove_placement_group
 
-            try:
+            with contextlib.suppress(Exception):  # the cluster may be gone already
                 remove_placement_group(self._group)
-            except Exception:  # noqa: BLE001 — the cluster may be gone already
-                pass
             self._group = None
         if getattr(self, "_started_ray", False):
             ray.shutdown()
@@ -228,8 +227,11 @@ class RayWorkers:
             except RayActorError:
                 rank = index[done[0]]
                 pid = self.pids[rank] if getattr(self, "pids", None) else "?"
+                logs = ray_logs()  # before close(): an embedded Ray's session ends there
                 self.close()
-                raise WorkerDiedError(f"worker rank {rank} (pid {pid}) died during {what}; nothing of this step was committed") from None
+                raise WorkerDiedError(
+                    f"worker rank {rank} (pid {pid}) died during {what}; nothing of this step was committed" + (f" (Ray's logs: {logs})" if logs else "")
+                ) from None
             except RayTaskError as exc:
                 self.close()
                 cause = getattr(exc, "cause", None)
