@@ -111,20 +111,15 @@ class OutputWrite:
     def part_name(self, index: int, suffix: str) -> str:
         return f"part-{self.write_id}-{index:05d}{suffix}"
 
-    @contextmanager
-    def open(self, name: str) -> Iterator[BinaryIO]:
+    def open(self, name: str):
         """A file of this write; local files appear under their name only when complete."""
+        return PartSink(self.fs, self.path, self.created).open(name)
+
+    def expect(self, name: str) -> str:
+        """A part another process (a worker) writes for this write: removed if we never commit."""
         final = join(self.path, name)
-        self.created.append(final)
-        if not self.local:
-            with self.fs.open(final, "wb") as f:
-                yield f
-            return
-        tmp = final + ".tmp"
-        self.created.append(tmp)
-        with self.fs.open(tmp, "wb") as f:
-            yield f
-        self.fs.mv(tmp, final)
+        self.created += [final, final + ".tmp"]
+        return name
 
     def commit(self, manifest: Manifest) -> Manifest:
         """Put the manifest (the commit point), then delete what the previous write left."""
@@ -203,6 +198,29 @@ class OutputWrite:
             with contextlib.suppress(FileNotFoundError):  # gone already: nothing to tidy
                 if not self.fs.ls(self.path, detail=False):
                     self.fs.rm(self.path, recursive=True)
+
+
+class PartSink:
+    """Writes part files into a folder (what a worker of a group holds instead of the lock):
+    a local file is written under `.tmp` and renamed when complete; `created` lists the paths."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, created: list[str] | None = None) -> None:
+        self.fs, self.path = fs, path.rstrip("/")
+        self.created = created if created is not None else []
+
+    @contextmanager
+    def open(self, name: str) -> Iterator[BinaryIO]:
+        final = join(self.path, name)
+        self.created.append(final)
+        if not isinstance(self.fs, LocalFileSystem):
+            with self.fs.open(final, "wb") as f:
+                yield f
+            return
+        tmp = final + ".tmp"
+        self.created.append(tmp)
+        with self.fs.open(tmp, "wb") as f:
+            yield f
+        self.fs.mv(tmp, final)
 
 
 def _readable_manifest(fs: fsspec.AbstractFileSystem, path: str) -> Manifest | None:

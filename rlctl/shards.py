@@ -31,7 +31,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from rlctl import faults, schemas
 from rlctl.errors import InputError, NotCommittedError, SchemaError
-from rlctl.folders import OutputWrite, PartMissingError, read_verified
+from rlctl.folders import OutputWrite, PartMissingError, PartSink, read_verified
 from rlctl.manifest import MANIFEST_NAME, FileEntry, InputRef, Manifest, sha256_bytes
 
 STDIO = "-"
@@ -323,8 +323,8 @@ def commit_empty(uri: str, manifest: Manifest) -> Manifest:
         return out.commit(manifest)
 
 
-def write_part(out: OutputWrite, name: str, batches, schema: pa.Schema, format: str) -> FileEntry:
-    """One part file of `out`, hashed and counted as it is written."""
+def write_part(out: OutputWrite | PartSink, name: str, batches, schema: pa.Schema, format: str) -> FileEntry:
+    """One part file of `out` (a write, or a worker's sink into it), hashed and counted as it is written."""
     rows = 0
     with out.open(name) as raw:
         sink = _HashingWriter(raw)

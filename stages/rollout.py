@@ -41,14 +41,16 @@ def run(
     if (existing := up_to_date(out.uri, manifest, force)) is not None:
         return existing
     version = read_trainer_step(model)
+    manifest.state = {**manifest.state, "workers": to_dict(workers)}
     if workers.backend == "ray":
         from rlctl.workers import worker_group
 
         with worker_group(workers, policy=model, temperature=cfg.temperature) as group:
+            if out.uri != "-":
+                return rollout_parts_on_workers(group, source.table, cfg, data, version, out, manifest)
             table = rollout_table(source.table, group.engine, cfg, data, policy_version=version)
     else:
         table = rollout_table(source.table, ROLLOUT_BACKENDS.get(cfg.backend)(model, device), cfg, data, policy_version=version)
-    manifest.state = {**manifest.state, "workers": to_dict(workers)}
     return write(table, out.uri, manifest, schema="rollouts", format=out.format, rows_per_part=out.rows_per_part)
 
 
@@ -90,7 +92,7 @@ def encode_prompts(table: pa.Table, tokenizer, data: DataConfig, *, context_leng
 
 def rollout_table(
     prompts: pa.Table, engine: RolloutEngine, cfg: RolloutConfig, data: DataConfig, *, policy_version: int,
-    on_tokens: Callable[[int], None] | None = None,
+    on_tokens: Callable[[int], None] | None = None, first_row: int = 0,
 ) -> pa.Table:
     """Generate `cfg.n` samples per prompt row; carry the prompt columns onto each sample.
     Progress goes to `on_tokens` when given (the pipeline's view), else to a progress bar."""
@@ -102,10 +104,10 @@ def rollout_table(
     repeated = [ids for ids in prompt_ids for _ in range(cfg.n)]
     params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed)
     if on_tokens is not None:
-        generations = engine.generate(repeated, params, batch_size=cfg.batch_size, on_tokens=on_tokens, compute_dtype=cfg.dtype)
+        generations = engine.generate(repeated, params, batch_size=cfg.batch_size, on_tokens=on_tokens, compute_dtype=cfg.dtype, first_row=first_row)
     else:
         with progress_bar("rollout", total=len(repeated) * cfg.max_new_tokens, unit="tok") as bar:
-            generations = engine.generate(repeated, params, batch_size=cfg.batch_size, on_tokens=bar.advance, compute_dtype=cfg.dtype)
+            generations = engine.generate(repeated, params, batch_size=cfg.batch_size, on_tokens=bar.advance, compute_dtype=cfg.dtype, first_row=first_row)
     rows = pa.array([i for i in range(prompts.num_rows) for _ in range(cfg.n)], pa.int64())
     table = prompts.take(rows)
     responses = engine.tokenizer.batch_decode([g.response_ids for g in generations], skip_special_tokens=True)
@@ -129,3 +131,31 @@ def sampling_of(table: pa.Table) -> dict:
     """The sampling parameters recorded by rollout in the table's schema metadata."""
     raw = (table.schema.metadata or {}).get(SAMPLING_KEY)
     return json.loads(raw) if raw else {}
+
+
+def rollout_parts_on_workers(group, prompts: pa.Table, cfg: RolloutConfig, data: DataConfig, version: int, out: OutputSpec, manifest: Manifest) -> Manifest:
+    """Each rank generates for its contiguous slice of the prompts and writes its own part
+    straight to the output; the controller commits the manifest once every part exists (a
+    part from a rank that died is never listed, and is removed with the uncommitted write).
+    One part per rank: `rows_per_part` does not apply here."""
+    from rlctl import schemas
+    from rlctl.dispatch import row_slices
+    from rlctl.folders import OutputWrite
+    from rlctl.manifest import FileEntry
+    from rlctl.shards import PART_SUFFIX, filesystem
+
+    if out.format not in PART_SUFFIX:
+        raise InputError(f"unknown shard format {out.format!r}; use arrow or parquet")
+    fs, path = filesystem(out.uri)
+    slices = row_slices(prompts.num_rows, group.size)
+    with OutputWrite(fs, path, out.uri) as writing:
+        names = [writing.expect(writing.part_name(rank, PART_SUFFIX[out.format])) for rank in range(group.size)]
+        entries = group.call_ranks(
+            "rollout_part",
+            lambda rank: (prompts.slice(slices[rank].start, slices[rank].stop - slices[rank].start), slices[rank].start * cfg.n,
+                          to_dict(cfg), to_dict(data), version, out.uri, names[rank], out.format),
+        )
+        spec = schemas.spec("rollouts")
+        manifest.schema, manifest.schema_version, manifest.format = spec.name, spec.version, out.format
+        manifest.files = [FileEntry(**entry) for entry in entries if entry is not None]
+        return writing.commit(manifest)

@@ -33,6 +33,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from rlctl import faults
 from rlctl.backends.base import Generation, SamplingParams
 from rlctl.config import Config, WorkersConfig
 from rlctl.dispatch import gather, row_slices
@@ -170,6 +171,10 @@ class RayWorkers:
 
     def critic_digest(self) -> str:
         return self._digest("critic")
+
+    def call_ranks(self, method: str, arguments) -> list:
+        """`method(*arguments(rank))` on every rank; results in rank order."""
+        return self._call([getattr(actor, method).remote(*arguments(rank)) for rank, actor in enumerate(self.actors)], what=method)
 
     def save(self, directory: str, manifest: Manifest, pipeline_state: dict | None) -> Manifest:
         """Rank 0 writes the checkpoint; every rank takes part in gathering the state."""
@@ -360,6 +365,23 @@ class RankWorker:
     def values(self, rows: list, start: int, pad_id: int, batch_size: int, compute_dtype: str) -> list:
         prompt_ids, response_ids = rows
         return self.critic_engine.values(prompt_ids, response_ids, pad_id=pad_id, batch_size=batch_size, compute_dtype=compute_dtype)
+
+    def rollout_part(self, prompts, first_row: int, rollout: dict, data: dict, policy_version: int, uri: str, name: str, fmt: str) -> dict | None:
+        """Generate for this rank's prompts and write them as part `name` of the output at `uri`."""
+        from rlctl import schemas
+        from rlctl.config import DataConfig, RolloutConfig
+        from rlctl.folders import PartSink
+        from rlctl.shards import filesystem, write_part
+        from rlctl.stages.rollout import rollout_table
+
+        if prompts.num_rows == 0:
+            return None
+        table = rollout_table(prompts, self.engine, RolloutConfig(**rollout), DataConfig(**data), policy_version=policy_version, on_tokens=lambda _: None, first_row=first_row)
+        table = schemas.validate(table, "rollouts", source=f"worker rank {self.rank}")
+        fs, path = filesystem(uri)
+        entry = write_part(PartSink(fs, path), name, table.to_batches(), table.schema, fmt)
+        faults.point(f"rank-{self.rank}:rollout-part-written")
+        return asdict(entry)
 
     def train(self, batch) -> dict:
         return self.trainer.train(batch)

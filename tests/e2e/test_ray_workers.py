@@ -179,6 +179,8 @@ def test_stage_commands_on_two_workers_write_what_one_process_writes(ray_session
         runs[name] = out
     local_r, ray_r = shards.read(str(runs["local"] / "r")).table, shards.read(str(runs["ray"] / "r")).table
     assert local_r.column("response_ids").to_pylist() == ray_r.column("response_ids").to_pylist()
+    assert local_r.drop_columns(["rollout_logprobs"]).equals(ray_r.drop_columns(["rollout_logprobs"]))
+    assert [f.rows for f in shards.read_manifest(str(runs["ray"] / "r"))[0].files] == [6, 3]  # each rank wrote its part
     local_s, ray_s = shards.read(str(runs["local"] / "s")).table, shards.read(str(runs["ray"] / "s")).table
     for column in ("ref_logprobs", "old_logprobs", "values", "rollout_logprobs"):
         a, b = local_s.column(column).to_pylist(), ray_s.column(column).to_pylist()
@@ -186,3 +188,16 @@ def test_stage_commands_on_two_workers_write_what_one_process_writes(ray_session
     local_w, ray_w = load_file(str(runs["local"] / "c" / "model.safetensors")), load_file(str(runs["ray"] / "c" / "model.safetensors"))
     assert max(float((local_w[k] - ray_w[k]).abs().max()) for k in local_w) < 1e-5
     assert shards.read_manifest(str(runs["ray"] / "c"))[0].state["workers"]["num_workers"] == 2
+
+
+@pytest.mark.slow
+def test_a_part_written_by_a_worker_that_then_died_is_never_committed(tmp_path, tiny_model, prompts_file):
+    from tests.e2e.test_pipeline import rlctl
+
+    out = tmp_path / "r"
+    args = ["rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", out, "--n", "2", "--max-new-tokens", "4", "--workers-backend", "ray", "--workers", "2"]
+    died = rlctl(*args, env={"RLCTL_FAULT_KILL_AT": "rank-1:rollout-part-written"}, check=False)
+    assert died.returncode == 1 and "worker rank 1" in died.stderr.strip().splitlines()[-1], died.stderr[-2000:]
+    assert not out.exists() or not any(out.iterdir())  # its part, and rank 0's, went with the uncommitted write
+    rlctl(*args)
+    assert shards.read(str(out), "rollouts").table.num_rows == 6
