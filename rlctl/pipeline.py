@@ -200,9 +200,9 @@ class Pipeline:
             model_inputs.append(InputRef(f"ref@{cfg.model.ref}", "frozen"))
         base_state = {"iteration": i, "weights_source": weights_source, "policy_version": workers.trainer.step}
 
-        def stage(name, config, inputs, compute, schema):
+        def stage(name, config, inputs, compute, schema, write_parts=None):
             rerun = first and self.from_stage is not None and name in stages  # --from re-runs its stages
-            return self._stage(i, name, config, inputs, compute, schema, stages, rerun, timings, io, base_state)
+            return self._stage(i, name, config, inputs, compute, schema, stages, rerun, timings, io, base_state, write_parts)
 
         prompts = stage(
             "prompts", {"data": to_dict(cfg.data), "seed": cfg.pipeline.seed}, [self.dataset_ref],
@@ -213,6 +213,7 @@ class Pipeline:
         rollout = stage(
             "rollout", {"rollout": to_dict(rollout_cfg), "data": to_dict(cfg.data)}, [prompts.ref(), model_inputs[0]],
             lambda: (self._rollout(prompts.table, rollout_cfg), {}, {}), "rollouts",
+            write_parts=self._rollout_parts(prompts.table, rollout_cfg),
         )
         score = stage(
             "score", {"score": to_dict(cfg.score), "reward": self.reward.spec}, [rollout.ref(), *model_inputs],
@@ -333,8 +334,10 @@ class Pipeline:
         last = STAGES.index(self.until_stage) if self.until_stage else len(STAGES) - 1
         return STAGES[start : last + 1]
 
-    def _stage(self, i, name, config, inputs, compute, schema, stages, rerun, timings, io, base_state) -> Shards | None:
-        """Read back a committed output with the same key, or compute and commit it."""
+    def _stage(self, i, name, config, inputs, compute, schema, stages, rerun, timings, io, base_state, write_parts=None) -> Shards | None:
+        """Read back a committed output with the same key, or compute and commit it. With
+        `write_parts(uri, manifest)` the workers write the parts and it commits; the controller
+        then reads the committed (verified) output back."""
         uri = str(self._dir(i, name))
         manifest = make_manifest(name, config, inputs, seed=config.get("rollout", {}).get("seed"))
         if is_committed(uri):
@@ -356,6 +359,14 @@ class Pipeline:
         if self.view:
             self.view.stage(name, total=None)
         started = time.perf_counter()
+        if write_parts is not None:
+            manifest.state = dict(base_state)
+            write_parts(uri, manifest)
+            timings[name] = time.perf_counter() - started
+            started = time.perf_counter()
+            shards = read(uri, schema)
+            io["seconds"] += time.perf_counter() - started
+            return shards
         table, state, metrics = compute()
         timings[name] = time.perf_counter() - started
         manifest.state = {**base_state, **state}
@@ -374,6 +385,21 @@ class Pipeline:
             self.view.stage("rollout", total=total)
         on_tokens = self.view.advance if self.view else None
         return rollout_table(prompts, self.workers.engine, rollout_cfg, self.cfg.data, policy_version=self.workers.trainer.step, on_tokens=on_tokens)
+
+    def _rollout_parts(self, prompts: pa.Table, rollout_cfg):
+        """How the workers write the rollout output themselves (a Ray group), or None."""
+        workers = self.workers
+        if not getattr(workers, "writes_parts", False):
+            return None
+        from rlctl.shards import OutputSpec
+        from rlctl.stages.rollout import rollout_parts_on_workers
+
+        def write_parts(uri: str, manifest: Manifest) -> Manifest:
+            if self.view:
+                self.view.stage("rollout", total=None)
+            return rollout_parts_on_workers(workers, prompts, rollout_cfg, self.cfg.data, workers.trainer.step, OutputSpec(uri), manifest)
+
+        return write_parts
 
     def _score(self, rollouts: pa.Table) -> pa.Table:
         from rlctl.stages.score import ScoringModels, score_table

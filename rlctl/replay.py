@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -88,19 +90,37 @@ def _prompts(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa
     return read(target).table
 
 
-def _rollout(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa.Table:
-    from rlctl.backends.hf import HFPolicy
-    from rlctl.stages.rollout import rollout_table
+@contextmanager
+def _run_workers(cfg: Config, *, policy: str, ref: str = "", critic: str | None = None, train: bool = False) -> Iterator:
+    """The kind of workers the run used (its [workers] section), so a replay splits the rows,
+    and shards the training, exactly as the run did."""
+    if cfg.workers.backend == "ray":
+        from rlctl.workers import worker_group
 
-    policy = HFPolicy.load(_weights(recorded), cfg.model.device)
+        with worker_group(cfg.workers, policy=policy, ref=ref or None, critic=critic, update=cfg.update if train else None, temperature=cfg.rollout.temperature) as group:
+            yield group
+        return
+    from rlctl.workers.local import LocalWorkers
+
+    yield LocalWorkers(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, ref=ref)), policy_source=policy, critic_source=critic)
+
+
+def _rollout(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa.Table:
+    from rlctl.shards import OutputSpec
+    from rlctl.stages.rollout import rollout_parts_on_workers, rollout_table
+
     prompts = read(str(iter_dir / "prompts"), "prompts").table
-    table = rollout_table(prompts, policy, cfg.rollout, cfg.data, policy_version=recorded.state["policy_version"])
-    write(table, target, Manifest(stage="rollout", seed=cfg.rollout.seed, state={"replay_of": str(iter_dir / "rollout")}), schema="rollouts")
+    version = recorded.state["policy_version"]
+    manifest = Manifest(stage="rollout", seed=cfg.rollout.seed, state={"replay_of": str(iter_dir / "rollout")})
+    with _run_workers(cfg, policy=_weights(recorded)) as workers:
+        if workers.writes_parts:
+            rollout_parts_on_workers(workers, prompts, cfg.rollout, cfg.data, version, OutputSpec(target), manifest)
+        else:
+            write(rollout_table(prompts, workers.engine, cfg.rollout, cfg.data, policy_version=version), target, manifest, schema="rollouts")
     return read(target).table
 
 
 def _score(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa.Table:
-    from rlctl.backends.hf import HFPolicy, ValueModel, resolve_device
     from rlctl.rewards import load_reward
     from rlctl.stages.score import ScoringModels, score_table
 
@@ -108,14 +128,11 @@ def _score(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa.T
     critic = None
     if cfg.model.critic:
         critic_dir = Path(weights) / "critic"
-        critic = ValueModel.load(str(critic_dir) if critic_dir.exists() else cfg.model.critic, resolve_device(cfg.model.device))
-    models = ScoringModels(
-        ref=HFPolicy.load(cfg.model.ref, cfg.model.device) if cfg.model.ref else None,
-        policy=HFPolicy.load(weights, cfg.model.device) if cfg.score.old_logprobs else None,
-        critic=critic,
-    )
+        critic = str(critic_dir) if critic_dir.exists() else cfg.model.critic
     reward = load_reward(cfg.score.reward, device=cfg.model.device)
-    table = score_table(read(str(iter_dir / "rollout"), "rollouts").table, reward, models, cfg.score)
+    with _run_workers(cfg, policy=weights, ref=cfg.model.ref, critic=critic) as workers:
+        models = ScoringModels(ref=workers.ref, policy=workers.policy if cfg.score.old_logprobs else None, critic=workers.critic)
+        table = score_table(read(str(iter_dir / "rollout"), "rollouts").table, reward, models, cfg.score)
     write(table, target, Manifest(stage="score", state={"replay_of": str(iter_dir / "score")}), schema="scores")
     return read(target).table
 
@@ -136,18 +153,19 @@ def _update(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> dic
     from rlctl.checkpoint import load_trainer_state
     from rlctl.lineage import make_manifest
     from rlctl.trainer import TrainBatch
-    from rlctl.workers.local import LocalWorkers, checkpoint_sources, module_digest
+    from rlctl.workers.local import checkpoint_sources
 
     weights = _weights(recorded)
     checkpoint = weights if load_trainer_state(weights) is not None else None
     policy, critic = checkpoint_sources(checkpoint, cfg)
-    workers = LocalWorkers(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, ref="")), policy_source=policy, critic_source=critic)
-    metrics = workers.trainer.train(TrainBatch.from_table(read(str(iter_dir / "advantage"), "batch").table))
-    manifest = make_manifest("update", {"update": dataclasses.asdict(cfg.update)}, [])
-    manifest.metrics = metrics
-    manifest.state = {"replay_of": str(iter_dir / "update")}
-    workers.save(target, manifest, {"iteration": recorded.state.get("iteration")})
-    return {"weights_sha256": module_digest(workers.policy.model), "metrics": metrics}
+    with _run_workers(cfg, policy=policy, critic=critic, train=True) as workers:
+        metrics = workers.trainer.train(TrainBatch.from_table(read(str(iter_dir / "advantage"), "batch").table))
+        workers.hand_over_weights()
+        manifest = make_manifest("update", {"update": dataclasses.asdict(cfg.update)}, [])
+        manifest.metrics = metrics
+        manifest.state = {"replay_of": str(iter_dir / "update")}
+        workers.save(target, manifest, {"iteration": recorded.state.get("iteration")})
+        return {"weights_sha256": workers.weights_digest(), "metrics": metrics}
 
 
 def _compare_update(result: dict, recorded: Manifest) -> str:

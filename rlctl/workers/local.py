@@ -21,6 +21,7 @@ from rlctl.trainer import Trainer
 
 
 class LocalWorkers:
+    writes_parts = False  # one process: the controller writes what it computed
     def __init__(self, cfg: Config, *, policy_source: str, critic_source: str | None) -> None:
         self.device = resolve_device(cfg.model.device)
         self.loads: list[str] = []  # every model load, for accounting (each model once per run)

@@ -102,6 +102,8 @@ def ray_logs() -> str | None:
 class RayWorkers:
     """N ranks holding the policy (and reference, critic); the controller holds only a tokenizer."""
 
+    writes_parts = True  # stage outputs the ranks produce, they write themselves (see rollout_part)
+
     def __init__(
         self, cfg: Config, *, policy_source: str | None, critic_source: str | None, train: bool = True, temperature: float | None = None,
     ) -> None:

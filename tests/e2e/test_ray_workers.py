@@ -201,3 +201,17 @@ def test_a_part_written_by_a_worker_that_then_died_is_never_committed(tmp_path, 
     assert not out.exists() or not any(out.iterdir())  # its part, and rank 0's, went with the uncommitted write
     rlctl(*args)
     assert shards.read(str(out), "rollouts").table.num_rows == 6
+
+
+@pytest.mark.slow
+def test_every_stage_of_a_two_worker_run_replays_identical(cli, tmp_path, tiny_model):
+    from tests.e2e.test_pipeline import rlctl, write_config
+
+    config_file = write_config(tmp_path, tiny_model, pipeline={"iterations": 2, "val_every": 0})
+    rlctl("pipeline", config_file, "--run-dir", tmp_path / "run", "--quiet", "--workers-backend", "ray", "--workers", "2")
+    rollout = shards.read_manifest(str(tmp_path / "run" / "iter-0002" / "rollout"))[0]
+    assert len(rollout.files) == 2  # written by the two ranks
+    for stage in ("prompts", "rollout", "score", "advantage", "update"):
+        result = cli("replay", tmp_path / "run" / "iter-0002" / stage, "--check")
+        assert result.exit_code == 0, (stage, result.stderr)
+        assert result.stdout.strip() == "identical", (stage, result.stdout)
