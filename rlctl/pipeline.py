@@ -218,6 +218,7 @@ class Pipeline:
         score = stage(
             "score", {"score": to_dict(cfg.score), "reward": self.reward.spec}, [rollout.ref(), *model_inputs],
             lambda: (self._score(rollout.table), {}, {}), "scores",
+            write_parts=self._score_parts(rollout.table),
         )
         if score is None:
             return self._stop_early(i, timings)
@@ -401,12 +402,30 @@ class Pipeline:
 
         return write_parts
 
-    def _score(self, rollouts: pa.Table) -> pa.Table:
-        from rlctl.stages.score import ScoringModels, score_table
+    def _scoring_models(self):
+        from rlctl.stages.score import ScoringModels
 
         w = self.workers
-        models = ScoringModels(ref=w.ref, policy=w.policy if self.cfg.score.old_logprobs else None, critic=w.critic)
-        return score_table(rollouts, self.reward, models, self.cfg.score)
+        return ScoringModels(ref=w.ref, policy=w.policy if self.cfg.score.old_logprobs else None, critic=w.critic)
+
+    def _score(self, rollouts: pa.Table) -> pa.Table:
+        from rlctl.stages.score import score_table
+
+        return score_table(rollouts, self.reward, self._scoring_models(), self.cfg.score)
+
+    def _score_parts(self, rollouts: pa.Table):
+        """How the workers write the score output themselves (a Ray group), or None."""
+        if not getattr(self.workers, "writes_parts", False):
+            return None
+        from rlctl.shards import OutputSpec
+        from rlctl.stages.score import score_parts_on_workers
+
+        def write_parts(uri: str, manifest: Manifest) -> Manifest:
+            if self.view:
+                self.view.stage("score", total=None)
+            return score_parts_on_workers(self.workers, rollouts, self.reward, self._scoring_models(), self.cfg.score, OutputSpec(uri), manifest)
+
+        return write_parts
 
     def _advantage(self, scores: pa.Table):
         from rlctl.stages.advantage import advantage_table

@@ -134,28 +134,5 @@ def sampling_of(table: pa.Table) -> dict:
 
 
 def rollout_parts_on_workers(group, prompts: pa.Table, cfg: RolloutConfig, data: DataConfig, version: int, out: OutputSpec, manifest: Manifest) -> Manifest:
-    """Each rank generates for its contiguous slice of the prompts and writes its own part
-    straight to the output; the controller commits the manifest once every part exists (a
-    part from a rank that died is never listed, and is removed with the uncommitted write).
-    One part per rank: `rows_per_part` does not apply here."""
-    from rlctl import schemas
-    from rlctl.dispatch import row_slices
-    from rlctl.folders import OutputWrite
-    from rlctl.manifest import FileEntry
-    from rlctl.shards import PART_SUFFIX, filesystem
-
-    if out.format not in PART_SUFFIX:
-        raise InputError(f"unknown shard format {out.format!r}; use arrow or parquet")
-    fs, path = filesystem(out.uri)
-    slices = row_slices(prompts.num_rows, group.size)
-    with OutputWrite(fs, path, out.uri) as writing:
-        names = [writing.expect(writing.part_name(rank, PART_SUFFIX[out.format])) for rank in range(group.size)]
-        entries = group.call_ranks(
-            "rollout_part",
-            lambda rank: (prompts.slice(slices[rank].start, slices[rank].stop - slices[rank].start), slices[rank].start * cfg.n,
-                          to_dict(cfg), to_dict(data), version, out.uri, names[rank], out.format),
-        )
-        spec = schemas.spec("rollouts")
-        manifest.schema, manifest.schema_version, manifest.format = spec.name, spec.version, out.format
-        manifest.files = [FileEntry(**entry) for entry in entries if entry is not None]
-        return writing.commit(manifest)
+    """Each rank generates for its contiguous slice of the prompts and writes its own part."""
+    return group.commit_parts("rollout_part", prompts, lambda _: (to_dict(cfg), to_dict(data), version), out, manifest, "rollouts")

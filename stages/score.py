@@ -51,7 +51,10 @@ def run(
         from rlctl.workers import worker_group
 
         with worker_group(workers, policy=policy, ref=ref, critic=critic, temperature=float(sampling_of(source.table).get("temperature", 1.0))) as group:
-            table = score_table(source.table, reward, ScoringModels(ref=group.ref, policy=group.policy, critic=group.critic), cfg)
+            models = ScoringModels(ref=group.ref, policy=group.policy, critic=group.critic)
+            if out.uri != "-":
+                return score_parts_on_workers(group, source.table, reward, models, cfg, out, manifest)
+            table = score_table(source.table, reward, models, cfg)
         return write(table, out.uri, manifest, schema="scores", format=out.format, rows_per_part=out.rows_per_part)
     models = ScoringModels(
         ref=HFPolicy.load(ref, device) if ref else None,
@@ -80,10 +83,21 @@ def reward_samples(table: pa.Table) -> RewardSamples:
 
 def score_table(table: pa.Table, reward: RewardFunction, models: ScoringModels, cfg: ScoreConfig) -> pa.Table:
     """Rewards for every row, then the per-token columns each available model provides."""
+    return with_model_columns(table, scored_rewards(table, reward, models, cfg), models, cfg)
+
+
+def scored_rewards(table: pa.Table, reward: RewardFunction, models: ScoringModels, cfg: ScoreConfig) -> list[float]:
+    """One reward per row (token ids checked against the models' vocabulary first)."""
+    if table.num_rows == 0:
+        raise InputError("rollouts: no rows to score")
     vocab = next((m.vocab_size for m in (models.ref, models.policy, models.critic) if m is not None), None)
     if vocab is not None:
         check_token_ids(table, vocab, source="rollouts")
-    rewards = compute_rewards(reward, reward_samples(table), timeout=cfg.reward_timeout)
+    return compute_rewards(reward, reward_samples(table), timeout=cfg.reward_timeout)
+
+
+def with_model_columns(table: pa.Table, rewards: list[float], models: ScoringModels, cfg: ScoreConfig) -> pa.Table:
+    """`table` with its rewards and the ref/old log-probs and values of the models given."""
     temperature = float(sampling_of(table).get("temperature", 1.0))
     prompt_ids = table.column("prompt_ids").to_pylist()
     response_ids = table.column("response_ids").to_pylist()
@@ -95,7 +109,12 @@ def score_table(table: pa.Table, reward: RewardFunction, models: ScoringModels, 
     if models.critic is not None:
         pad_id = models.policy.pad_id if models.policy is not None else 0
         new["values"] = list_column(models.critic.values(prompt_ids, response_ids, pad_id=pad_id, batch_size=cfg.batch_size, compute_dtype=cfg.dtype), pa.float32())
-    table = set_columns(table, new)
-    if table.num_rows == 0:
-        raise InputError("rollouts: no rows to score")
-    return table
+    return set_columns(table, new)
+
+
+def score_parts_on_workers(group, table: pa.Table, reward: RewardFunction, models: ScoringModels, cfg: ScoreConfig, out: OutputSpec, manifest: Manifest) -> Manifest:
+    """Rewards here (the reward's child process is the controller's); each rank adds its
+    slice's model columns and writes its own part."""
+    rewards = scored_rewards(table, reward, models, cfg)
+    roles = [role for role, model in (("ref", models.ref), ("policy", models.policy), ("critic", models.critic)) if model is not None]
+    return group.commit_parts("score_part", table, lambda rows: (rewards[rows], roles, to_dict(cfg)), out, manifest, "scores")

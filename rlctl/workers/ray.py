@@ -174,6 +174,30 @@ class RayWorkers:
     def critic_digest(self) -> str:
         return self._digest("critic")
 
+    def commit_parts(self, method: str, rows, extra, out, manifest: Manifest, schema: str) -> Manifest:
+        """Each rank turns its contiguous slice of `rows` into its own part of the output,
+        `method(rows_slice, slice_start, *extra(slice), uri, part_name, format)`, and writes it
+        straight to `out`; the manifest is committed once every part exists. A rank that dies
+        leaves no committed part: its file goes with the uncommitted write. One part per rank."""
+        from rlctl import schemas
+        from rlctl.folders import OutputWrite
+        from rlctl.manifest import FileEntry
+        from rlctl.shards import PART_SUFFIX, filesystem
+
+        if out.format not in PART_SUFFIX:
+            raise InputError(f"unknown shard format {out.format!r}; use arrow or parquet")
+        fs, path = filesystem(out.uri)
+        slices = row_slices(rows.num_rows, self.size)
+        with OutputWrite(fs, path, out.uri) as writing:
+            names = [writing.expect(writing.part_name(rank, PART_SUFFIX[out.format])) for rank in range(self.size)]
+            entries = self.call_ranks(
+                method, lambda rank: (rows.slice(slices[rank].start, slices[rank].stop - slices[rank].start), slices[rank].start, *extra(slices[rank]), out.uri, names[rank], out.format),
+            )
+            spec = schemas.spec(schema)
+            manifest.schema, manifest.schema_version, manifest.format = spec.name, spec.version, out.format
+            manifest.files = [FileEntry(**entry) for entry in entries if entry is not None]
+            return writing.commit(manifest)
+
     def call_ranks(self, method: str, arguments) -> list:
         """`method(*arguments(rank))` on every rank; results in rank order."""
         return self._call([getattr(actor, method).remote(*arguments(rank)) for rank, actor in enumerate(self.actors)], what=method)
@@ -368,21 +392,39 @@ class RankWorker:
         prompt_ids, response_ids = rows
         return self.critic_engine.values(prompt_ids, response_ids, pad_id=pad_id, batch_size=batch_size, compute_dtype=compute_dtype)
 
-    def rollout_part(self, prompts, first_row: int, rollout: dict, data: dict, policy_version: int, uri: str, name: str, fmt: str) -> dict | None:
-        """Generate for this rank's prompts and write them as part `name` of the output at `uri`."""
-        from rlctl import schemas
+    def rollout_part(self, prompts, start: int, rollout: dict, data: dict, policy_version: int, uri: str, name: str, fmt: str) -> dict | None:
+        """Generate for this rank's prompts (from prompt `start`) as part `name` of the output at `uri`."""
         from rlctl.config import DataConfig, RolloutConfig
-        from rlctl.folders import PartSink
-        from rlctl.shards import filesystem, write_part
         from rlctl.stages.rollout import rollout_table
 
         if prompts.num_rows == 0:
             return None
-        table = rollout_table(prompts, self.engine, RolloutConfig(**rollout), DataConfig(**data), policy_version=policy_version, on_tokens=lambda _: None, first_row=first_row)
-        table = schemas.validate(table, "rollouts", source=f"worker rank {self.rank}")
+        cfg = RolloutConfig(**rollout)
+        table = rollout_table(prompts, self.engine, cfg, DataConfig(**data), policy_version=policy_version, on_tokens=lambda _: None, first_row=start * cfg.n)
+        return self._write_part(table, "rollouts", uri, name, fmt)
+
+    def score_part(self, rows, start: int, rewards: list, roles: list, score: dict, uri: str, name: str, fmt: str) -> dict | None:
+        """This rank's rollouts with their rewards (computed by the controller) and the model
+        columns of `roles` (ref, policy, critic), as part `name` of the output at `uri`."""
+        from rlctl.config import ScoreConfig
+        from rlctl.stages.score import ScoringModels, with_model_columns
+
+        if rows.num_rows == 0:
+            return None
+        models = ScoringModels(
+            ref=self.ref if "ref" in roles else None, policy=self.engine if "policy" in roles else None, critic=self.critic_engine if "critic" in roles else None,
+        )
+        return self._write_part(with_model_columns(rows, rewards, models, ScoreConfig(**score)), "scores", uri, name, fmt)
+
+    def _write_part(self, table, schema: str, uri: str, name: str, fmt: str) -> dict:
+        from rlctl import schemas
+        from rlctl.folders import PartSink
+        from rlctl.shards import filesystem, write_part
+
+        table = schemas.validate(table, schema, source=f"worker rank {self.rank}")
         fs, path = filesystem(uri)
         entry = write_part(PartSink(fs, path), name, table.to_batches(), table.schema, fmt)
-        faults.point(f"rank-{self.rank}:rollout-part-written")
+        faults.point(f"rank-{self.rank}:{schema}-part-written")
         return asdict(entry)
 
     def train(self, batch) -> dict:

@@ -181,6 +181,7 @@ def test_stage_commands_on_two_workers_write_what_one_process_writes(ray_session
     assert local_r.column("response_ids").to_pylist() == ray_r.column("response_ids").to_pylist()
     assert local_r.drop_columns(["rollout_logprobs"]).equals(ray_r.drop_columns(["rollout_logprobs"]))
     assert [f.rows for f in shards.read_manifest(str(runs["ray"] / "r"))[0].files] == [6, 3]  # each rank wrote its part
+    assert [f.rows for f in shards.read_manifest(str(runs["ray"] / "s"))[0].files] == [5, 4]
     local_s, ray_s = shards.read(str(runs["local"] / "s")).table, shards.read(str(runs["ray"] / "s")).table
     for column in ("ref_logprobs", "old_logprobs", "values", "rollout_logprobs"):
         a, b = local_s.column(column).to_pylist(), ray_s.column(column).to_pylist()
@@ -196,7 +197,7 @@ def test_a_part_written_by_a_worker_that_then_died_is_never_committed(tmp_path, 
 
     out = tmp_path / "r"
     args = ["rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", out, "--n", "2", "--max-new-tokens", "4", "--workers-backend", "ray", "--workers", "2"]
-    died = rlctl(*args, env={"RLCTL_FAULT_KILL_AT": "rank-1:rollout-part-written"}, check=False)
+    died = rlctl(*args, env={"RLCTL_FAULT_KILL_AT": "rank-1:rollouts-part-written"}, check=False)
     assert died.returncode == 1 and "worker rank 1" in died.stderr.strip().splitlines()[-1], died.stderr[-2000:]
     assert not out.exists() or not any(out.iterdir())  # its part, and rank 0's, went with the uncommitted write
     rlctl(*args)
@@ -209,8 +210,8 @@ def test_every_stage_of_a_two_worker_run_replays_identical(cli, tmp_path, tiny_m
 
     config_file = write_config(tmp_path, tiny_model, pipeline={"iterations": 2, "val_every": 0})
     rlctl("pipeline", config_file, "--run-dir", tmp_path / "run", "--quiet", "--workers-backend", "ray", "--workers", "2")
-    rollout = shards.read_manifest(str(tmp_path / "run" / "iter-0002" / "rollout"))[0]
-    assert len(rollout.files) == 2  # written by the two ranks
+    for stage in ("rollout", "score"):  # written by the two ranks
+        assert len(shards.read_manifest(str(tmp_path / "run" / "iter-0002" / stage))[0].files) == 2
     for stage in ("prompts", "rollout", "score", "advantage", "update"):
         result = cli("replay", tmp_path / "run" / "iter-0002" / stage, "--check")
         assert result.exit_code == 0, (stage, result.stderr)
