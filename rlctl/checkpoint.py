@@ -15,7 +15,6 @@ as it is.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -75,7 +74,7 @@ def checkpoint_root(uri: str) -> Path | None:
     return None
 
 
-_verified: dict[tuple, str] = {}
+_verified: dict[str, tuple] = {}
 
 
 def verify_checkpoint(uri: str) -> None:
@@ -93,16 +92,12 @@ def verify_checkpoint(uri: str) -> None:
     unlisted = sorted(set(present) - {f.path for f in manifest.files})
     if unlisted:
         raise InputError(f"{root}: holds {unlisted[0]!r}, which its manifest does not list (added after commit)")
-    key = (str(root.resolve()), digest, tuple(sorted((n, s.st_size, s.st_mtime_ns) for n, s in present.items())))
-    if _verified.get(str(root.resolve())) == _hash_key(key):
+    key = (digest, tuple(sorted((n, s.st_size, s.st_mtime_ns) for n, s in present.items())))
+    if _verified.get(str(root.resolve())) == key:
         return
     fs, path = filesystem(str(root))
     verify_files(fs, path, manifest, str(root))
-    _verified[str(root.resolve())] = _hash_key(key)
-
-
-def _hash_key(key: tuple) -> str:
-    return hashlib.sha256(repr(key).encode()).hexdigest()
+    _verified[str(root.resolve())] = key
 
 
 def is_intact(uri: str) -> str | None:

@@ -388,17 +388,22 @@ class Pipeline:
         return rollout_table(prompts, self.workers.engine, rollout_cfg, self.cfg.data, policy_version=self.workers.trainer.step, on_tokens=on_tokens)
 
     def _rollout_parts(self, prompts: pa.Table, rollout_cfg):
-        """How the workers write the rollout output themselves (a Ray group), or None."""
-        workers = self.workers
-        if not getattr(workers, "writes_parts", False):
+        from rlctl.stages.rollout import rollout_parts_on_workers
+
+        return self._written_by_workers("rollout", lambda out, manifest: rollout_parts_on_workers(
+            self.workers, prompts, rollout_cfg, self.cfg.data, self.workers.trainer.step, out, manifest))
+
+    def _written_by_workers(self, name: str, write):
+        """`write_parts(uri, manifest)` for a stage whose output the workers write themselves
+        (a Ray group: `write(out, manifest)` commits it), or None for local workers."""
+        if not getattr(self.workers, "writes_parts", False):
             return None
         from rlctl.shards import OutputSpec
-        from rlctl.stages.rollout import rollout_parts_on_workers
 
         def write_parts(uri: str, manifest: Manifest) -> Manifest:
             if self.view:
-                self.view.stage("rollout", total=None)
-            return rollout_parts_on_workers(workers, prompts, rollout_cfg, self.cfg.data, workers.trainer.step, OutputSpec(uri), manifest)
+                self.view.stage(name, total=None)
+            return write(OutputSpec(uri), manifest)
 
         return write_parts
 
@@ -414,18 +419,10 @@ class Pipeline:
         return score_table(rollouts, self.reward, self._scoring_models(), self.cfg.score)
 
     def _score_parts(self, rollouts: pa.Table):
-        """How the workers write the score output themselves (a Ray group), or None."""
-        if not getattr(self.workers, "writes_parts", False):
-            return None
-        from rlctl.shards import OutputSpec
         from rlctl.stages.score import score_parts_on_workers
 
-        def write_parts(uri: str, manifest: Manifest) -> Manifest:
-            if self.view:
-                self.view.stage("score", total=None)
-            return score_parts_on_workers(self.workers, rollouts, self.reward, self._scoring_models(), self.cfg.score, OutputSpec(uri), manifest)
-
-        return write_parts
+        return self._written_by_workers("score", lambda out, manifest: score_parts_on_workers(
+            self.workers, rollouts, self.reward, self._scoring_models(), self.cfg.score, out, manifest))
 
     def _advantage(self, scores: pa.Table):
         from rlctl.stages.advantage import advantage_table

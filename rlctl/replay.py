@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -90,19 +88,15 @@ def _prompts(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa
     return read(target).table
 
 
-@contextmanager
-def _run_workers(cfg: Config, *, policy: str, ref: str = "", critic: str | None = None, train: bool = False) -> Iterator:
+def _run_workers(cfg: Config, *, policy: str, ref: str = "", critic: str | None = None, train: bool = False):
     """The kind of workers the run used (its [workers] section), so a replay splits the rows,
     and shards the training, exactly as the run did."""
-    if cfg.workers.backend == "ray":
-        from rlctl.workers import worker_group
+    from rlctl.workers import worker_group
 
-        with worker_group(cfg.workers, policy=policy, ref=ref or None, critic=critic, update=cfg.update if train else None, temperature=cfg.rollout.temperature) as group:
-            yield group
-        return
-    from rlctl.workers.local import LocalWorkers
-
-    yield LocalWorkers(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, ref=ref)), policy_source=policy, critic_source=critic)
+    return worker_group(
+        cfg.workers, policy=policy, ref=ref or None, critic=critic, update=cfg.update if train else None,
+        temperature=cfg.rollout.temperature, device=cfg.model.device,
+    )
 
 
 def _rollout(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa.Table:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 
 from rlctl.config import Config, ModelConfig, RolloutConfig, UpdateConfig, WorkersConfig
 
@@ -26,16 +25,23 @@ def make_workers(cfg: Config, *, policy_source: str, critic_source: str | None):
 @contextmanager
 def worker_group(
     workers: WorkersConfig, *, policy: str | None = None, ref: str | None = None, critic: str | None = None,
-    update: UpdateConfig | None = None, temperature: float = 1.0,
+    update: UpdateConfig | None = None, temperature: float = 1.0, device: str = "auto",
 ) -> Iterator:
-    """A Ray worker group for one stage command, stopped when the stage ends. It trains only
-    when `update` is given; otherwise it generates and scores."""
-    from rlctl.workers.ray import RayWorkers
+    """The workers `workers` names, holding just these models, stopped when the block ends.
+    A Ray group trains only when `update` is given; otherwise it generates and scores.
+    Local workers always hold a trainer (they need a policy)."""
+    cfg = Config(
+        model=ModelConfig(path=policy or "", ref=ref or "", critic=critic or "", device=device),
+        rollout=RolloutConfig(temperature=temperature), workers=workers, update=update or UpdateConfig(),
+    )
+    if workers.backend == "ray":
+        from rlctl.workers.ray import RayWorkers
 
-    cfg = Config(model=ModelConfig(path=policy or "", ref=ref or "", critic=critic or ""), rollout=RolloutConfig(temperature=temperature), workers=workers)
-    if update is not None:
-        cfg = replace(cfg, update=update)
-    group = RayWorkers(cfg, policy_source=policy, critic_source=critic, train=update is not None, temperature=temperature)
+        group = RayWorkers(cfg, policy_source=policy, critic_source=critic, train=update is not None, temperature=temperature)
+    else:
+        from rlctl.workers.local import LocalWorkers
+
+        group = LocalWorkers(cfg, policy_source=policy, critic_source=critic)
     try:
         yield group
     finally:
