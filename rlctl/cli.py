@@ -142,7 +142,7 @@ def rollout(
     device = device or cfg.model.device
     manifest = stage.run(
         prompts=prompts, model=model, out=_output(out, fmt, rows_per_part, as_json), cfg=rollout_cfg, data=data_cfg, device=device, force=force,
-        workers=_workers_config(cfg, workers_backend, workers, address),
+        workers=_workers_config(cfg, workers_backend, workers, address), engine=cfg.vllm,
     )
     _report(manifest, as_json)
 

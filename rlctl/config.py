@@ -100,14 +100,14 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
-    backend: str = "hf"
+    backend: str = "hf"  # hf | vllm
     batch_size: int = 64  # sequences generated together
     dtype: str = "fp32"  # compute dtype of generation: fp32 | bf16 (bf16 autocast on the HF engine)
 
     def __post_init__(self) -> None:
         check_ranges(self, "rollout", {
             "n": at_least(1), "max_new_tokens": at_least(1), "temperature": at_least(0.0), "top_p": lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
-            "top_k": at_least(0), "batch_size": at_least(1), "dtype": one_of(*COMPUTE_DTYPES),
+            "top_k": at_least(0), "batch_size": at_least(1), "dtype": one_of(*COMPUTE_DTYPES), "backend": one_of("hf", "vllm"),
         })
 
 
@@ -195,9 +195,10 @@ class PipelineConfig:
     keep_shards: int = 0  # keep the stage outputs of the last K iterations; 0 = all
     val_every: int = 0  # 0 = no validation
     seed: int = 0
+    rollout_is_threshold: float = 2.0  # importance ratio trainer/engine beyond which a token counts as mismatched
 
     def __post_init__(self) -> None:
-        check_ranges(self, "pipeline", {"iterations": at_least(1), "save_every": at_least(0), "keep_checkpoints": at_least(0), "keep_shards": at_least(0), "val_every": at_least(0)})
+        check_ranges(self, "pipeline", {"rollout_is_threshold": above(1.0), "iterations": at_least(1), "save_every": at_least(0), "keep_checkpoints": at_least(0), "keep_shards": at_least(0), "val_every": at_least(0)})
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,28 @@ class WorkersConfig:
 
 
 @dataclass(frozen=True)
+class VLLMConfig:
+    """What vLLM users tune, for `rollout.backend = "vllm"` (ignored by the hf engine)."""
+
+    gpu_memory_utilization: float = 0.5  # share of a GPU's memory vLLM may take (weights + KV cache)
+    max_num_seqs: int = 256  # sequences decoded together
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False  # no CUDA graphs (always eager on the CPU)
+    dtype: str = "auto"  # auto (= rollout.dtype) | float32 | bfloat16 | float16
+    cpu_kv_cache_gib: int = 1  # KV-cache GiB of the CPU engine (VLLM_CPU_KVCACHE_SPACE)
+    sleep_mode: bool = True  # GPU: free the KV cache and weights while the trainer updates
+    probe_tokens: int = 8  # greedy tokens per probe prompt in the weight-sync check
+    probe_tolerance: float = 1e-3  # |engine - trainer| log-prob bound of that check (fp32; bf16 needs ~5e-2)
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "vllm", {
+            "gpu_memory_utilization": lambda v: None if 0 < v <= 1 else "must be in (0, 1]", "max_num_seqs": at_least(1),
+            "tensor_parallel_size": at_least(1), "dtype": one_of("auto", "float32", "bfloat16", "float16"),
+            "cpu_kv_cache_gib": at_least(1), "probe_tokens": at_least(1), "probe_tolerance": above(0.0),
+        })
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -227,6 +250,7 @@ class Config:
     reshard: ReshardConfig = field(default_factory=ReshardConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)

@@ -41,6 +41,7 @@ from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest, strict_json_value
 from rlctl.rewards import RewardFunction, from_callable, load_reward
 from rlctl.runinfo import iteration_folders
 from rlctl.shards import Shards, commit_empty, filesystem, is_committed, read, read_manifest, write
+from rlctl.stages.rollout import stage_config as rollout_stage_config
 
 STAGES = ("rollout", "score", "advantage", "update")
 POLICY = "policy"  # model.ref / model.critic value meaning "the initial policy's weights"
@@ -81,8 +82,12 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
     if cfg.data.batch_size < 1 or cfg.rollout.n < 1 or cfg.pipeline.iterations < 1:
         raise ConfigError("data.batch_size, rollout.n and pipeline.iterations must be at least 1")
     check_update_config(cfg.update, cfg.data.batch_size * cfg.rollout.n)
-    if cfg.rollout.backend != "hf":
-        raise ConfigError(f"rollout.backend {cfg.rollout.backend!r}: the pipeline runs the hf backend today")
+    if cfg.rollout.backend == "vllm":
+        from rlctl.backends.base import sampling_params
+        from rlctl.backends.vllm_engine import logprobs_mode, require_vllm
+
+        require_vllm()
+        logprobs_mode(sampling_params(cfg.rollout))
     if cfg.rollout.temperature <= 0:
         raise ConfigError("rollout.temperature must be > 0 for training rollouts (validation is greedy)")
     if cfg.workers.backend == "ray" and cfg.workers.address not in ("", "auto"):
@@ -211,7 +216,7 @@ class Pipeline:
         )
         rollout_cfg = replace(cfg.rollout, seed=cfg.rollout.seed + i)
         rollout = stage(
-            "rollout", {"rollout": to_dict(rollout_cfg), "data": to_dict(cfg.data)}, [prompts.ref(), model_inputs[0]],
+            "rollout", rollout_stage_config(rollout_cfg, cfg.data, cfg.vllm), [prompts.ref(), model_inputs[0]],
             lambda: (self._rollout(prompts.table, rollout_cfg), {}, {}), "rollouts",
             write_parts=self._rollout_parts(prompts.table, rollout_cfg),
         )
@@ -239,12 +244,14 @@ class Pipeline:
             self.view.stage("update", total=None)
         from rlctl.trainer import TrainBatch
 
+        workers.pause_engine()
         train_metrics = workers.trainer.train(TrainBatch.from_table(advantage.table))
         timings["update"] = time.perf_counter() - started
         started = time.perf_counter()
         handover = workers.hand_over_weights()
         timings["handover"] = time.perf_counter() - started
         row = self._metrics_row(i, rollout.table, score.table, advantage.manifest.metrics, train_metrics, timings, io)
+        row.update({key: handover[key] for key in ("weights_in_sync", "weight_sync_seconds") if key in handover})
         if cfg.pipeline.val_every and self.val_dataset is not None and i % cfg.pipeline.val_every == 0:
             row.update(self._validate(i))
         update_manifest.metrics = row
@@ -476,6 +483,7 @@ class Pipeline:
             "lr": train.get("lr"),
             "response_length": float(lengths.mean()),
             "logprob_mismatch": _logprob_mismatch(scores),
+            **rollout_correction(scores, self.cfg.pipeline.rollout_is_threshold),
             "rollout_tokens_per_s": float(lengths.sum() / timings["rollout"]) if timings.get("rollout") else None,
             "train_tokens_per_s": train.get("tokens_per_s"),
             "seconds/io": io["seconds"],
@@ -567,13 +575,39 @@ def _pipeline_state(checkpoint: Path) -> dict:
     return state
 
 
+def rollout_correction(scores: pa.Table, threshold: float) -> dict[str, float]:
+    """How far the engine that sampled is from the trainer, per token (verl's rollout-correction
+    metrics): the importance ratio trainer/engine = exp(old_logprobs - rollout_logprobs), its
+    mean and max, and the share of tokens whose ratio lies beyond [1/threshold, threshold].
+    The update trains on score's recomputed `old_logprobs` either way."""
+    pair = _token_logprobs(scores)
+    if pair is None or not len(pair[0]):
+        return {}
+    log_ratio = pair[1] - pair[0]
+    ratio = np.exp(np.clip(log_ratio, -30.0, 30.0))
+    return {
+        "rollout_is/ratio_mean": float(ratio.mean()), "rollout_is/ratio_max": float(ratio.max()),
+        "rollout_is/frac_beyond_threshold": float((np.abs(log_ratio) > np.log(threshold)).mean()),
+    }
+
+
 def _logprob_mismatch(scores: pa.Table) -> float | None:
     """Mean |rollout log-prob - training-side log-prob| per token: engine/trainer drift."""
+    pair = _token_logprobs(scores)
+    if pair is None:
+        return None
+    return float(np.abs(pair[0] - pair[1]).mean()) if len(pair[0]) else 0.0
+
+
+def _token_logprobs(scores: pa.Table) -> tuple[np.ndarray, np.ndarray] | None:
+    """(engine's rollout_logprobs, trainer's old_logprobs) of every response token, or None."""
     if "old_logprobs" not in scores.column_names or scores.column("old_logprobs").null_count:
         return None
-    a = np.concatenate([np.asarray(x, dtype=np.float64) for x in scores.column("rollout_logprobs").to_pylist()] or [np.zeros(0)])
-    b = np.concatenate([np.asarray(x, dtype=np.float64) for x in scores.column("old_logprobs").to_pylist()] or [np.zeros(0)])
-    return float(np.abs(a - b).mean()) if len(a) else 0.0
+
+    def flat(column: str) -> np.ndarray:
+        return np.concatenate([np.asarray(x, dtype=np.float64) for x in scores.column(column).to_pylist()] or [np.zeros(0)])
+
+    return flat("rollout_logprobs"), flat("old_logprobs")
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import pyarrow as pa
 
-from rlctl.backends.base import ROLLOUT_BACKENDS, RolloutEngine, SamplingParams
-from rlctl.config import DataConfig, RolloutConfig, WorkersConfig, to_dict
+from rlctl.backends.base import ROLLOUT_BACKENDS, RolloutEngine, sampling_params
+from rlctl.config import DataConfig, RolloutConfig, VLLMConfig, WorkersConfig, to_dict
 from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
 from rlctl.manifest import Manifest
@@ -27,17 +27,16 @@ SAMPLING_KEY = b"rlctl.sampling"
 
 def run(
     *, prompts: str, model: str, out: OutputSpec, cfg: RolloutConfig, data: DataConfig, device: str = "auto", force: bool = False,
-    workers: WorkersConfig = WorkersConfig(),
+    workers: WorkersConfig = WorkersConfig(), engine: VLLMConfig = VLLMConfig(),
 ) -> Manifest:
     """Generate and commit; `workers.backend = "ray"` spreads the rows over a worker group
-    (the same rows as one process: each row samples from its own random stream)."""
+    (the same rows as one process: each row samples from its own random stream). `engine`
+    holds the vLLM settings when `cfg.backend` is vllm."""
     source = read(prompts, "prompts")
     from rlctl.backends.hf import check_model_dir, read_trainer_step
 
     check_model_dir(model)
-    manifest = make_manifest(
-        "rollout", {"rollout": to_dict(cfg), "data": to_dict(data)}, [shards_ref(source), model_ref(model)], seed=cfg.seed
-    )
+    manifest = make_manifest("rollout", stage_config(cfg, data, engine), [shards_ref(source), model_ref(model)], seed=cfg.seed)
     if (existing := up_to_date(out.uri, manifest, force)) is not None:
         return existing
     version = read_trainer_step(model)
@@ -50,8 +49,21 @@ def run(
                 return rollout_parts_on_workers(group, source.table, cfg, data, version, out, manifest)
             table = rollout_table(source.table, group.engine, cfg, data, policy_version=version)
     else:
-        table = rollout_table(source.table, ROLLOUT_BACKENDS.get(cfg.backend)(model, device), cfg, data, policy_version=version)
+        generator = ROLLOUT_BACKENDS.get(cfg.backend)(model, device, cfg, engine)
+        try:
+            table = rollout_table(source.table, generator, cfg, data, policy_version=version)
+        finally:
+            if hasattr(generator, "close"):
+                generator.close()
     return write(table, out.uri, manifest, schema="rollouts", format=out.format, rows_per_part=out.rows_per_part)
+
+
+def stage_config(cfg: RolloutConfig, data: DataConfig, engine: VLLMConfig) -> dict:
+    """What decides a rollout's rows: its key in manifests (the vLLM settings only for vLLM)."""
+    config = {"rollout": to_dict(cfg), "data": to_dict(data)}
+    if cfg.backend == "vllm":
+        config["vllm"] = to_dict(engine)
+    return config
 
 
 def encode_prompts(table: pa.Table, tokenizer, data: DataConfig, *, context_length: int | None = None, max_new_tokens: int = 0) -> list[list[int]]:
@@ -102,7 +114,7 @@ def rollout_table(
         prompts, engine.tokenizer, data, context_length=getattr(engine, "context_length", None), max_new_tokens=cfg.max_new_tokens
     )
     repeated = [ids for ids in prompt_ids for _ in range(cfg.n)]
-    params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed)
+    params = sampling_params(cfg)
     if on_tokens is not None:
         generations = engine.generate(repeated, params, batch_size=cfg.batch_size, on_tokens=on_tokens, compute_dtype=cfg.dtype, first_row=first_row)
     else:

@@ -1,8 +1,8 @@
 """The small interface a rollout engine implements, and the registry of engines.
 
 The controller and stages talk to engines only through this: generate responses for token-id
-prompts with sampling parameters, and load new weights in place. The HF backend implements it
-today; a vLLM engine slots in beside it by registering another name.
+prompts with sampling parameters. Two engines are registered: `hf` (transformers, the module
+the trainer trains) and `vllm` (rlctl.backends.vllm_engine, weights pushed in place).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from rlctl.algos.registry import Registry
+from rlctl.config import RolloutConfig, VLLMConfig
 
 
 @dataclass(frozen=True)
@@ -45,11 +46,23 @@ class RolloutEngine(Protocol):
     ) -> list[Generation]: ...
 
 
-def _load_hf(model_uri: str, device: str) -> RolloutEngine:
+def sampling_params(cfg: RolloutConfig, seed: int | None = None) -> SamplingParams:
+    return SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed if seed is None else seed)
+
+
+def _load_hf(model_uri: str, device: str, cfg: RolloutConfig, settings: VLLMConfig) -> RolloutEngine:
     from rlctl.backends.hf import HFPolicy
 
     return HFPolicy.load(model_uri, device)
 
 
-ROLLOUT_BACKENDS: Registry[Callable[[str, str], RolloutEngine]] = Registry("rollout backend")
+def _load_vllm(model_uri: str, device: str, cfg: RolloutConfig, settings: VLLMConfig) -> RolloutEngine:
+    from rlctl.backends.vllm_engine import VLLMEngine
+
+    return VLLMEngine.load(model_uri, device, settings, compute_dtype=cfg.dtype, params=sampling_params(cfg), seed=cfg.seed)
+
+
+# (model folder, device, [rollout], [vllm]) → engine
+ROLLOUT_BACKENDS: Registry[Callable[[str, str, RolloutConfig, VLLMConfig], RolloutEngine]] = Registry("rollout backend")
 ROLLOUT_BACKENDS.register("hf")(_load_hf)
+ROLLOUT_BACKENDS.register("vllm")(_load_vllm)

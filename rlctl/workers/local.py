@@ -2,8 +2,11 @@
 
 The policy that trains is the policy that generates (HybridFlow's colocated hybrid engine):
 on the HF backend the rollout engine *is* the training module, so the weight hand-over after
-an update is in memory and costs nothing. The reference model and the critic are held beside
-it when configured. A Ray worker group will implement the same methods.
+an update is in memory and costs nothing. With `rollout.backend = "vllm"` a vLLM engine lives
+beside the trainer in this process; after every update the trainer's tensors are pushed into
+it in place and a probe checks that both are the same model (a failed check is exit 1). The
+reference model and the critic are held beside them when configured. `RayWorkers` offers the
+same methods.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from rlctl import faults
 from rlctl.backends.hf import HFPolicy, ValueModel, resolve_device
 from rlctl.checkpoint import CRITIC_DIR, load_trainer_state, save_checkpoint
 from rlctl.config import Config
@@ -37,20 +41,34 @@ class LocalWorkers:
         state = load_trainer_state(policy_source)
         if state is not None:
             self.trainer.load_state_dict(state)
+        self.generator = None  # a vLLM engine beside the trainer, or None (the trainer generates)
+        if cfg.rollout.backend == "vllm":
+            self.generator = start_vllm(cfg, policy_source, self.policy)
 
     def _load_policy(self, uri: str) -> HFPolicy:
         self.loads.append(f"policy:{uri}")
         return HFPolicy.load(uri, str(self.device))
 
     @property
-    def engine(self) -> HFPolicy:
-        """The rollout engine: the training policy itself (hybrid engine)."""
-        return self.policy
+    def engine(self):
+        """The rollout engine: the training policy itself (hf), or the vLLM engine beside it."""
+        return self.generator or self.policy
+
+    def pause_engine(self) -> None:
+        """Before an update: a vLLM engine on a GPU gives its memory to the trainer (sleep mode)."""
+        if self.generator is not None:
+            self.generator.sleep()
 
     def hand_over_weights(self) -> dict:
-        """Make the rollout engine generate with the just-trained weights. Shared module on
-        the HF backend: nothing moves. Returns what was handed over, for the manifest."""
-        return {"mode": "in-memory (shared module)", "policy_version": self.trainer.step, "weights_sha256": self.weights_digest()}
+        """Make the rollout engine generate with the just-trained weights, for the manifest.
+        hf: shared module, nothing moves. vllm: push in place, then the probe check."""
+        handed = {"mode": "in-memory (shared module)", "policy_version": self.trainer.step, "weights_sha256": self.weights_digest()}
+        if self.generator is None:
+            return handed
+        seconds = 0.0
+        if not faults.skipped(f"push-weights-{self.trainer.step}"):
+            seconds = self.generator.push_weights(self.policy.model.state_dict().items())
+        return {**handed, "mode": "in-place push into the vLLM engine", **sync_record(self.generator, self.policy.model, seconds)}
 
     def weights_digest(self) -> str:
         """sha256 over the policy's parameters: identifies the weights a stage used. The
@@ -74,7 +92,30 @@ class LocalWorkers:
         return save_checkpoint(directory, policy=self.policy, trainer_state=self.trainer.state_dict(), manifest=manifest, critic=self.critic)
 
     def close(self) -> None:
-        """Nothing to stop: the models live in this process and go with it."""
+        """Stop a vLLM engine; the other models live in this process and go with it."""
+        if getattr(self, "generator", None) is not None:
+            self.generator.close()
+            self.generator = None
+
+
+def start_vllm(cfg: Config, source: str, trainer: HFPolicy):
+    """The vLLM engine of a hybrid run, checked against the trainer before its first rollout."""
+    from rlctl.backends.base import sampling_params
+    from rlctl.backends.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine.load(source, cfg.model.device, cfg.vllm, compute_dtype=cfg.rollout.dtype, params=sampling_params(cfg.rollout), seed=cfg.rollout.seed)
+    sync_record(engine, trainer.model, 0.0)
+    return engine
+
+
+def sync_record(engine, trainer_model: torch.nn.Module, seconds: float) -> dict:
+    """The probe check after a push, as recorded; out of sync is exit 1 (never train on stale rollouts)."""
+    from rlctl.backends.vllm_engine import WeightsOutOfSyncError
+
+    check = engine.check_against(trainer_model, seconds)
+    if not check.in_sync:
+        raise WeightsOutOfSyncError(f"the vLLM engine is not generating with the trainer's weights: {check.reason()}; stopping before the next rollout")
+    return {"weights_in_sync": True, "weight_sync_seconds": seconds, "probe_max_logprob_diff": check.max_logprob_diff}
 
 
 def module_digest(module: torch.nn.Module) -> str:

@@ -168,6 +168,9 @@ class RayWorkers:
         return {"mode": mode, "workers": self.size,
                 "seconds": max(seconds), "policy_version": self.trainer.step, "weights_sha256": self.weights_digest()}
 
+    def pause_engine(self) -> None:
+        """Before an update (the ranks' rollout engines are the HF modules: nothing to free)."""
+
     def weights_digest(self) -> str:
         return self._digest("policy")
 
