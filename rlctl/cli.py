@@ -59,8 +59,11 @@ def _version_callback(value: bool) -> None:
 def _root(
     version: Annotated[bool, typer.Option("--version", callback=_version_callback, is_eager=True, help="Print the version and exit.")] = False,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the sha256 check of committed parts (sizes are still checked); for very large trusted data.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", help="Say more on stderr: where worker (Ray) logs are written.")] = False,
 ) -> None:
     """RL post-training of language models as stage commands over Arrow shards."""
+    if verbose:
+        os.environ["RLCTL_VERBOSE"] = "1"
     if no_verify:
         from rlctl.folders import NO_VERIFY_ENV
 
@@ -253,15 +256,15 @@ def update(
 def reshard(
     checkpoint: Annotated[str, typer.Option("--checkpoint", help="Training checkpoint folder.")],
     out: Annotated[str, typer.Option("--out", help="Folder for rollout-layout weights.")],
-    to: Annotated[Optional[str], typer.Option("--to", help="hf (one HF folder) or tp=N (N tensor-parallel shards).")] = None,
+    to: Annotated[Optional[str], typer.Option("--to", help="hf: one HF folder that transformers and vLLM load (the one target).")] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="bf16, fp16 or fp32.")] = None,
-    check: Annotated[bool, typer.Option("--check", help="Prove the written layout merges back to the source exactly.")] = False,
+    check: Annotated[bool, typer.Option("--check", help="Reload the written weights and require them equal to the cast source.")] = False,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     as_json: JsonOpt = False,
     force: ForceOpt = False,
 ) -> None:
-    """Turn a training checkpoint into rollout-layout weights (HF folder or TP shards)."""
+    """Turn a training checkpoint into rollout weights (an HF folder, cast to a dtype)."""
     from rlctl.config import override_section
     from rlctl.stages import reshard as stage
 
@@ -344,7 +347,7 @@ def plot(
 @model_app.command("init")
 def model_init(
     directory: Annotated[Path, typer.Argument(help="Folder to write the model into.")],
-    preset: Annotated[str, typer.Option("--preset", help="tiny (≈0.85M params) or small (≈25M).")] = "tiny",
+    preset: Annotated[str, typer.Option("--preset", help="tiny (≈0.85M params), small (≈25M) or medium (≈494M, Qwen2.5-0.5B's shape).")] = "tiny",
     seed: Annotated[int, typer.Option("--seed", help="Seed for weights and tokenizer text.")] = 0,
 ) -> None:
     """Write a random Qwen2-style model + byte-level BPE tokenizer, fully offline."""

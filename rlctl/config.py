@@ -179,7 +179,7 @@ class UpdateConfig:
 
 @dataclass(frozen=True)
 class ReshardConfig:
-    to: str = "hf"  # hf | tp=N
+    to: str = "hf"  # hf: one HF folder (the only target; see stages/reshard.py)
     dtype: str = "fp32"  # bf16 | fp16 | fp32
 
     def __post_init__(self) -> None:

@@ -40,11 +40,16 @@ class Preset:
     num_kv_heads: int
     intermediate_size: int
     max_positions: int
+    padded_vocab: int = 0  # > 0: the embedding has this many rows, beyond the tokenizer's ids
 
 
 PRESETS = {
     "tiny": Preset(512, 128, 4, 4, 2, 384, 1024),  # ≈ 0.85M parameters
     "small": Preset(4096, 512, 8, 8, 4, 1408, 2048),  # ≈ 25.6M parameters
+    # Qwen2.5-0.5B's shape (≈ 494M parameters), for throughput on a GPU: its 151,936-row
+    # embedding is kept although the local tokenizer is far smaller, so ids past the
+    # tokenizer decode to nothing (a random model samples them): measure speed with it, not text
+    "medium": Preset(4096, 896, 24, 14, 2, 4864, 32768, padded_vocab=151_936),
 }
 
 
@@ -127,7 +132,7 @@ def _merges(tok) -> list[tuple[str, str]]:
 def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
     """Write a random model + tokenizer folder to `out_dir`; same seed → same files."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen2ForCausalLM
 
     from rlctl.backends.hf import quiet_transformers
 
@@ -139,23 +144,7 @@ def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path
     if out.exists() and any(out.iterdir()) and not (out / "config.json").exists():
         raise InputError(f"{out}: exists and is not empty (and not a model folder); choose another DIR")
     tokenizer = train_tokenizer(p.vocab_size, seed)
-    # exactly the tokenizer's size: a padded vocabulary would let a random model sample ids
-    # that decode to nothing (the BPE may stop short of `p.vocab_size` on the small corpus)
-    vocab_size = len(tokenizer)
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=p.hidden_size,
-        intermediate_size=p.intermediate_size,
-        num_hidden_layers=p.num_layers,
-        num_attention_heads=p.num_heads,
-        num_key_value_heads=p.num_kv_heads,
-        max_position_embeddings=p.max_positions,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
-    )
+    config = model_config(p, tokenizer)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
@@ -168,3 +157,25 @@ def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def model_config(p: Preset, tokenizer):
+    """The Qwen2 config of preset `p` for `tokenizer`: the vocabulary is exactly the
+    tokenizer's size (but for `padded_vocab`): a padded vocabulary lets a random model sample
+    ids that decode to nothing (the BPE may stop short of `p.vocab_size` on the small corpus)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=max(len(tokenizer), p.padded_vocab),
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_layers,
+        num_attention_heads=p.num_heads,
+        num_key_value_heads=p.num_kv_heads,
+        max_position_embeddings=p.max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )

@@ -70,7 +70,7 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
     if not cfg.data.prompts:
         raise ConfigError("data.prompts is not set: the pipeline needs a prompt file or folder")
     if not cfg.model.path and not cfg.model.init_preset:
-        raise ConfigError("set model.path (a model folder) or model.init_preset (tiny|small) to make one")
+        raise ConfigError("set model.path (a model folder) or model.init_preset (tiny|small|medium) to make one")
     check_config(cfg.advantage)
     ESTIMATORS.get(cfg.advantage.estimator)
     if cfg.advantage.kl_coef > 0 and not cfg.model.ref:
@@ -164,7 +164,7 @@ class Pipeline:
                     raise InputError(f"model {self.cfg.model.path!r} does not exist (set model.init_preset to create it)")
                 init_model(self.cfg.model.path, self.cfg.model.init_preset, self.cfg.model.init_seed)
             policy, critic = checkpoint_sources(str(self.checkpoint) if self.checkpoint else None, self.cfg)
-            self._workers = make_workers(self.cfg, policy_source=policy, critic_source=critic)
+            self._workers = make_workers(self.cfg, policy_source=policy, critic_source=critic, log_dir=self.run_dir / "logs" / "ray")
         return self._workers
 
     # -- running ---------------------------------------------------------------------
@@ -660,6 +660,8 @@ def run_pipeline_command(
         pipeline._hold_run_lock()
         if pipeline.cfg.workers.backend != "local":
             view.message(f"workers: {describe_workers(pipeline.cfg)}")
+            if os.environ.get("RLCTL_VERBOSE"):
+                notice(f"rlctl: Ray's logs are copied to {pipeline.run_dir / 'logs' / 'ray'} when the run stops")
         if pipeline.iteration >= total:
             view.message(f"{pipeline.run_dir}: all {total} iterations are done")
         pipeline.run(total)

@@ -88,14 +88,14 @@ def _prompts(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa
     return read(target).table
 
 
-def _run_workers(cfg: Config, *, policy: str, ref: str = "", critic: str | None = None, train: bool = False):
+def _run_workers(cfg: Config, *, policy: str, ref: str = "", critic: str | None = None, train: bool = False, generate: bool = False):
     """The kind of workers the run used (its [workers] section), so a replay splits the rows,
-    and shards the training, exactly as the run did."""
+    and shards the training, exactly as the run did; `generate` starts the run's rollout engine."""
     from rlctl.workers import worker_group
 
     return worker_group(
         cfg.workers, policy=policy, ref=ref or None, critic=critic, update=cfg.update if train else None,
-        temperature=cfg.rollout.temperature, device=cfg.model.device,
+        temperature=cfg.rollout.temperature, device=cfg.model.device, rollout=cfg.rollout if generate else None, engine=cfg.vllm,
     )
 
 
@@ -106,7 +106,7 @@ def _rollout(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa
     prompts = read(str(iter_dir / "prompts"), "prompts").table
     version = recorded.state["policy_version"]
     manifest = Manifest(stage="rollout", seed=cfg.rollout.seed, state={"replay_of": str(iter_dir / "rollout")})
-    with _run_workers(cfg, policy=_weights(recorded)) as workers:
+    with _run_workers(cfg, policy=_weights(recorded), generate=True) as workers:
         if workers.writes_parts:
             rollout_parts_on_workers(workers, prompts, cfg.rollout, cfg.data, version, OutputSpec(target), manifest)
         else:

@@ -1,7 +1,12 @@
-"""reshard: training checkpoint → rollout-layout weights: one HF folder, or N tensor-parallel
-shards (`rank-NN.safetensors` + `tp_layout.json`), cast to a dtype.
+"""reshard: training checkpoint → rollout weights: one HF folder (weights, config, tokenizer;
+no optimizer state), cast to a dtype, that transformers and vLLM load as they are.
 
-    rlctl reshard --checkpoint runs/ckpt-1 --out runs/rollout-1 --to tp=2 --dtype bf16 --check
+There is one target, `hf`. A tensor-parallel layout of rlctl's own (`tp=N` rank shards) was
+dropped: no engine loaded it. vLLM splits an HF folder over its ranks itself when it loads it
+(`vllm.tensor_parallel_size = N`), and its own pre-sharded format holds engine internals
+(fused projections, attention scale buffers) that change between vLLM versions.
+
+    rlctl reshard --checkpoint runs/ckpt-1 --out runs/rollout-1 --dtype bf16 --check
 """
 
 from __future__ import annotations
@@ -18,11 +23,9 @@ from rlctl.folders import OutputWrite, describe_files
 from rlctl.lineage import make_manifest, model_ref, up_to_date
 from rlctl.manifest import Manifest
 from rlctl.shards import filesystem, local_path
-from rlctl.tp import TPPlan, parse_target, plan_tp
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CONFIG_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-LAYOUT_FILE = "tp_layout.json"
 COPIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json", "generation_config.json", "vocab.json", "merges.txt")
 
 
@@ -32,7 +35,11 @@ def run(*, checkpoint: str, out: str, cfg: ReshardConfig, check: bool = False, f
     source = check_model_dir(checkpoint)
     if cfg.dtype not in DTYPES:
         raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
-    tp = parse_target(cfg.to)
+    if cfg.to != "hf":
+        raise InputError(
+            f"reshard --to {cfg.to!r}: the one target is hf; tp=N shards were dropped (no engine loaded them): "
+            "vLLM splits an HF folder itself, set vllm.tensor_parallel_size"
+        )
     if local_path(out) is None:
         raise InputError(f"reshard --out {out!r}: rollout weights are written to local (or mounted shared) folders")
     manifest = make_manifest("reshard", {"reshard": to_dict(cfg)}, [model_ref(checkpoint)])
@@ -40,10 +47,6 @@ def run(*, checkpoint: str, out: str, cfg: ReshardConfig, check: bool = False, f
         return existing
     config = json.loads((source / "config.json").read_text())
     state = cast_state(load_state(source), DTYPES[cfg.dtype])
-    plan = None
-    if tp is not None:  # planned before anything is written: a bad layout leaves no output
-        heads = config["num_attention_heads"]
-        plan = plan_tp({k: tuple(v.shape) for k, v in state.items()}, tp, num_heads=heads, num_kv_heads=config.get("num_key_value_heads", heads))
     fs, path = filesystem(out)
     with OutputWrite(fs, path, out, what="reshard output", fixed_names=True) as writing:
         target = Path(path)
@@ -54,23 +57,14 @@ def run(*, checkpoint: str, out: str, cfg: ReshardConfig, check: bool = False, f
             if (source / name).exists():
                 shutil.copy2(source / name, target / name)
                 names.append(name)
-        if plan is None:
-            _save(state, target / "model.safetensors")
-            names.append("model.safetensors")
-        else:
-            for rank, shard in enumerate(plan.split(state)):
-                _save(shard, target / f"rank-{rank:02d}.safetensors")
-                names.append(f"rank-{rank:02d}.safetensors")
-            (target / LAYOUT_FILE).write_text(json.dumps(plan.to_json(), indent=2) + "\n")
-            names.append(LAYOUT_FILE)
-            if check:
-                check_merge(plan, target, state)
-        if check and tp is None:
+        _save(state, target / "model.safetensors")
+        names.append("model.safetensors")
+        if check:
             check_equal(load_state(target), state)
         manifest.files = describe_files(fs, path, names)
         from rlctl.backends.hf import read_trainer_step
 
-        manifest.state = {"checked": check, "tp": tp or 1, "policy_version": read_trainer_step(checkpoint)}
+        manifest.state = {"checked": check, "policy_version": read_trainer_step(checkpoint)}
         return writing.commit(manifest)
 
 
@@ -90,29 +84,12 @@ def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, 
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
 
-def load_tp_shards(folder: Path) -> tuple[TPPlan, list[dict[str, torch.Tensor]]]:
-    from safetensors.torch import load_file
-
-    from rlctl.tp import ParamSplit
-
-    layout = json.loads((folder / LAYOUT_FILE).read_text())
-    plan = TPPlan(layout["tp"], tuple(ParamSplit(n, tuple(p["shape"]), p["dim"], p["padded_rows"]) for n, p in sorted(layout["params"].items())))
-    shards = [load_file(str(folder / f"rank-{r:02d}.safetensors")) for r in range(plan.tp)]
-    return plan, shards
-
-
-def check_merge(plan: TPPlan, folder: Path, source: dict[str, torch.Tensor]) -> None:
-    """Reload the written shards, merge them, and require bit equality with `source`."""
-    _, shards = load_tp_shards(folder)
-    check_equal(plan.merge(shards), source)
-
-
-def check_equal(merged: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
-    if merged.keys() != source.keys():
-        raise RlctlError(f"reshard check failed: parameter names differ ({sorted(merged.keys() ^ source.keys())[:3]})")
+def check_equal(written: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
+    if written.keys() != source.keys():
+        raise RlctlError(f"reshard check failed: parameter names differ ({sorted(written.keys() ^ source.keys())[:3]})")
     for name, tensor in source.items():
-        if merged[name].dtype != tensor.dtype or not torch.equal(merged[name], tensor):
-            raise RlctlError(f"reshard check failed: {name} does not merge back to the source")
+        if written[name].dtype != tensor.dtype or not torch.equal(written[name], tensor):
+            raise RlctlError(f"reshard check failed: {name} does not read back equal to the source")
 
 
 def _save(state: dict[str, torch.Tensor], path: Path) -> None:

@@ -44,7 +44,7 @@ def run(
     if workers.backend == "ray":
         from rlctl.workers import worker_group
 
-        with worker_group(workers, policy=model, temperature=cfg.temperature) as group:
+        with worker_group(workers, policy=model, rollout=cfg, engine=engine) as group:
             if out.uri != "-":
                 return rollout_parts_on_workers(group, source.table, cfg, data, version, out, manifest)
             table = rollout_table(source.table, group.engine, cfg, data, policy_version=version)

@@ -135,12 +135,16 @@ class VLLMEngine:
             options.update(gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager, enable_sleep_mode=settings.sleep_mode)
         else:
             options.update(enforce_eager=True)  # no graphs to capture on the CPU; compiling costs minutes
+        set_threads, threads = torch.set_num_threads, torch.get_num_threads()
         try:
             with native_output_to(noise):
                 llm = LLM(model_uri, **options)
         except Exception as exc:  # noqa: BLE001 — vLLM raises many kinds; the user needs one line
             detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             raise RlctlError(f"vLLM could not start an engine on {model_uri}: {detail}") from exc
+        finally:  # vLLM's CPU worker turns torch.set_num_threads into a no-op for the whole process
+            torch.set_num_threads = set_threads
+            set_threads(threads)
         tokenizer = AutoTokenizer.from_pretrained(model_uri, padding_side="left", trust_remote_code=False)
         return cls(llm, tokenizer, settings, device=dev.type, mode=mode, config=config)
 

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
-from rlctl.config import Config, ModelConfig, RolloutConfig, UpdateConfig, WorkersConfig
+from rlctl.config import Config, ModelConfig, RolloutConfig, UpdateConfig, VLLMConfig, WorkersConfig
 
 
-def make_workers(cfg: Config, *, policy_source: str, critic_source: str | None):
+def make_workers(cfg: Config, *, policy_source: str, critic_source: str | None, log_dir: Path | None = None):
+    """The pipeline's workers; a Ray group copies Ray's logs into `log_dir` when it stops."""
     if cfg.workers.backend == "ray":
         from rlctl.workers.ray import RayWorkers
 
-        return RayWorkers(cfg, policy_source=policy_source, critic_source=critic_source)
+        return RayWorkers(cfg, policy_source=policy_source, critic_source=critic_source, log_dir=log_dir)
     from rlctl.workers.local import LocalWorkers
 
     return LocalWorkers(cfg, policy_source=policy_source, critic_source=critic_source)
@@ -26,18 +28,20 @@ def make_workers(cfg: Config, *, policy_source: str, critic_source: str | None):
 def worker_group(
     workers: WorkersConfig, *, policy: str | None = None, ref: str | None = None, critic: str | None = None,
     update: UpdateConfig | None = None, temperature: float = 1.0, device: str = "auto",
+    rollout: RolloutConfig | None = None, engine: VLLMConfig = VLLMConfig(),
 ) -> Iterator:
     """The workers `workers` names, holding just these models, stopped when the block ends.
     A Ray group trains only when `update` is given; otherwise it generates and scores.
-    Local workers always hold a trainer (they need a policy)."""
+    Local workers always hold a trainer (they need a policy). `rollout` (with `engine`) picks
+    the rollout engine; without it the policy generates with the HF engine at `temperature`."""
     cfg = Config(
         model=ModelConfig(path=policy or "", ref=ref or "", critic=critic or "", device=device),
-        rollout=RolloutConfig(temperature=temperature), workers=workers, update=update or UpdateConfig(),
+        rollout=rollout or RolloutConfig(temperature=temperature), workers=workers, update=update or UpdateConfig(), vllm=engine,
     )
     if workers.backend == "ray":
         from rlctl.workers.ray import RayWorkers
 
-        group = RayWorkers(cfg, policy_source=policy, critic_source=critic, train=update is not None, temperature=temperature)
+        group = RayWorkers(cfg, policy_source=policy, critic_source=critic, train=update is not None, temperature=cfg.rollout.temperature)
     else:
         from rlctl.workers.local import LocalWorkers
 

@@ -8,7 +8,9 @@ Each rank holds:
 - a plain full copy of the policy: the rollout engine and the scorer of old log-probs. After
   every update the hand-over gathers the full parameters into it (no checkpoint is written
   between update and rollout). Generation therefore needs no collective per decode step, and
-  ranks may finish their rows at different times;
+  ranks may finish their rows at different times. With `rollout.backend = "vllm"` each rank
+  also holds a vLLM engine (one per data-parallel rank) that generates instead; the hand-over
+  pushes the gathered tensors into it in place and probe-checks it (rlctl.backends.vllm_engine);
 - the reference model, replicated (never trained), and the critic (sharded for training, a
   plain copy for values), when configured.
 
@@ -27,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -41,7 +45,7 @@ from rlctl.errors import InputError, RlctlError
 from rlctl.manifest import Manifest
 
 CONNECT_TIMEOUT = 5.0
-FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY")  # and every RLCTL_* (fault points, --no-verify)
+FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY")  # and every RLCTL_* (fault points, --no-verify) and VLLM_*
 
 
 class WorkerDiedError(RlctlError):
@@ -68,12 +72,33 @@ def start_ray(cfg: WorkersConfig) -> bool:
     if not cfg.address:
         cpus = cfg.num_workers * cfg.cpus_per_worker
         ray.init(num_cpus=cpus, num_gpus=int(round(cfg.num_workers * cfg.gpus_per_worker)) or None, **options)
+        say_where_logs_are()
         return True
     try:
         ray.init(address=cfg.address, **options)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise InputError(f"workers.address {cfg.address!r}: cannot join a Ray cluster there: {str(exc).splitlines()[0]}") from None
+    say_where_logs_are()
     return False
+
+
+def say_where_logs_are() -> None:
+    if os.environ.get("RLCTL_VERBOSE"):
+        print(f"rlctl: Ray's logs (worker output, errors) are in {ray_logs()}", file=sys.stderr, flush=True)
+
+
+def copy_ray_logs(destination: Path) -> Path | None:
+    """Copy this node's worker output and Ray's process logs (`*.out`, `*.err`) of the
+    session to `destination` (a run folder's logs/ray): they outlive Ray's /tmp session."""
+    source = ray_logs()
+    if source is None or not Path(source).is_dir():
+        return None
+    destination.mkdir(parents=True, exist_ok=True)
+    for file in Path(source).iterdir():
+        if file.is_file() and file.suffix in (".out", ".err"):
+            with contextlib.suppress(OSError):  # a file Ray is rotating away
+                shutil.copy2(file, destination / file.name)
+    return destination
 
 
 def check_reachable(address: str) -> None:
@@ -106,6 +131,7 @@ class RayWorkers:
 
     def __init__(
         self, cfg: Config, *, policy_source: str | None, critic_source: str | None, train: bool = True, temperature: float | None = None,
+        log_dir: Path | None = None,
     ) -> None:
         """`train=False` builds a group that only generates or scores (no FSDP copy, no optimizer);
         `policy_source=None` a group of only the reference and/or the critic."""
@@ -121,6 +147,7 @@ class RayWorkers:
             if source:
                 check_model_dir(source)  # bad input is exit 2 here, before Ray starts
         self.cfg, self.size = cfg, cfg.workers.num_workers
+        self.log_dir = log_dir  # a run folder's logs/ray: Ray's logs are copied there at close
         self._started_ray = start_ray(cfg.workers)
         self.loads: list[str] = []
         self._digests: dict[tuple[str, int], str] = {}
@@ -133,7 +160,7 @@ class RayWorkers:
             raise InputError(f"workers: the Ray cluster cannot place {self.size} workers of {bundle}: {type(exc).__name__}") from None
         threads = str(cfg.workers.cpus_per_worker)
         env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"], "TOKENIZERS_PARALLELISM": "false"}
-        env.update({k: v for k, v in os.environ.items() if k.startswith("RLCTL_") or k in FORWARDED_ENV})
+        env.update({k: v for k, v in os.environ.items() if k.startswith(("RLCTL_", "VLLM_")) or k in FORWARDED_ENV})
         actor = ray.remote(RankWorker)
         self.actors = [
             actor.options(
@@ -162,14 +189,23 @@ class RayWorkers:
     # -- the methods the controller calls -------------------------------------------------
 
     def hand_over_weights(self) -> dict:
-        """Gather the trained full parameters into every rank's rollout engine (in memory)."""
-        seconds = self._all("hand_over")
+        """Gather the trained full parameters into every rank's rollout engine (in memory),
+        and push them into each rank's vLLM engine when there is one (probe-checked)."""
+        ranks = self._all("hand_over")
         mode = "in-memory (shared module on the one rank)" if self.size == 1 else "gathered full parameters into each rank's engine (FSDP2 all-gather)"
-        return {"mode": mode, "workers": self.size,
-                "seconds": max(seconds), "policy_version": self.trainer.step, "weights_sha256": self.weights_digest()}
+        handed = {"mode": mode, "workers": self.size, "seconds": max(r["seconds"] for r in ranks),
+                  "policy_version": self.trainer.step, "weights_sha256": self.weights_digest()}
+        if "weights_in_sync" in ranks[0]:  # a rank out of sync raised (exit 1) before this
+            handed.update(
+                mode=mode + ", pushed in place into each rank's vLLM engine", weights_in_sync=all(r["weights_in_sync"] for r in ranks),
+                weight_sync_seconds=max(r["weight_sync_seconds"] for r in ranks), probe_max_logprob_diff=max(r["probe_max_logprob_diff"] for r in ranks),
+            )
+        return handed
 
     def pause_engine(self) -> None:
-        """Before an update (the ranks' rollout engines are the HF modules: nothing to free)."""
+        """Before an update: each rank's vLLM engine on a GPU frees its memory (sleep mode)."""
+        if self.cfg.rollout.backend == "vllm" and self.engine is not None:
+            self._all("pause_engine")
 
     def weights_digest(self) -> str:
         return self._digest("policy")
@@ -214,6 +250,8 @@ class RayWorkers:
     def close(self) -> None:
         import ray
 
+        if getattr(self, "log_dir", None) is not None and ray.is_initialized():
+            copy_ray_logs(self.log_dir)
         for actor in getattr(self, "actors", []):
             ray.kill(actor)
         self.actors = []
@@ -261,7 +299,7 @@ class RayWorkers:
             except RayActorError:
                 rank = index[done[0]]
                 pid = self.pids[rank] if getattr(self, "pids", None) else "?"
-                logs = ray_logs()  # before close(): an embedded Ray's session ends there
+                logs = str(self.log_dir) if getattr(self, "log_dir", None) else ray_logs()  # before close(): an embedded Ray's session ends there
                 self.close()
                 raise WorkerDiedError(
                     f"worker rank {rank} (pid {pid}) died during {what}; nothing of this step was committed" + (f" (Ray's logs: {logs})" if logs else "")
@@ -366,6 +404,11 @@ class RankWorker:
             self.train_policy = HFPolicy(_sharded(copy.deepcopy(self.engine.model), mesh), self.engine.tokenizer, device)
             if self.critic_engine is not None:
                 self.train_critic = _sharded_critic(copy.deepcopy(self.critic_engine), mesh)
+        self.generator = None  # this rank's vLLM engine (rollout.backend = "vllm"), checked against its policy
+        if spec["policy"] and cfg.rollout.backend == "vllm":
+            from rlctl.workers.local import start_vllm
+
+            self.generator = start_vllm(cfg, spec["policy"], self.engine)
         if spec["train"]:
             self.trainer = Trainer(self.train_policy, cfg.update, critic=self.train_critic, temperature=spec["temperature"], ranks=RankGroup(rank, world))
             state = load_trainer_state(spec["policy"])
@@ -383,7 +426,7 @@ class RankWorker:
 
     def generate(self, rows: list, start: int, first_row: int, params: dict, batch_size: int, compute_dtype: str) -> list:
         (prompt_ids,) = rows
-        out = self.engine.generate(prompt_ids, SamplingParams(**params), batch_size=batch_size, compute_dtype=compute_dtype, first_row=first_row + start)
+        out = (self.generator or self.engine).generate(prompt_ids, SamplingParams(**params), batch_size=batch_size, compute_dtype=compute_dtype, first_row=first_row + start)
         return [(g.response_ids, g.logprobs, g.finish_reason) for g in out]
 
     def logprobs(self, rows: list, start: int, which: str, temperature: float, batch_size: int, compute_dtype: str) -> list:
@@ -403,7 +446,7 @@ class RankWorker:
         if prompts.num_rows == 0:
             return None
         cfg = RolloutConfig(**rollout)
-        table = rollout_table(prompts, self.engine, cfg, DataConfig(**data), policy_version=policy_version, on_tokens=lambda _: None, first_row=start * cfg.n)
+        table = rollout_table(prompts, self.generator or self.engine, cfg, DataConfig(**data), policy_version=policy_version, on_tokens=lambda _: None, first_row=start * cfg.n)
         return self._write_part(table, "rollouts", uri, name, fmt)
 
     def score_part(self, rows, start: int, rewards: list, roles: list, score: dict, uri: str, name: str, fmt: str) -> dict | None:
@@ -435,18 +478,35 @@ class RankWorker:
 
     # -- weights -----------------------------------------------------------------------------
 
-    def hand_over(self) -> float:
+    def hand_over(self) -> dict:
+        """Gather the trained weights into this rank's engine copy, then push them into its
+        vLLM engine and probe it (out of sync raises: exit 1). Seconds and the check."""
+        from rlctl.workers.local import sync_record
+
+        started = time.perf_counter()
+        self._gather()
+        record: dict = {}
+        if self.generator is not None:
+            pushed = 0.0
+            if not faults.skipped(f"push-weights-{self.trainer.step}"):
+                pushed = self.generator.push_weights(self.engine.model.state_dict().items())
+            record = sync_record(self.generator, self.engine.model, pushed)
+        return {"seconds": time.perf_counter() - started, **record}
+
+    def pause_engine(self) -> None:
+        if self.generator is not None:
+            self.generator.sleep()
+
+    def _gather(self) -> None:
         """Every rank gathers the full trained parameters into its plain engine copy."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        started = time.perf_counter()
         if self.shared:
-            return 0.0  # the engine is the trained module
+            return  # the engine is the trained module
         full = StateDictOptions(full_state_dict=True)
         self.engine.model.load_state_dict(get_model_state_dict(self.train_policy.model, options=full))
         if self.train_critic is not None:
             self.critic_engine.load_state_dict(get_model_state_dict(self.train_critic, options=full))
-        return time.perf_counter() - started
 
     def digest(self, which: str) -> str:
         from rlctl.workers.local import module_digest
@@ -458,7 +518,7 @@ class RankWorker:
         the checkpoint. The gather happens here too, so a save never depends on a hand-over."""
         from rlctl.checkpoint import save_checkpoint
 
-        self.hand_over()
+        self._gather()
         if self.shared:
             state = self.trainer.state_dict()
         else:

@@ -5,15 +5,17 @@ way a user would (FSSPEC_S3_ENDPOINT_URL and AWS credentials in the environment)
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto")  # not moto.server: it imports flask, whose proxies break vLLM's module scan in this process
 
 ROOT = Path(__file__).resolve().parents[2]
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -21,14 +23,24 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AW
 
 @pytest.fixture(scope="module")
 def s3_env():
-    os.environ.update(CREDENTIALS)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {**os.environ, **CREDENTIALS, "FSSPEC_S3_ENDPOINT_URL": f"http://{host}:{port}"}
+    """moto's S3 server in its own process on a free local port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.time() < deadline and server.poll() is None, "moto's server did not start"
+            time.sleep(0.2)
+    env = {**os.environ, **CREDENTIALS, "FSSPEC_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
     run_python("import fsspec; fsspec.filesystem('s3').mkdir('rlctl-test')", env)
     yield env
-    server.stop()
+    server.terminate()
+    server.wait(timeout=10)
 
 
 def run_python(code: str, env: dict, *args: str) -> str:

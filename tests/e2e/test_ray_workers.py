@@ -138,6 +138,8 @@ def test_a_worker_killed_mid_update_stops_the_run_and_a_rerun_resumes(tmp_path, 
     assert killed.returncode == 1, killed.stderr[-2000:]
     line = killed.stderr.strip().splitlines()[-1]
     assert "worker rank 1 (pid" in line and "died during train" in line, killed.stderr[-2000:]
+    assert f"Ray's logs: {run / 'logs' / 'ray'}" in line  # copied into the run folder before Ray's session ended
+    assert any(f.name.startswith("worker-") for f in (run / "logs" / "ray").iterdir())
     assert not (run / "iter-0002" / "update" / "_manifest.json").exists()
     assert (run / "checkpoints" / "iter-0001" / "_manifest.json").exists() and not (run / "checkpoints" / "iter-0002").exists()
     rlctl("pipeline", config_file, "--run-dir", run, "--quiet", *ray2)
@@ -152,7 +154,9 @@ def test_a_two_worker_run_resumes_on_one_worker_and_locally(tmp_path, tiny_model
 
     config_file = write_config(tmp_path, tiny_model, pipeline={"iterations": 2, "val_every": 0})
     run = tmp_path / "run"
-    rlctl("pipeline", config_file, "--run-dir", run, "--quiet", "--set", "workers.backend=ray", "--set", "workers.num_workers=2")
+    first = rlctl("--verbose", "pipeline", config_file, "--run-dir", run, "--quiet", "--set", "workers.backend=ray", "--set", "workers.num_workers=2")
+    assert f"Ray's logs are copied to {run / 'logs' / 'ray'}" in first.stderr and "Ray's logs (worker output, errors) are in" in first.stderr
+    assert (run / "logs" / "ray").is_dir()
     at_two = final_weights(run)
     rlctl("pipeline", config_file, "--run-dir", run, "--quiet", "--iterations", "3", "--set", "workers.backend=ray", "--set", "workers.num_workers=1")
     rlctl("pipeline", config_file, "--run-dir", run, "--quiet", "--iterations", "4")

@@ -35,6 +35,21 @@ def test_presets_load_back_and_generate(tmp_path, preset, low, high):
     assert out.shape == (1, len(tokenizer("hi there")["input_ids"]) + 4)
 
 
+def test_the_medium_preset_has_the_shape_of_qwen2_5_0_5b():
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from rlctl.modelinit import model_config
+
+    config = model_config(PRESETS["medium"], train_tokenizer(PRESETS["medium"].vocab_size, 0))
+    with torch.device("meta"):  # the shape only: 494M random parameters take a minute to write
+        model = Qwen2ForCausalLM(config)
+    assert 490e6 < sum(p.numel() for p in model.parameters()) < 500e6
+    assert (config.vocab_size, config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size) == (
+        151_936, 896, 24, 14, 2, 4864,
+    )
+
+
 def test_token_ids_match_the_tokenizer_that_wrote_them(tmp_path):
     from transformers import AutoTokenizer
 

@@ -1,0 +1,150 @@
+"""The vLLM rollout engine (CPU build in CI): the rollouts schema with the HF engine's meaning of
+`rollout_logprobs`, seeded rows, weights pushed in place and checked every step, replay.
+Skipped where vLLM is not installed (`make vllm`); .ci/run installs it."""
+
+import json
+
+import numpy as np
+import pytest
+
+from rlctl import shards
+from rlctl.backends.base import SamplingParams
+from rlctl.backends.vllm_engine import logprobs_mode
+from rlctl.errors import InputError
+from tests.conftest import assert_not_written, one_line_error
+
+
+def test_the_logprob_mode_is_the_one_that_means_what_the_hf_engine_means():
+    assert logprobs_mode(SamplingParams(8, temperature=1.0, top_p=0.9, top_k=50)) == "raw_logprobs"  # T = 1: raw is log softmax(logits)
+    assert logprobs_mode(SamplingParams(8, temperature=0.7)) == "processed_logprobs"  # nothing truncates: processed is log softmax(logits / T)
+    with pytest.raises(InputError, match="top_p = 1 and top_k = 0"):
+        logprobs_mode(SamplingParams(8, temperature=0.7, top_p=0.9))
+
+
+def test_asking_for_vllm_where_it_is_not_installed_names_the_install_step(cli, tmp_path, tiny_model, prompts_file, monkeypatch):
+    monkeypatch.setattr("rlctl.backends.vllm_engine.vllm_available", lambda: False)
+    result = cli("rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", tmp_path / "r", "--backend", "vllm")
+    assert result.exit_code == 2
+    assert "make vllm" in one_line_error(result)
+    assert_not_written(tmp_path / "r")
+
+
+vllm = pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module")
+def six_prompts(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("prompts") / "six.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Question {i}: what is {i} plus {i}?"}) + "\n" for i in range(6)))
+    return str(path)
+
+
+def test_vllm_rollout_writes_seeded_rows_whose_logprobs_the_trainer_recomputes(cli, tmp_path, tiny_model, six_prompts):
+    for out in ("a", "b"):
+        result = cli("rollout", "--prompts", six_prompts, "--model", tiny_model, "--out", tmp_path / out, "--n", "4", "--max-new-tokens", "12", "--backend", "vllm", "--seed", "7")
+        assert result.exit_code == 0, result.stderr
+    a, b = (shards.read(str(tmp_path / out), "rollouts").table for out in ("a", "b"))
+    assert a.num_rows == 24
+    assert a.column("response_ids").to_pylist() == b.column("response_ids").to_pylist()  # same seed, same tokens
+    assert len({tuple(r) for r in a.column("response_ids").to_pylist()}) > 20  # and the samples of a prompt differ
+    result = cli("score", "--rollouts", tmp_path / "a", "--out", tmp_path / "s", "--reward", "builtin:length", "--policy", tiny_model)
+    assert result.exit_code == 0, result.stderr
+    scores = shards.read(str(tmp_path / "s"), "scores").table
+    engine = np.concatenate([np.asarray(x) for x in scores.column("rollout_logprobs").to_pylist()])
+    trainer = np.concatenate([np.asarray(x) for x in scores.column("old_logprobs").to_pylist()])
+    assert np.abs(engine - trainer).max() < 1e-3  # fp32; measured ≈ 2e-6 on the small preset
+
+
+def test_vllm_rollout_at_another_temperature_keeps_the_hf_meaning(cli, tmp_path, tiny_model, six_prompts):
+    result = cli("rollout", "--prompts", six_prompts, "--model", tiny_model, "--out", tmp_path / "r", "--n", "2", "--max-new-tokens", "8", "--backend", "vllm", "--temperature", "0.7")
+    assert result.exit_code == 0, result.stderr
+    result = cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "s", "--reward", "builtin:length", "--policy", tiny_model)
+    assert result.exit_code == 0, result.stderr
+    scores = shards.read(str(tmp_path / "s"), "scores").table
+    engine = np.concatenate([np.asarray(x) for x in scores.column("rollout_logprobs").to_pylist()])
+    trainer = np.concatenate([np.asarray(x) for x in scores.column("old_logprobs").to_pylist()])  # log softmax(logits / 0.7)
+    assert np.abs(engine - trainer).max() < 1e-3
+
+
+def test_vllm_refuses_a_temperature_with_truncation_before_starting(cli, tmp_path, tiny_model, six_prompts):
+    result = cli("rollout", "--prompts", six_prompts, "--model", tiny_model, "--out", tmp_path / "r", "--backend", "vllm", "--temperature", "0.7", "--top-p", "0.9")
+    assert result.exit_code == 2
+    assert "top_p = 1 and top_k = 0" in one_line_error(result)
+    assert_not_written(tmp_path / "r")
+
+
+def grpo_run(tmp_path, *extra: str) -> list[str]:
+    return [
+        "pipeline", "examples/grpo.toml", "--run-dir", str(tmp_path / "run"), "--iterations", "3", "--quiet",
+        "--set", "rollout.backend=vllm", *extra,
+    ]
+
+
+def test_a_vllm_pipeline_checks_the_pushed_weights_every_iteration_and_replays_identically(cli, tmp_path):
+    result = cli(*grpo_run(tmp_path, "--set", "pipeline.keep_checkpoints=0"))
+    assert result.exit_code == 0, result.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["weights_in_sync"] for r in rows] == [True, True, True]
+    assert all(r["weight_sync_seconds"] > 0 for r in rows)
+    assert all(r["logprob_mismatch"] < 1e-4 and r["rollout_is/frac_beyond_threshold"] == 0 for r in rows)
+    update = json.loads((tmp_path / "run" / "iter-0002" / "update" / "_manifest.json").read_text())
+    assert update["state"]["handover"]["mode"] == "in-place push into the vLLM engine"
+    assert update["state"]["handover"]["weights_in_sync"] is True
+    replayed = cli("replay", tmp_path / "run" / "iter-0002" / "rollout", "--check")
+    assert replayed.exit_code == 0, replayed.stderr
+    assert "identical" in replayed.stdout
+
+
+def test_a_skipped_weight_push_is_caught_before_the_next_rollout(cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLCTL_FAULT_SKIP", "push-weights-")
+    result = cli(*grpo_run(tmp_path))
+    assert result.exit_code == 1
+    line = one_line_error(result)
+    assert "not generating with the trainer's weights" in line and "norm/embedding tensors differ" in line
+    assert not (tmp_path / "run" / "iter-0001" / "update" / "_manifest.json").exists()  # the update is not committed
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_the_grpo_example_learns_with_the_vllm_engine(cli, tmp_path):
+    from tests.e2e.test_examples import learning_margin
+
+    result = cli("pipeline", "examples/grpo.toml", "--run-dir", str(tmp_path / "run"), "--quiet", "--set", "rollout.backend=vllm")
+    assert result.exit_code == 0, result.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 30 and all(r["weights_in_sync"] for r in rows)
+    assert learning_margin(rows) >= 0.5  # the margin stated in examples/grpo.toml
+
+
+@pytest.mark.slow
+def test_vllm_engines_on_two_ray_workers_write_the_rows_of_one_and_stay_in_sync(cli, tmp_path, tiny_model, six_prompts):
+    pytest.importorskip("ray")
+    common = ["--prompts", six_prompts, "--model", tiny_model, "--n", "2", "--max-new-tokens", "8", "--backend", "vllm"]
+    assert cli("rollout", *common, "--out", tmp_path / "local").exit_code == 0
+    result = cli("rollout", *common, "--out", tmp_path / "ray", "--workers-backend", "ray", "--workers", "2")
+    assert result.exit_code == 0, result.stderr
+    local, ray = (shards.read(str(tmp_path / out), "rollouts").table for out in ("local", "ray"))
+    assert ray.column("response_ids").to_pylist() == local.column("response_ids").to_pylist()  # each row its own seeded request
+    result = cli(*grpo_run(tmp_path, "--iterations", "2", "--workers-backend", "ray", "--workers", "2"))
+    assert result.exit_code == 0, result.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["weights_in_sync"] for r in rows] == [True, True]
+    handover = json.loads((tmp_path / "run" / "iter-0002" / "update" / "_manifest.json").read_text())["state"]["handover"]
+    assert handover["workers"] == 2 and "each rank's vLLM engine" in handover["mode"]
+
+
+def test_a_resharded_folder_loads_in_vllm_and_generates_what_transformers_does(cli, tmp_path, tiny_model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlctl.backends.vllm_engine import VLLMEngine
+
+    result = cli("reshard", "--checkpoint", tiny_model, "--out", tmp_path / "w", "--dtype", "bf16", "--check")
+    assert result.exit_code == 0, result.stderr
+    engine = VLLMEngine.load(str(tmp_path / "w"), "cpu")  # bf16 weights, fp32 compute
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "w", dtype=torch.float32)
+        check = engine.check_against(model, 0.0)
+        assert check.in_sync and check.tokens_equal and check.max_logprob_diff < 1e-3
+    finally:
+        engine.close()
