@@ -210,10 +210,12 @@ class WorkersConfig:
     address: str = ""  # "" = an embedded Ray for this command; auto or HOST:PORT joins a cluster
     cpus_per_worker: int = 1  # Ray CPUs of a worker, and its torch/OpenMP threads
     gpus_per_worker: float = 0.0  # 1 on a GPU machine: NCCL instead of gloo
+    placement: str = "colocate"  # colocate: a rank holds policy, reference, critic | split: the reference in its own pool
+    reference: str = "replicated"  # replicated: a full copy per rank | sharded: FSDP2 shards at rest, gathered to score
 
     def __post_init__(self) -> None:
         check_ranges(self, "workers", {
-            "backend": one_of("local", "ray"), "num_workers": at_least(1), "cpus_per_worker": at_least(1), "gpus_per_worker": at_least(0.0),
+            "reference": one_of("replicated", "sharded"), "placement": one_of("colocate", "split"), "backend": one_of("local", "ray"), "num_workers": at_least(1), "cpus_per_worker": at_least(1), "gpus_per_worker": at_least(0.0),
         })
 
 

@@ -559,7 +559,8 @@ def describe_workers(cfg: Config) -> str:
         return "local (models in this process)"
     where = w.address or "an embedded Ray"
     kind = "NCCL" if w.gpus_per_worker else "gloo"
-    return f"ray: {w.num_workers} × ({w.cpus_per_worker} CPU{', ' + format(w.gpus_per_worker, 'g') + ' GPU' if w.gpus_per_worker else ''}) on {where}, FSDP2 over {kind}"
+    pools = " (the reference in a pool of its own: twice the ranks)" if w.placement == "split" and cfg.model.ref else ""
+    return f"ray: {w.num_workers} × ({w.cpus_per_worker} CPU{', ' + format(w.gpus_per_worker, 'g') + ' GPU' if w.gpus_per_worker else ''}) on {where}, FSDP2 over {kind}{pools}"
 
 
 def notice(text: str) -> None:

@@ -96,14 +96,17 @@ def scored_rewards(table: pa.Table, reward: RewardFunction, models: ScoringModel
     return compute_rewards(reward, reward_samples(table), timeout=cfg.reward_timeout)
 
 
-def with_model_columns(table: pa.Table, rewards: list[float], models: ScoringModels, cfg: ScoreConfig) -> pa.Table:
-    """`table` with its rewards and the ref/old log-probs and values of the models given."""
+def with_model_columns(table: pa.Table, rewards: list[float], models: ScoringModels, cfg: ScoreConfig, *, ref_logprobs: list | None = None) -> pa.Table:
+    """`table` with its rewards and the ref/old log-probs and values of the models given
+    (`ref_logprobs` computed elsewhere stand in for a reference model)."""
     temperature = float(sampling_of(table).get("temperature", 1.0))
     prompt_ids = table.column("prompt_ids").to_pylist()
     response_ids = table.column("response_ids").to_pylist()
     new = {"reward": pa.array(rewards, pa.float32())}
     if models.ref is not None:
-        new["ref_logprobs"] = list_column(models.ref.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size, compute_dtype=cfg.dtype), pa.float32())
+        ref_logprobs = models.ref.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size, compute_dtype=cfg.dtype)
+    if ref_logprobs is not None:
+        new["ref_logprobs"] = list_column(ref_logprobs, pa.float32())
     if models.policy is not None:
         new["old_logprobs"] = list_column(models.policy.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size, compute_dtype=cfg.dtype), pa.float32())
     if models.critic is not None:
@@ -114,7 +117,17 @@ def with_model_columns(table: pa.Table, rewards: list[float], models: ScoringMod
 
 def score_parts_on_workers(group, table: pa.Table, reward: RewardFunction, models: ScoringModels, cfg: ScoreConfig, out: OutputSpec, manifest: Manifest) -> Manifest:
     """Rewards here (the reward's child process is the controller's); each rank adds its
-    slice's model columns and writes its own part."""
+    slice's model columns and writes its own part. A reference in a pool of its own
+    (`workers.placement = "split"`) scores there first; its log-probs go with the rows."""
     rewards = scored_rewards(table, reward, models, cfg)
+    ref_logprobs = None
+    if models.ref is not None and getattr(group, "ref_pool", None) is not None:
+        temperature = float(sampling_of(table).get("temperature", 1.0))
+        ref_logprobs = models.ref.logprobs(
+            table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist(), temperature=temperature, batch_size=cfg.batch_size, compute_dtype=cfg.dtype,
+        )
+        models = ScoringModels(policy=models.policy, critic=models.critic)
     roles = [role for role, model in (("ref", models.ref), ("policy", models.policy), ("critic", models.critic)) if model is not None]
-    return group.commit_parts("score_part", table, lambda rows: (rewards[rows], roles, to_dict(cfg)), out, manifest, "scores")
+    return group.commit_parts(
+        "score_part", table, lambda rows: (rewards[rows], roles, to_dict(cfg), ref_logprobs[rows] if ref_logprobs is not None else None), out, manifest, "scores",
+    )

@@ -11,8 +11,12 @@ Each rank holds:
   ranks may finish their rows at different times. With `rollout.backend = "vllm"` each rank
   also holds a vLLM engine (one per data-parallel rank) that generates instead; the hand-over
   pushes the gathered tensors into it in place and probe-checks it (rlctl.backends.vllm_engine);
-- the reference model, replicated (never trained), and the critic (sharded for training, a
-  plain copy for values), when configured.
+- the reference model (never trained), and the critic (sharded for training, a plain copy
+  for values), when configured. The reference is a full copy per rank (`workers.reference =
+  "replicated"`), or FSDP2 shards (`"sharded"`: 1/N of it per rank at rest, its full weights
+  gathered for each scoring call, which every rank makes once, and released after). With `workers.placement = "split"` the reference
+  lives in a pool of its own (another N ranks, another placement group): its log-probs are
+  computed there and handed to the policy ranks with the rows they score.
 
 Rows are spread over ranks by `rlctl.dispatch` (contiguous slices, results in row order);
 sampling draws from one random stream per row, so the rows do not depend on the group size.
@@ -55,8 +59,9 @@ class WorkerDiedError(RlctlError):
 # --- starting and joining Ray ------------------------------------------------------------------
 
 
-def start_ray(cfg: WorkersConfig) -> bool:
-    """Start an embedded Ray for this command, or join `cfg.address`; True when we started it.
+def start_ray(cfg: WorkersConfig, pools: int = 1) -> bool:
+    """Start an embedded Ray for this command (room for `pools` groups of `cfg.num_workers`
+    ranks), or join `cfg.address`; True when we started it.
 
     Ray's own logging stays off the terminal: worker output is not forwarded to the driver
     and Ray logs only errors; its files are under the session folder `ray_logs()` names."""
@@ -70,8 +75,8 @@ def start_ray(cfg: WorkersConfig) -> bool:
         return False
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR", "configure_logging": True}
     if not cfg.address:
-        cpus = cfg.num_workers * cfg.cpus_per_worker
-        ray.init(num_cpus=cpus, num_gpus=int(round(cfg.num_workers * cfg.gpus_per_worker)) or None, **options)
+        cpus = pools * cfg.num_workers * cfg.cpus_per_worker
+        ray.init(num_cpus=cpus, num_gpus=int(round(pools * cfg.num_workers * cfg.gpus_per_worker)) or None, **options)
         say_where_logs_are()
         return True
     try:
@@ -146,9 +151,20 @@ class RayWorkers:
         for source in (policy_source, cfg.model.ref, critic_source):
             if source:
                 check_model_dir(source)  # bad input is exit 2 here, before Ray starts
-        self.cfg, self.size = cfg, cfg.workers.num_workers
+        from dataclasses import replace
+
+        split = cfg.workers.placement == "split" and bool(cfg.model.ref) and policy_source is not None
         self.log_dir = log_dir  # a run folder's logs/ray: Ray's logs are copied there at close
-        self._started_ray = start_ray(cfg.workers)
+        self._started_ray = start_ray(cfg.workers, pools=2 if split else 1)
+        self.ref_pool: RayWorkers | None = None  # the reference's own pool (placement = split)
+        if split:
+            try:
+                self.ref_pool = RayWorkers(replace(cfg, model=replace(cfg.model, path="", critic="")), policy_source=None, critic_source=None, train=False)
+            except BaseException:
+                self.close()
+                raise
+            cfg = replace(cfg, model=replace(cfg.model, ref=""))  # the policy ranks hold no reference
+        self.cfg, self.size = cfg, cfg.workers.num_workers
         self.loads: list[str] = []
         self._digests: dict[tuple[str, int], str] = {}
         bundle = {"CPU": cfg.workers.cpus_per_worker, **({"GPU": cfg.workers.gpus_per_worker} if cfg.workers.gpus_per_worker else {})}
@@ -184,6 +200,8 @@ class RayWorkers:
             self.trainer.step = self._call([self.actors[0].step.remote()])[0]
         self.engine = self.policy = _PolicyProxy(self, "policy") if policy_source else None
         self.ref = _PolicyProxy(self, "ref") if cfg.model.ref else None
+        if self.ref_pool is not None:
+            self.ref, self.loads = self.ref_pool.ref, self.loads + self.ref_pool.loads
         self.critic = _CriticProxy(self) if critic_source else None
 
     # -- the methods the controller calls -------------------------------------------------
@@ -250,6 +268,9 @@ class RayWorkers:
     def close(self) -> None:
         import ray
 
+        if getattr(self, "ref_pool", None) is not None:
+            self.ref_pool.close()
+            self.ref_pool = None
         if getattr(self, "log_dir", None) is not None and ray.is_initialized():
             copy_ray_logs(self.log_dir)
         for actor in getattr(self, "actors", []):
@@ -394,6 +415,10 @@ class RankWorker:
         self.rank, self.world, self.cfg = rank, world, cfg
         self.engine = HFPolicy.load(spec["policy"], str(device)) if spec["policy"] else None
         self.ref = HFPolicy.load(cfg.model.ref, str(device)) if cfg.model.ref else None
+        self.ref_shards = None  # the reference as FSDP2 shards (workers.reference = "sharded"), gathered to score
+        if self.ref is not None and cfg.workers.reference == "sharded" and world > 1:
+            mesh = init_device_mesh(device.type, (world,))
+            self.ref_shards, self.ref = HFPolicy(_sharded(self.ref.model, mesh), self.ref.tokenizer, device), None
         self.critic_engine = ValueModel.load(spec["critic"], device) if spec["critic"] else None
         self.trainer = self.train_policy = self.train_critic = None
         self.shared = world == 1  # one rank: nothing to shard; the engine is the trained module
@@ -414,7 +439,7 @@ class RankWorker:
             state = load_trainer_state(spec["policy"])
             if state is not None:
                 self._load_trainer_state(state)
-        first = self.engine or self.ref
+        first = self.engine or self.ref or self.ref_shards
         if first is None:
             return 0, self.critic_engine.vocab_size, None
         return first.pad_id, first.vocab_size, first.context_length
@@ -431,8 +456,29 @@ class RankWorker:
 
     def logprobs(self, rows: list, start: int, which: str, temperature: float, batch_size: int, compute_dtype: str) -> list:
         prompt_ids, response_ids = rows
-        model = self.engine if which == "policy" else self.ref
-        return model.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=batch_size, compute_dtype=compute_dtype)
+        if which == "policy":
+            return self.engine.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=batch_size, compute_dtype=compute_dtype)
+        with self._reference() as ref:
+            return ref.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=batch_size, compute_dtype=compute_dtype)
+
+    @contextlib.contextmanager
+    def _reference(self):
+        """The reference as a plain module: the replica, or the shards' full weights gathered
+        (a collective: every rank enters this once per scoring call) and freed after."""
+        if self.ref_shards is None:
+            yield self.ref
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from rlctl.backends.hf import HFPolicy
+
+        full = get_model_state_dict(self.ref_shards.model, options=StateDictOptions(full_state_dict=True))
+        model = _plain_copy(self.ref_shards.model, full)
+        del full
+        try:
+            yield HFPolicy(model, self.ref_shards.tokenizer, self.ref_shards.device)
+        finally:
+            del model
 
     def values(self, rows: list, start: int, pad_id: int, batch_size: int, compute_dtype: str) -> list:
         prompt_ids, response_ids = rows
@@ -449,18 +495,19 @@ class RankWorker:
         table = rollout_table(prompts, self.generator or self.engine, cfg, DataConfig(**data), policy_version=policy_version, on_tokens=lambda _: None, first_row=start * cfg.n)
         return self._write_part(table, "rollouts", uri, name, fmt)
 
-    def score_part(self, rows, start: int, rewards: list, roles: list, score: dict, uri: str, name: str, fmt: str) -> dict | None:
+    def score_part(self, rows, start: int, rewards: list, roles: list, score: dict, ref_logprobs: list | None, uri: str, name: str, fmt: str) -> dict | None:
         """This rank's rollouts with their rewards (computed by the controller) and the model
-        columns of `roles` (ref, policy, critic), as part `name` of the output at `uri`."""
+        columns of `roles` (ref, policy, critic), as part `name` of the output at `uri`;
+        `ref_logprobs` when the reference is in a pool of its own."""
         from rlctl.config import ScoreConfig
         from rlctl.stages.score import ScoringModels, with_model_columns
 
-        if rows.num_rows == 0:
-            return None
-        models = ScoringModels(
-            ref=self.ref if "ref" in roles else None, policy=self.engine if "policy" in roles else None, critic=self.critic_engine if "critic" in roles else None,
-        )
-        return self._write_part(with_model_columns(rows, rewards, models, ScoreConfig(**score)), "scores", uri, name, fmt)
+        with self._reference() if "ref" in roles else contextlib.nullcontext() as ref:  # every rank gathers, even one with no rows
+            if rows.num_rows == 0:
+                return None
+            models = ScoringModels(ref=ref, policy=self.engine if "policy" in roles else None, critic=self.critic_engine if "critic" in roles else None)
+            table = with_model_columns(rows, rewards, models, ScoreConfig(**score), ref_logprobs=ref_logprobs)
+        return self._write_part(table, "scores", uri, name, fmt)
 
     def _write_part(self, table, schema: str, uri: str, name: str, fmt: str) -> dict:
         from rlctl import schemas
@@ -553,6 +600,24 @@ def _sharded(model, mesh):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def _plain_copy(sharded, state: dict):
+    """A plain (unsharded) module like the FSDP2 module `sharded`, holding its full `state`
+    and its buffers (FSDP2 keeps buffers whole on every rank; rotary tables are not in the
+    state dict)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(sharded.config)
+    device = next(iter(state.values())).device
+    model = model.to_empty(device=device)
+    model.load_state_dict(state)
+    for name, buffer in sharded.named_buffers():
+        model.get_buffer(name).copy_(buffer)
+    model.tie_weights()
+    return model.eval()
 
 
 def _sharded_critic(critic, mesh):

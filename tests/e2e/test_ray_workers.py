@@ -6,6 +6,7 @@ import json
 import os
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,6 +196,26 @@ def test_stage_commands_on_two_workers_write_what_one_process_writes(ray_session
     assert shards.read_manifest(str(runs["ray"] / "c"))[0].state["workers"]["num_workers"] == 2
 
 
+def test_a_sharded_reference_scores_what_a_replicated_one_does(ray_session, cli, tmp_path, tiny_model, prompts_file):
+    """1/N of the reference per rank at rest, gathered for the call: the same log-probs; a rank
+    with no rows (one row over two ranks) still takes part in the gather."""
+    one = tmp_path / "one.jsonl"
+    one.write_text(Path(prompts_file).read_text().splitlines()[0] + "\n")
+    for name, prompts, n in (("r", prompts_file, "3"), ("r1", one, "1")):
+        assert cli("rollout", "--prompts", prompts, "--model", tiny_model, "--out", tmp_path / name, "--n", n, "--max-new-tokens", "5").exit_code == 0
+        scored = {}
+        for reference in ("replicated", "sharded"):
+            out = tmp_path / f"{name}-{reference}"
+            result = cli(
+                "score", "--rollouts", tmp_path / name, "--out", out, "--reward", "builtin:length", "--ref", tiny_model,
+                "--workers-backend", "ray", "--workers", "2", "--set", f"workers.reference={reference}",
+            )
+            assert result.exit_code == 0, result.stderr
+            scored[reference] = shards.read(str(out)).table.column("ref_logprobs").to_pylist()
+        pairs = [(x, y) for a, b in zip(scored["replicated"], scored["sharded"]) for x, y in zip(a, b)]
+        assert pairs and max(abs(x - y) for x, y in pairs) < 1e-6
+
+
 @pytest.mark.slow
 def test_a_part_written_by_a_worker_that_then_died_is_never_committed(tmp_path, tiny_model, prompts_file):
     from tests.e2e.test_pipeline import rlctl
@@ -220,3 +241,17 @@ def test_every_stage_of_a_two_worker_run_replays_identical(cli, tmp_path, tiny_m
         result = cli("replay", tmp_path / "run" / "iter-0002" / stage, "--check")
         assert result.exit_code == 0, (stage, result.stderr)
         assert result.stdout.strip() == "identical", (stage, result.stdout)
+
+
+@pytest.mark.slow
+def test_a_reference_in_a_pool_of_its_own_gives_the_run_that_colocated_ranks_give(tmp_path, tiny_model):
+    from tests.e2e.test_pipeline import final_weights, metrics_without_timings, rlctl, write_config
+
+    config_file = write_config(tmp_path, tiny_model, pipeline={"iterations": 2, "val_every": 0})
+    ray1 = ["--quiet", "--set", "workers.backend=ray"]
+    rlctl("pipeline", config_file, "--run-dir", tmp_path / "colocate", *ray1)
+    split = rlctl("pipeline", config_file, "--run-dir", tmp_path / "split", *ray1, "--set", "workers.placement=split")
+    assert "the reference in a pool of its own" in split.stderr
+    assert metrics_without_timings(tmp_path / "split") == metrics_without_timings(tmp_path / "colocate")  # the same kl, rewards, losses
+    expected, got = final_weights(tmp_path / "colocate"), final_weights(tmp_path / "split")
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
