@@ -5,7 +5,7 @@ counted out: every generated token counts), median of several rounds after a war
 engines alternating in one process. The pipeline's iteration time with each engine comes from
 bench/pipeline_bench.py with `--set rollout.backend=vllm`.
 
-    python bench/engines_bench.py --rounds 3
+    python -m bench.engines_bench --rounds 3
 """
 
 from __future__ import annotations
@@ -54,8 +54,10 @@ def main() -> None:
     for _ in range(args.rounds):
         rounds["hf"].append(rate(hf))
         rounds["vllm"].append(rate(vllm))
-    print(f"- machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
-    print(f"- command: `python bench/engines_bench.py --rounds {args.rounds} --dtype {args.dtype}` ({args.sequences} sequences × {args.tokens} new tokens, {args.preset} preset)")
+    from bench.pipeline_bench import _cpu_name
+
+    print(f"- machine: {_cpu_name()}, Python {platform.python_version()}, torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
+    print(f"- command: `python -m bench.engines_bench --rounds {args.rounds} --dtype {args.dtype}` ({args.sequences} sequences × {args.tokens} new tokens, {args.preset} preset)")
     print(f"- vLLM engine start: {start_seconds:.1f} s (import, load, KV cache)\n")
     print("| engine | tokens/s (median) | rounds |")
     print("|---|---|---|")

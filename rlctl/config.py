@@ -231,7 +231,7 @@ class VLLMConfig:
     cpu_kv_cache_gib: int = 1  # KV-cache GiB of the CPU engine (VLLM_CPU_KVCACHE_SPACE)
     sleep_mode: bool = True  # GPU: free the KV cache and weights while the trainer updates
     probe_tokens: int = 8  # greedy tokens per probe prompt in the weight-sync check
-    probe_tolerance: float = 1e-3  # |engine - trainer| log-prob bound of that check (fp32; bf16 needs ~5e-2)
+    probe_tolerance: float = 1e-3  # |engine - trainer| log-prob bound of that check (fp32 engines; bf16/fp16 engines use at least 0.1)
 
     def __post_init__(self) -> None:
         check_ranges(self, "vllm", {
