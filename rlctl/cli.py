@@ -194,7 +194,7 @@ def advantage(
     gamma: Annotated[Optional[float], typer.Option("--gamma", help="Discount factor.")] = None,
     lam: Annotated[Optional[float], typer.Option("--lam", help="GAE lambda.")] = None,
     kl_coef: Annotated[Optional[float], typer.Option("--kl-coef", help="KL penalty coefficient in the reward.")] = None,
-    kl_estimator: Annotated[Optional[str], typer.Option("--kl-estimator", help="k1, k2, k3 or abs.")] = None,
+    kl_estimator: Annotated[Optional[str], typer.Option("--kl-estimator", help="k1 (kl), k2 (mse), k3 (low_var_kl, bounded) or abs; a + suffix takes k2's gradient.")] = None,
     norm_by_std: Annotated[Optional[bool], typer.Option("--norm-by-std/--no-norm-by-std", help="GRPO: divide by the group's std.")] = None,
     kl_controller: Annotated[Optional[str], typer.Option("--kl-controller", help="fixed or adaptive.")] = None,
     kl_state: Annotated[Optional[str], typer.Option("--kl-state", help="A previous advantage output whose KL controller state to continue.")] = None,

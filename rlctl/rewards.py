@@ -66,26 +66,46 @@ def length_reward(responses: list[str]) -> list[float]:
     return [min(len(r) / 100.0, 1.0) for r in responses]
 
 
-_GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,\$]+)")
+_GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+_NUMBER = re.compile(r"\-?[0-9\.\,]+")
+GSM8K_TAIL = 300  # both rules read only the last 300 characters, as verl's
 
 
 def gsm8k_answer(response: str) -> str | None:
-    """The last `#### <number>` in the final 300 characters, commas and `$` removed."""
-    matches = _GSM8K_ANSWER.findall(response[-300:])
-    if not matches:
-        return None
-    return matches[-1].replace(",", "").replace("$", "").rstrip(".")
+    """verl's strict rule: the last `#### <number>` in the final 300 characters, commas
+    removed. `#### $18` has no answer and `#### 42.` answers "42." (not 42): the format is
+    part of what is rewarded."""
+    matches = _GSM8K_STRICT.findall(response[-GSM8K_TAIL:])
+    return matches[-1].replace(",", "") if matches else None
+
+
+def gsm8k_flexible_answer(response: str) -> str | None:
+    """The last number in the final 300 characters, wherever it stands (`$`, `####` or none),
+    commas and a trailing period removed."""
+    numbers = [n.replace(",", "").rstrip(".") for n in _NUMBER.findall(response[-GSM8K_TAIL:])]
+    numbers = [n for n in numbers if n not in ("", "-")]
+    return numbers[-1] if numbers else None
+
+
+def _exact_answer_reward(extract: Callable[[str], str | None], responses: list[str], ground_truths: list[str | None]) -> list[float]:
+    scores = []
+    for response, truth in zip(responses, ground_truths):
+        answer = extract(response)
+        expected = None if truth is None else str(truth).replace(",", "").replace("$", "").strip()
+        scores.append(1.0 if answer is not None and answer == expected else 0.0)
+    return scores
 
 
 @BUILTINS.register("gsm8k")
 def gsm8k_reward(*, responses: list[str], ground_truths: list[str | None]) -> list[float]:
-    """1.0 when the extracted final answer equals the ground truth exactly, else 0.0."""
-    scores = []
-    for response, truth in zip(responses, ground_truths):
-        answer = gsm8k_answer(response)
-        expected = None if truth is None else str(truth).replace(",", "").replace("$", "").strip()
-        scores.append(1.0 if answer is not None and answer == expected else 0.0)
-    return scores
+    """1.0 when verl's strict rule (`gsm8k_answer`) extracts exactly the ground truth, else 0.0."""
+    return _exact_answer_reward(gsm8k_answer, responses, ground_truths)
+
+
+@BUILTINS.register("gsm8k_flexible")
+def gsm8k_flexible_reward(*, responses: list[str], ground_truths: list[str | None]) -> list[float]:
+    """1.0 when the last number of the response (`gsm8k_flexible_answer`) is the ground truth."""
+    return _exact_answer_reward(gsm8k_flexible_answer, responses, ground_truths)
 
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)

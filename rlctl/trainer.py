@@ -18,7 +18,7 @@ import torch
 
 from rlctl import faults
 from rlctl.algos.kl import KL_ESTIMATORS
-from rlctl.algos.losses import LOSS_AGG_MODES, aggregate, clipped_value_loss, ppo_policy_loss
+from rlctl.algos.losses import LOSS_AGG_MODES, POLICY_LOSSES, aggregate, clipped_value_loss
 from rlctl.backends.hf import HFPolicy, ValueModel, pack
 from rlctl.config import UpdateConfig
 from rlctl.errors import InputError, TrainingError
@@ -221,7 +221,7 @@ class Trainer:
 
             with autocast:
                 logp, entropy = self.policy.forward(packed, temperature=self.temperature, with_entropy=True)
-            pg = ppo_policy_loss(
+            pg = POLICY_LOSSES[cfg.policy_loss](
                 logprobs=logp, old_logprobs=take(batch.old_logprobs), advantages=take(batch.advantages), response_mask=m,
                 clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
             )

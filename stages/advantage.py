@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from rlctl.algos.advantages import ESTIMATORS, NEEDS_VALUES, masked_mean
+from rlctl.algos.advantages import ESTIMATORS, NEEDS_VALUES, masked_mean, sequence_mean
 from rlctl.algos.kl import KL_ESTIMATORS, KLControllerState, next_kl_state
 from rlctl.config import AdvantageConfig, to_dict
 from rlctl.errors import InputError
@@ -79,7 +79,7 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
             logprobs=padded(table.column(policy_column), width=width), ref_logprobs=padded(table.column("ref_logprobs"), width=width)
         )
         kl = torch.where(mask, kl, 0)
-        observed_kl = float(masked_mean(kl, mask))
+        observed_kl = float(sequence_mean(kl, mask))  # as verl: tokens within a sequence, then sequences
         if kl_coef > 0:
             token_rewards = token_rewards - kl_coef * kl
     values = padded(table.column("values"), width=width) if cfg.estimator in NEEDS_VALUES else None

@@ -5,8 +5,10 @@ any KL penalty), the response mask, critic values (only `gae` uses them) and the
 of each sequence (samples of one prompt share it), and returns advantages and returns.
 Positions where `response_mask` is 0 never influence any output and come out as 0.
 
-Groups of one (one sample of a prompt) give advantage 0 for `grpo` and `rloo`: with nothing to
-compare against, the sample carries no signal, so it contributes no policy gradient.
+Groups of one (one sample of a prompt) give advantage 0 for `grpo`, `rloo` and
+`reinforce_pp_baseline`: with nothing to compare against, the sample carries no signal, so it
+contributes no policy gradient (verl differs: a singleton's baseline is 0 there, and for grpo
+its std is 1, so its raw score becomes its advantage).
 """
 
 from __future__ import annotations
@@ -45,6 +47,15 @@ NEEDS_VALUES = {"gae"}
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, 0).sum() / mask.sum().clamp(min=1)
+
+
+def sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over sequences of each sequence's token mean (verl's measure of the KL fed to the
+    adaptive controller); sequences without tokens are left out. [B, T] → scalar"""
+    lengths = mask.sum(-1)
+    has_tokens = lengths > 0
+    per_sequence = torch.where(mask, x, 0).sum(-1) / lengths.clamp(min=1)
+    return per_sequence[has_tokens].sum() / has_tokens.sum().clamp(min=1)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -143,9 +154,12 @@ def reinforce_pp(*, token_rewards, response_mask, values, group_index, gamma, la
 @ESTIMATORS.register("reinforce_pp_baseline")
 def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std) -> AdvantageOutput:
     """REINFORCE++ with a group-mean baseline: (score - group mean) on every token, whitened
-    over the batch."""
+    over the batch. Groups of one carry no signal (advantage 0) and stay out of the whitening
+    statistics, as for grpo and rloo; verl instead uses a baseline of 0 for them, so their
+    raw score is their signal."""
     scores = sequence_scores(token_rewards, response_mask)
-    mean, _, _ = group_stats(scores, group_index)
-    per_token = torch.where(response_mask, (scores - mean).unsqueeze(-1), 0)
-    advantages = masked_whiten(per_token, response_mask)
+    mean, _, size = group_stats(scores, group_index)
+    compared = response_mask & (size > 1).unsqueeze(-1)
+    per_token = torch.where(compared, (scores - mean).unsqueeze(-1), 0)
+    advantages = masked_whiten(per_token, compared)
     return AdvantageOutput(advantages, advantages.clone())

@@ -18,31 +18,51 @@ class KLEstimator(Protocol):
 
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
 
+LOG_RATIO_BOUND = 20.0  # verl's clamp of log q - log p before exp: no overflow, no inf·0
+K3_BOUND = 10.0  # verl's clamp of the k3 value: a bounded penalty, no gradient past it
 
-@KL_ESTIMATORS.register("k1")
+
 def kl_k1(*, logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """log p - log q: unbiased, high variance, can be negative. [B, T] → [B, T]"""
     return logprobs - ref_logprobs
 
 
-@KL_ESTIMATORS.register("abs")
 def kl_abs(*, logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """|log p - log q|. [B, T] → [B, T]"""
     return (logprobs - ref_logprobs).abs()
 
 
-@KL_ESTIMATORS.register("k2")
 def kl_k2(*, logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """½ (log p - log q)²: biased, low variance, non-negative. [B, T] → [B, T]"""
+    """½ (log p - log q)²: biased, low variance, non-negative; its gradient is the KL's. [B, T] → [B, T]"""
     return 0.5 * (logprobs - ref_logprobs).square()
 
 
-@KL_ESTIMATORS.register("k3")
 def kl_k3(*, logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """exp(log q - log p) - (log q - log p) - 1: unbiased, low variance, non-negative
-    (Schulman's k3). [B, T] → [B, T]"""
-    log_ratio = ref_logprobs - logprobs
-    return torch.exp(log_ratio) - log_ratio - 1.0
+    (Schulman's k3), bounded as verl bounds it (`low_var_kl`): the log-ratio clamped to ±20,
+    the value to [-10, 10], so one extreme token cannot dominate and gets no gradient past
+    the bound. [B, T] → [B, T]"""
+    log_ratio = torch.clamp(ref_logprobs - logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -K3_BOUND, K3_BOUND)
+
+
+def straight_through(estimator: KLEstimator) -> KLEstimator:
+    """The value of `estimator`, the gradient of k2 (an unbiased gradient of the KL; k1 and k3
+    give unbiased values but not gradients): verl's `k3+`, `low_var_kl+`, ..."""
+
+    def value_of_estimator_gradient_of_k2(*, logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+        value = estimator(logprobs=logprobs, ref_logprobs=ref_logprobs)
+        surrogate = kl_k2(logprobs=logprobs, ref_logprobs=ref_logprobs)
+        return surrogate - surrogate.detach() + value.detach()
+
+    return value_of_estimator_gradient_of_k2
+
+
+# rlctl's names and the names verl users type, for the same functions
+for _names, _estimator in ((("k1", "kl"), kl_k1), (("abs",), kl_abs), (("k2", "mse"), kl_k2), (("k3", "low_var_kl"), kl_k3)):
+    for _name in _names:
+        KL_ESTIMATORS.register(_name)(_estimator)
+        KL_ESTIMATORS.register(_name + "+")(kl_k2 if _estimator is kl_k2 else straight_through(_estimator))
 
 
 @dataclass(frozen=True)

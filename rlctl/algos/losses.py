@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import torch
 
+from rlctl.algos.kl import LOG_RATIO_BOUND
+
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -34,7 +36,11 @@ def aggregate(
     token-mean:              Σ loss / batch_tokens
     seq-mean-token-sum:      Σ_seq Σ_tok loss / batch_seqs
     seq-mean-token-mean:     Σ_seq (Σ_tok loss / len_seq) / batch_seqs
-    seq-mean-token-sum-norm: Σ loss / (batch_seqs · horizon)   (Dr.GRPO: a constant divisor)
+    seq-mean-token-sum-norm: Σ loss / (batch_seqs · horizon)   (Dr. GRPO: a constant divisor)
+
+    seq-mean-token-sum-norm is Dr. GRPO's definition (the 1/G over sequences kept, the 1/|o|
+    per sequence replaced by the constant generation budget); verl's mode of that name divides
+    by the horizon alone, so its loss is batch_seqs times rlctl's.
     """
     masked = torch.where(response_mask, loss, 0)
     if mode == "token-mean":
@@ -64,7 +70,7 @@ def ppo_policy_loss(
     loss = max(-A·r, -A·clip(r, 1-low, 1+high)); for A < 0 it is further capped at -A·c
     (dual clip, Ye et al. 2020) when c > 1.
     """
-    log_ratio = logprobs - old_logprobs
+    log_ratio = torch.clamp(logprobs - old_logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # as verl: exp stays finite
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped_obj = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
@@ -77,6 +83,37 @@ def ppo_policy_loss(
         clipped = clipped | dual
     mask = response_mask
     return PolicyLoss(torch.where(mask, loss, 0), clipped & mask, torch.where(mask, -log_ratio, 0))
+
+
+def gspo_policy_loss(
+    *,
+    logprobs: torch.Tensor,  # [B, T] current policy
+    old_logprobs: torch.Tensor,  # [B, T] behaviour policy
+    advantages: torch.Tensor,  # [B, T]
+    response_mask: torch.Tensor,  # [B, T] bool
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float = 0.0,  # unused: GSPO clips whole sequences, no dual clip
+) -> PolicyLoss:
+    """GSPO (Zheng et al. 2025), its token form as verl implements it: one importance ratio per
+    sequence, s = exp(mean over its tokens of (log p - log p_old)), clipped to [1 - low, 1 + high]
+    like PPO's; each token carries s with the gradient of its own log-prob,
+    s_t = sg(s) · p_t / sg(p_t). Ratios are ~1 ± 1e-3, so the clip ranges are small (the paper
+    and verl use low = 3e-4, high = 4e-4) and the aggregation is seq-mean-token-mean."""
+    log_ratio = torch.where(response_mask, logprobs - old_logprobs, 0)
+    lengths = response_mask.sum(-1, keepdim=True).clamp(min=1)
+    sequence_log_ratio = log_ratio.sum(-1, keepdim=True) / lengths
+    token_log_ratio = logprobs - logprobs.detach() + sequence_log_ratio.detach()
+    ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))  # as verl: exp stays finite
+    unclipped = -advantages * ratio
+    clipped_obj = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss = torch.maximum(unclipped, clipped_obj)
+    clipped = (clipped_obj > unclipped) & response_mask
+    approx_kl = torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return PolicyLoss(torch.where(response_mask, loss, 0), clipped, torch.where(response_mask, -approx_kl, 0))
+
+
+POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss}
 
 
 def clipped_value_loss(

@@ -94,12 +94,15 @@ def ref_discounted(rewards, lengths, gamma):
 
 
 def ref_reinforce_pp_baseline(rewards, lengths, groups):
+    """Singletons: 0 and out of the whitening; the rest whitened together."""
     scores = ref_scores(rewards, lengths)
-    rows = []
+    rows, compared = [], []
     for i, n in enumerate(lengths):
         members = [scores[j] for j in range(len(scores)) if groups[j] == groups[i]]
         rows.append([scores[i] - sum(members) / len(members)] * n)
-    return ref_whiten(rows)
+        compared.append(len(members) > 1)
+    whitened = iter(ref_whiten([row for row, c in zip(rows, compared) if c]))
+    return [next(whitened) if c else [0.0] * len(row) for row, c in zip(rows, compared)]
 
 
 def assert_rows(tensor, rows, lengths, mask):
@@ -143,7 +146,7 @@ def test_reinforce_pp_baseline_matches_loop():
     assert_rows(out.advantages, ref_reinforce_pp_baseline(rewards.tolist(), lengths, groups.tolist()), lengths, mask)
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo"])
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp_baseline"])
 def test_groups_of_one_get_zero_advantage(name):
     rewards, mask, _, _, lengths = random_batch(5)
     out = call(name, rewards, mask, None, torch.arange(7))
@@ -160,6 +163,22 @@ def test_values_and_rewards_at_masked_positions_never_change_gae(seed, junk):
     noisy_rewards = torch.where(mask, rewards, junk)
     other = call("gae", noisy_rewards, mask, noisy_values, groups)
     assert torch.equal(base.advantages, other.advantages) and torch.equal(base.returns, other.returns)
+
+
+def test_a_group_of_one_does_not_shift_the_others_in_reinforce_pp_baseline():
+    rewards, mask, _, groups, lengths = random_batch(6)
+    with_singletons = call("reinforce_pp_baseline", rewards, mask, None, groups)
+    keep = [i for i, g in enumerate(groups.tolist()) if groups.tolist().count(g) > 1]
+    without = call("reinforce_pp_baseline", rewards[keep], mask[keep], None, groups[keep])
+    torch.testing.assert_close(with_singletons.advantages[keep], without.advantages, atol=1e-12, rtol=0)
+
+
+def test_the_kl_fed_to_the_controller_averages_tokens_then_sequences():
+    from rlctl.algos.advantages import sequence_mean
+
+    kl = torch.tensor([[1.0, 1.0, 1.0, 1.0], [3.0, 0.0, 0.0, 0.0], [5.0, 5.0, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)  # the third has no tokens
+    assert float(sequence_mean(kl, mask)) == pytest.approx((1.0 + 3.0) / 2)  # a token mean would be 7/5
 
 
 def test_unknown_estimator_lists_the_known_ones():

@@ -26,7 +26,7 @@ REF_KL = {
     "k1": lambda lp, ref: lp - ref,
     "abs": lambda lp, ref: abs(lp - ref),
     "k2": lambda lp, ref: 0.5 * (lp - ref) ** 2,
-    "k3": lambda lp, ref: math.exp(ref - lp) - (ref - lp) - 1,
+    "k3": lambda lp, ref: math.exp(ref - lp) - (ref - lp) - 1,  # inside its bound here (see below)
 }
 
 
@@ -37,6 +37,59 @@ def test_kl_estimators_match_formula(name):
     out = KL_ESTIMATORS.get(name)(logprobs=lp, ref_logprobs=ref)
     expected = [[REF_KL[name](a, b) for a, b in zip(ra, rb)] for ra, rb in zip(lp.tolist(), ref.tolist())]
     np.testing.assert_allclose(out.numpy(), expected, atol=TOL, rtol=0)
+
+
+def ref_bounded_k3(lp, ref):
+    """verl's low_var_kl in float64: log-ratio clamped to ±20, value to [-10, 10]."""
+    x = min(max(ref - lp, -20.0), 20.0)
+    return min(max(math.exp(x) - x - 1, -10.0), 10.0)
+
+
+@pytest.mark.parametrize("alias,name", [("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3"), ("kl+", "k1+"), ("low_var_kl+", "k3+")])
+def test_verl_names_are_the_same_estimators(alias, name):
+    _, _, r = tensors(seed=3)
+    lp, ref = r(2.0) - 1, r(2.0) - 1
+    assert torch.equal(KL_ESTIMATORS.get(alias)(logprobs=lp, ref_logprobs=ref), KL_ESTIMATORS.get(name)(logprobs=lp, ref_logprobs=ref))
+
+
+def test_k3_is_bounded_like_verls_low_var_kl_and_has_no_gradient_past_the_bound():
+    # ref - lp: inside the bound, just inside and past it on both sides, past the ±20 log-ratio clamp
+    gaps = [0.5, 2.0, 2.6, 2.7, 3.0, 25.0, -5.0, -12.0, -30.0]
+    ref = torch.zeros(len(gaps), dtype=torch.float64)
+    lp = (ref - torch.tensor(gaps, dtype=torch.float64)).requires_grad_()
+    out = KL_ESTIMATORS.get("k3")(logprobs=lp, ref_logprobs=ref)
+    np.testing.assert_allclose(out.detach().numpy(), [ref_bounded_k3(a, b) for a, b in zip(lp.tolist(), ref.tolist())], atol=TOL, rtol=0)
+    assert float(out.detach().max()) == 10.0 and torch.isfinite(out.detach()).all()
+    out.sum().backward()
+    inside = [abs(ref_bounded_k3(g_lp, 0.0)) < 10.0 for g_lp in lp.tolist()]
+    for grad, within, gap in zip(lp.grad.tolist(), inside, gaps):
+        if within:  # d/dlp [e^(ref-lp) - (ref-lp) - 1] = 1 - e^(ref-lp)
+            assert grad == pytest.approx(1 - math.exp(gap), abs=1e-9)
+        else:
+            assert grad == 0.0
+
+
+@pytest.mark.parametrize("name", ["k1+", "k3+", "abs+"])
+def test_straight_through_estimators_have_the_value_of_theirs_and_the_gradient_of_k2(name):
+    _, _, r = tensors(seed=5)
+    ref = r(0.5) - 1
+    lp = (r(0.5) - 1).requires_grad_()
+    out = KL_ESTIMATORS.get(name)(logprobs=lp, ref_logprobs=ref)
+    base = KL_ESTIMATORS.get(name[:-1])(logprobs=lp.detach(), ref_logprobs=ref)
+    torch.testing.assert_close(out.detach(), base, atol=1e-12, rtol=0)
+    out.sum().backward()
+    torch.testing.assert_close(lp.grad, (lp - ref).detach(), atol=1e-12, rtol=0)  # d/dlp ½(lp - ref)²
+
+
+def test_an_extreme_log_ratio_gives_a_finite_ppo_loss():
+    lp = torch.tensor([[60.0, -60.0, 0.1]], dtype=torch.float64)
+    old = torch.zeros_like(lp)
+    out = ppo_policy_loss(
+        logprobs=lp, old_logprobs=old, advantages=torch.tensor([[-1.0, 1.0, 1.0]], dtype=torch.float64),
+        response_mask=torch.ones_like(lp, dtype=torch.bool), clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=0.0,
+    )
+    assert torch.isfinite(out.loss).all() and torch.isfinite(out.approx_kl).all()
+    assert out.approx_kl.tolist()[0][:2] == [-20.0, 20.0]  # the log-ratio clamped to ±20, as verl's ppo_kl
 
 
 def ref_ppo_token(lp, old, adv, low, high, c):
@@ -107,3 +160,44 @@ def test_adaptive_kl_controller_moves_toward_target():
     down = next_kl_state(state, controller="adaptive", observed_kl=0.0, batch_sequences=100, target=0.1, horizon=1000)
     assert up.kl_coef == pytest.approx(0.1 * (1 + 0.2 * 0.1)) and down.kl_coef == pytest.approx(0.1 * (1 - 0.2 * 0.1))
     assert next_kl_state(state, controller="fixed", observed_kl=9.0, batch_sequences=1, target=0.1, horizon=1).kl_coef == 0.1
+
+
+def ref_gspo_token_losses(lp, old, adv, lengths, low, high):
+    """Per-token GSPO losses in float64: one ratio per sequence from its mean log-ratio."""
+    out = []
+    for i, n in enumerate(lengths):
+        s = math.exp(sum(lp[i][t] - old[i][t] for t in range(n)) / n)
+        row = [max(-adv[i][t] * s, -adv[i][t] * min(max(s, 1 - low), 1 + high)) for t in range(n)]
+        out.append(row + [0.0] * (len(lp[i]) - n))
+    return out
+
+
+def test_gspo_loss_matches_loop_and_each_token_gets_its_sequences_ratio_as_gradient():
+    from rlctl.algos.losses import gspo_policy_loss
+
+    mask, lengths, r = tensors(seed=11)
+    old = r(0.3) - 2
+    lp = (old + r(0.002)).requires_grad_()  # GSPO's regime: sequence ratios within ~1e-3 of 1
+    adv = r(1.0)
+    low, high = 3e-4, 4e-4
+    out = gspo_policy_loss(logprobs=lp, old_logprobs=old, advantages=adv, response_mask=mask, clip_ratio_low=low, clip_ratio_high=high)
+    expected = ref_gspo_token_losses(lp.tolist(), old.tolist(), adv.tolist(), lengths, low, high)
+    np.testing.assert_allclose(out.loss.detach().numpy(), expected, atol=TOL, rtol=0)
+    out.loss.sum().backward()
+    for i, n in enumerate(lengths):
+        s = math.exp(sum(lp[i][t].item() - old[i][t].item() for t in range(n)) / n)
+        for t in range(n):
+            a = adv[i][t].item()
+            inside = (1 - low) <= s <= (1 + high) or (a > 0 and s < 1 - low) or (a < 0 and s > 1 + high)
+            assert lp.grad[i][t].item() == pytest.approx(-a * s if inside else 0.0, abs=1e-9)
+        assert (lp.grad[i][n:] == 0).all()
+
+
+def test_gspo_at_the_start_of_a_step_is_minus_the_advantage_on_every_token():
+    from rlctl.algos.losses import gspo_policy_loss
+
+    mask, lengths, r = tensors(seed=12)
+    lp, adv = r(0.5) - 1, r(1.0)
+    out = gspo_policy_loss(logprobs=lp, old_logprobs=lp.clone(), advantages=adv, response_mask=mask, clip_ratio_low=3e-4, clip_ratio_high=4e-4)
+    torch.testing.assert_close(out.loss, torch.where(mask, -adv, 0), atol=1e-12, rtol=0)
+    assert not out.clipped.any()

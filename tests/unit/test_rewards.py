@@ -13,6 +13,7 @@ from rlctl.rewards import (
     countdown_reward,
     evaluate_arithmetic,
     from_callable,
+    gsm8k_flexible_reward,
     gsm8k_reward,
     length_reward,
     load_reward,
@@ -28,9 +29,17 @@ def test_length_reward_is_the_seed_articles():
     assert length_reward(["x" * 50, "x" * 150, ""]) == [0.5, 1.0, 0.0]
 
 
-def test_gsm8k_takes_the_last_answer_in_the_tail_and_strips_commas_and_dollars():
-    responses = ["#### 1 then #### $1,234", "no answer", "#### 72", "#### 5" + " " * 400]
-    assert gsm8k_reward(responses=responses, ground_truths=["1234", "1", "72.0", "5"]) == [1.0, 0.0, 0.0, 0.0]
+def test_gsm8k_is_verls_strict_rule():
+    responses = ["#### 1 then #### 1,234", "no answer", "#### 72", "#### 5" + " " * 400, "#### $18", "#### 42.", "#### -3"]
+    truths = ["1234", "1", "72.0", "5", "18", "42", "-3"]
+    # the last "#### n" in the tail, commas removed; "$18" and "42." are format errors there
+    assert gsm8k_reward(responses=responses, ground_truths=truths) == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_gsm8k_flexible_takes_the_last_number_wherever_it_stands():
+    responses = ["so the total is $1,234.", "#### $18", "#### 42.", "no number", "it is 7, not 8", "-5 degrees"]
+    truths = ["1234", "18", "42", "1", "7", "-5"]
+    assert gsm8k_flexible_reward(responses=responses, ground_truths=truths) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
 
 
 def test_countdown_scores_correct_wellformed_and_garbage():
@@ -105,7 +114,7 @@ def test_specs_load_files_modules_and_builtins(tmp_path):
     assert module.keywords == ("responses",)
     assert compute_rewards(module, samples(["x" * 50]), timeout=5) == length_reward(["x" * 50])
     assert load_reward("builtin:gsm8k").keywords == ("responses", "ground_truths")
-    with pytest.raises(InputError, match="available: countdown, gsm8k, length"):
+    with pytest.raises(InputError, match="available: countdown, gsm8k, gsm8k_flexible, length"):
         load_reward("builtin:nope")
     with pytest.raises(InputError, match="has no function 'missing'"):
         load_reward(f"{path}:missing")

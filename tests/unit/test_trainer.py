@@ -33,12 +33,12 @@ def policy(tiny_model):
     return HFPolicy.load(tiny_model, "cpu")
 
 
-@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_micro_batch_sizes_give_the_same_gradient(policy, mode):
+@pytest.mark.parametrize("mode,policy_loss", [(mode, "ppo") for mode in LOSS_AGG_MODES] + [("seq-mean-token-mean", "gspo")])
+def test_micro_batch_sizes_give_the_same_gradient(policy, mode, policy_loss):
     batch = make_batch()
     grads = []
     for micro in (1, 2, 4):
-        cfg = UpdateConfig(micro_batch_size=micro, loss_agg_mode=mode, use_kl_loss=True, entropy_coef=0.01)
+        cfg = UpdateConfig(micro_batch_size=micro, loss_agg_mode=mode, use_kl_loss=True, entropy_coef=0.01, policy_loss=policy_loss)
         trainer = Trainer(policy, cfg)
         trainer.accumulate_gradients(batch, torch.arange(batch.size))
         grads.append(flat_gradients(policy.model))
