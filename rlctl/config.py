@@ -118,9 +118,11 @@ class ScoreConfig:
     batch_size: int = 16  # sequences per forward pass
     dtype: str = "fp32"  # compute dtype of the ref/policy/critic forward passes: fp32 | bf16
     old_logprobs: bool = True  # in a pipeline: recompute policy log-probs with a forward pass
+    overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last N tokens before max_new_tokens; 0 = off
+    overlong_penalty: float = 1.0  # the penalty at max_new_tokens (it grows linearly over the buffer)
 
     def __post_init__(self) -> None:
-        check_ranges(self, "score", {"reward_timeout": at_least(0.0), "batch_size": at_least(1), "dtype": one_of(*COMPUTE_DTYPES)})
+        check_ranges(self, "score", {"overlong_buffer": at_least(0), "overlong_penalty": at_least(0.0), "reward_timeout": at_least(0.0), "batch_size": at_least(1), "dtype": one_of(*COMPUTE_DTYPES)})
 
 
 @dataclass(frozen=True)

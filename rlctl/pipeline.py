@@ -478,6 +478,7 @@ class Pipeline:
             "pg_loss": train.get("pg_loss"),
             "vf_loss": train.get("vf_loss"),
             "pg_clipfrac": train.get("pg_clipfrac"),
+            "pg_clipfrac_lower": train.get("pg_clipfrac_lower"),
             "ppo_kl": train.get("ppo_kl"),
             "grad_norm": train.get("grad_norm"),
             "lr": train.get("lr"),

@@ -57,6 +57,13 @@ class RewardSamples:
 BUILTINS: Registry[Callable] = Registry("builtin reward")
 
 
+def overlong_penalty(lengths: Sequence[int], *, max_new_tokens: int, buffer: int, penalty: float) -> list[float]:
+    """DAPO's soft overlong punishment, added to each reward: 0 up to max_new_tokens - buffer
+    tokens, then falling linearly to -penalty at max_new_tokens (verl's overlong_buffer)."""
+    expected = max_new_tokens - buffer
+    return [min(-(n - expected) / buffer * penalty, 0.0) if buffer > 0 else 0.0 for n in lengths]
+
+
 # --- built-ins ----------------------------------------------------------------------------
 
 

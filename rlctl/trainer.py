@@ -202,7 +202,7 @@ class Trainer:
             self.critic_optimizer.zero_grad(set_to_none=True)
         mask = batch.response_mask[indices]
         norms = {"batch_tokens": int(mask.sum()), "batch_seqs": len(indices), "horizon": cfg.loss_horizon or batch.response_mask.shape[1]}
-        stats = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "entropy": 0.0}
+        stats = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": 0.0, "entropy": 0.0}
         if batch.ref_logprobs is not None:  # reported whenever measurable; a loss only with use_kl_loss
             stats["kl"] = 0.0
         if self.critic is not None:
@@ -246,6 +246,7 @@ class Trainer:
                 stats["vf_loss"] += weight * float(vf_loss.detach())
             stats["pg_loss"] += weight * float(pg_loss.detach())
             stats["pg_clipfrac"] += weight * float(pg.clipped.sum()) / tokens
+            stats["pg_clipfrac_lower"] += weight * float(pg.dual_clipped.sum()) / tokens
             stats["ppo_kl"] += weight * float(pg.approx_kl.detach().sum()) / tokens
             stats["entropy"] += weight * float(torch.where(m, entropy.detach(), 0).sum()) / tokens
         return self.ranks.sum(stats)

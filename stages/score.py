@@ -13,7 +13,13 @@ from rlctl.config import ScoreConfig, WorkersConfig, to_dict
 from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
 from rlctl.manifest import Manifest
-from rlctl.rewards import RewardFunction, RewardSamples, compute_rewards, load_reward
+from rlctl.rewards import (
+    RewardFunction,
+    RewardSamples,
+    compute_rewards,
+    load_reward,
+    overlong_penalty,
+)
 from rlctl.schemas import spec
 from rlctl.shards import OutputSpec, read, write
 from rlctl.stages.rollout import sampling_of
@@ -93,7 +99,18 @@ def scored_rewards(table: pa.Table, reward: RewardFunction, models: ScoringModel
     vocab = next((m.vocab_size for m in (models.ref, models.policy, models.critic) if m is not None), None)
     if vocab is not None:
         check_token_ids(table, vocab, source="rollouts")
-    return compute_rewards(reward, reward_samples(table), timeout=cfg.reward_timeout)
+    rewards = compute_rewards(reward, reward_samples(table), timeout=cfg.reward_timeout)
+    if cfg.overlong_buffer > 0:
+        limit = sampling_of(table).get("max_new_tokens")
+        if not isinstance(limit, int) or cfg.overlong_buffer >= limit:
+            raise InputError(
+                f"score.overlong_buffer={cfg.overlong_buffer} needs rollouts that record a max_new_tokens above it "
+                f"(these record {limit!r})"
+            )
+        lengths = [len(ids) for ids in table.column("response_ids").to_pylist()]
+        shaping = overlong_penalty(lengths, max_new_tokens=limit, buffer=cfg.overlong_buffer, penalty=cfg.overlong_penalty)
+        rewards = [r + p for r, p in zip(rewards, shaping)]
+    return rewards
 
 
 def with_model_columns(table: pa.Table, rewards: list[float], models: ScoringModels, cfg: ScoreConfig, *, ref_logprobs: list | None = None) -> pa.Table:

@@ -18,8 +18,9 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 
 class PolicyLoss(NamedTuple):
     loss: torch.Tensor  # [B, T] per-token loss (0 where masked)
-    clipped: torch.Tensor  # [B, T] bool: the clipped branch was taken
+    clipped: torch.Tensor  # [B, T] bool: the clipped branch was taken (verl's pg_clipfrac)
     approx_kl: torch.Tensor  # [B, T] old - new log-prob (k1 of the PPO step)
+    dual_clipped: torch.Tensor | None = None  # [B, T] bool: the dual clip capped the loss (verl's pg_clipfrac_lower)
 
 
 def aggregate(
@@ -76,13 +77,13 @@ def ppo_policy_loss(
     clipped_obj = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss = torch.maximum(unclipped, clipped_obj)
     clipped = clipped_obj > unclipped
+    dual = torch.zeros_like(clipped)
     if clip_ratio_c > 1.0:
         cap = -advantages * clip_ratio_c
         dual = (advantages < 0) & (loss > cap)
         loss = torch.where(advantages < 0, torch.minimum(loss, cap), loss)
-        clipped = clipped | dual
     mask = response_mask
-    return PolicyLoss(torch.where(mask, loss, 0), clipped & mask, torch.where(mask, -log_ratio, 0))
+    return PolicyLoss(torch.where(mask, loss, 0), clipped & mask, torch.where(mask, -log_ratio, 0), dual & mask)
 
 
 def gspo_policy_loss(
@@ -110,7 +111,7 @@ def gspo_policy_loss(
     loss = torch.maximum(unclipped, clipped_obj)
     clipped = (clipped_obj > unclipped) & response_mask
     approx_kl = torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    return PolicyLoss(torch.where(response_mask, loss, 0), clipped, torch.where(response_mask, -approx_kl, 0))
+    return PolicyLoss(torch.where(response_mask, loss, 0), clipped, torch.where(response_mask, -approx_kl, 0), torch.zeros_like(clipped))
 
 
 POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss}

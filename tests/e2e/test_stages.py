@@ -183,3 +183,15 @@ def test_format_parquet_writes_parquet_parts_that_read_back(cli, tmp_path, score
     parts = part_files(tmp_path / "pq")
     assert [p.name[-13:] for p in parts] == ["00000.parquet", "00001.parquet"] and sorted(parts) == sorted((tmp_path / "pq").glob("part-*"))
     assert shards.read(str(tmp_path / "pq"), "batch").table.num_rows == 6
+
+
+def test_score_adds_the_overlong_penalty_from_the_rollouts_own_length_limit(cli, tmp_path, scored):
+    result = cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "long", "--reward", "builtin:length", "--set", "score.overlong_buffer=4", "--set", "score.overlong_penalty=0.5")
+    assert result.exit_code == 0, result.stderr
+    plain, shaped = shards.read(str(scored)).table, shards.read(str(tmp_path / "long")).table
+    limit = json.loads(plain.schema.metadata[b"rlctl.sampling"])["max_new_tokens"]
+    for base, reward, ids in zip(plain.column("reward").to_pylist(), shaped.column("reward").to_pylist(), shaped.column("response_ids").to_pylist()):
+        expected = base + min(-(len(ids) - (limit - 4)) / 4 * 0.5, 0.0)
+        assert reward == pytest.approx(expected, abs=1e-6)
+    too_long = cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "bad", "--reward", "builtin:length", "--set", f"score.overlong_buffer={limit}")
+    bad(too_long, tmp_path / "bad", "needs rollouts that record a max_new_tokens above it")

@@ -117,6 +117,7 @@ def test_dual_clip_caps_the_loss_for_negative_advantages():
     mask = torch.ones(1, 1, dtype=torch.bool)
     out = ppo_policy_loss(logprobs=lp, old_logprobs=old, advantages=adv, response_mask=mask, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
     assert out.loss.item() == pytest.approx(3.0)
+    assert out.dual_clipped.item() and not out.clipped.item()  # verl's pg_clipfrac_lower, not its pg_clipfrac
 
 
 def test_clipped_value_loss_matches_loop():

@@ -133,3 +133,11 @@ def test_reward_model_scores_in_batches(tmp_path, tiny_model):
     scores = compute_rewards(reward, samples(["hello", "a longer response here", "x"]), timeout=30)
     single = compute_rewards(reward, samples(["a longer response here"]), timeout=30)
     assert len(scores) == 3 and scores[1] == pytest.approx(single[0], abs=1e-4)
+
+
+def test_the_overlong_penalty_is_dapos_soft_punishment():
+    from rlctl.rewards import overlong_penalty
+
+    # max 20 tokens, buffer 8: free up to 12, then -1/8 per token, -penalty at 20
+    assert overlong_penalty([5, 12, 13, 16, 20], max_new_tokens=20, buffer=8, penalty=0.5) == [0.0, 0.0, -0.0625, -0.25, -0.5]
+    assert overlong_penalty([20], max_new_tokens=20, buffer=0, penalty=1.0) == [0.0]
