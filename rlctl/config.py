@@ -156,6 +156,8 @@ class UpdateConfig:
     clip_ratio_c: float = 3.0  # dual clip for negative advantages; 0 disables (PPO only)
     policy_loss: str = "ppo"  # ppo | gspo (sequence-level ratio: set clip_ratio_low/high ≈ 3e-4/4e-4, loss_agg_mode seq-mean-token-mean)
     loss_agg_mode: str = "token-mean"
+    rollout_is: str = "off"  # off | token | sequence: truncated importance weights engine → trainer (verl's rollout_is)
+    rollout_is_threshold: float = 2.0  # the truncation of those weights
     loss_horizon: int = 0  # seq-mean-token-sum-norm divisor; 0 = longest response in the batch
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -175,6 +177,7 @@ class UpdateConfig:
             "lr": above(0.0), "critic_lr": above(0.0), "epochs": at_least(1), "mini_batch_size": at_least(0), "micro_batch_size": at_least(1),
             "clip_ratio_low": between(0.0, 1.0), "clip_ratio_high": at_least(0.0),
             "clip_ratio_c": lambda v: None if v == 0 or v > 1 else "must be 0 (off) or > 1", "policy_loss": one_of("ppo", "gspo"),
+            "rollout_is": one_of("off", "token", "sequence"), "rollout_is_threshold": above(1.0),
             "loss_horizon": at_least(0), "kl_loss_coef": at_least(0.0), "cliprange_value": above(0.0), "vf_coef": at_least(0.0),
             "max_grad_norm": at_least(0.0), "weight_decay": at_least(0.0), "warmup_steps": at_least(0),
         })

@@ -18,7 +18,13 @@ import torch
 
 from rlctl import faults
 from rlctl.algos.kl import KL_ESTIMATORS
-from rlctl.algos.losses import LOSS_AGG_MODES, POLICY_LOSSES, aggregate, clipped_value_loss
+from rlctl.algos.losses import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    aggregate,
+    clipped_value_loss,
+    rollout_is_weights,
+)
 from rlctl.backends.hf import HFPolicy, ValueModel, pack
 from rlctl.config import UpdateConfig
 from rlctl.errors import InputError, TrainingError
@@ -37,6 +43,7 @@ class TrainBatch:
     ref_logprobs: torch.Tensor | None  # [N, T]
     old_values: torch.Tensor | None  # [N, T]
     returns: torch.Tensor | None  # [N, T]
+    rollout_logprobs: torch.Tensor | None = None  # [N, T] the engine's, for rollout importance sampling
 
     @property
     def size(self) -> int:
@@ -63,6 +70,7 @@ class TrainBatch:
             ref_logprobs=optional("ref_logprobs"),
             old_values=optional("values"),
             returns=optional("returns"),
+            rollout_logprobs=optional("rollout_logprobs"),
         )
 
 
@@ -207,6 +215,10 @@ class Trainer:
             stats["kl"] = 0.0
         if self.critic is not None:
             stats["vf_loss"] = 0.0
+        if cfg.rollout_is != "off":
+            if batch.rollout_logprobs is None:
+                raise InputError("update.rollout_is needs the engine's rollout_logprobs in the batch")
+            stats["rollout_is_weight"] = 0.0
         tokens = max(norms["batch_tokens"], 1)
         device = self.policy.device
         autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
@@ -225,7 +237,15 @@ class Trainer:
                 logprobs=logp, old_logprobs=take(batch.old_logprobs), advantages=take(batch.advantages), response_mask=m,
                 clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
             )
-            pg_loss = aggregate(loss=pg.loss, response_mask=m, mode=cfg.loss_agg_mode, **norms)
+            token_loss = pg.loss
+            if cfg.rollout_is != "off":
+                weights = rollout_is_weights(
+                    old_logprobs=take(batch.old_logprobs), rollout_logprobs=take(batch.rollout_logprobs), response_mask=m,
+                    level=cfg.rollout_is, threshold=cfg.rollout_is_threshold,
+                )
+                token_loss = pg.loss * weights
+                stats["rollout_is_weight"] += weight * float(torch.where(m, weights, 0).sum()) / tokens
+            pg_loss = aggregate(loss=token_loss, response_mask=m, mode=cfg.loss_agg_mode, **norms)
             entropy_loss = aggregate(loss=entropy, response_mask=m, mode=cfg.loss_agg_mode, **norms)
             loss = pg_loss - cfg.entropy_coef * entropy_loss
             if batch.ref_logprobs is not None:

@@ -7,6 +7,7 @@ into micro-batches gives exactly the gradient of the whole mini-batch at once.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -115,6 +116,22 @@ def gspo_policy_loss(
 
 
 POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss}
+
+
+def rollout_is_weights(
+    *, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, level: str, threshold: float,
+) -> torch.Tensor:
+    """Truncated importance weights for the engine/trainer mismatch (verl's rollout_is): the
+    rollout engine sampled, the trainer's recomputed `old_logprobs` define the policy the loss
+    is about, so each token's loss is weighted by min(exp(old - rollout), threshold); at
+    sequence level one weight per sequence from the summed log-ratio. No gradient. [B, T]"""
+    log_ratio = torch.where(response_mask, old_logprobs - rollout_logprobs, 0).detach()
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+    elif level != "token":
+        raise ValueError(f"unknown rollout_is level {level!r}; use token or sequence")
+    weights = torch.exp(torch.clamp(log_ratio, max=math.log(threshold)))
+    return torch.where(response_mask, weights, 0)
 
 
 def clipped_value_loss(

@@ -202,3 +202,19 @@ def test_gspo_at_the_start_of_a_step_is_minus_the_advantage_on_every_token():
     out = gspo_policy_loss(logprobs=lp, old_logprobs=lp.clone(), advantages=adv, response_mask=mask, clip_ratio_low=3e-4, clip_ratio_high=4e-4)
     torch.testing.assert_close(out.loss, torch.where(mask, -adv, 0), atol=1e-12, rtol=0)
     assert not out.clipped.any()
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_is_weights_are_truncated_ratios_trainer_over_engine(level):
+    from rlctl.algos.losses import rollout_is_weights
+
+    mask, lengths, r = tensors(seed=13)
+    old, rollout = r(0.5) - 2, r(0.5) - 2
+    out = rollout_is_weights(old_logprobs=old, rollout_logprobs=rollout, response_mask=mask, level=level, threshold=2.0)
+    for i, n in enumerate(lengths):
+        if level == "token":
+            expected = [min(math.exp(old[i][t].item() - rollout[i][t].item()), 2.0) for t in range(n)]
+        else:
+            expected = [min(math.exp(sum(old[i][t].item() - rollout[i][t].item() for t in range(n))), 2.0)] * n
+        np.testing.assert_allclose(out[i, :n].numpy(), expected, atol=TOL, rtol=0)
+    assert (out[~mask] == 0).all()

@@ -48,6 +48,20 @@ def test_micro_batch_sizes_give_the_same_gradient(policy, mode, policy_loss):
         np.testing.assert_allclose(other, grads[0], atol=1e-6 * max(scale, 1.0), rtol=0)
 
 
+def test_rollout_importance_weights_scale_each_tokens_policy_gradient(policy):
+    from dataclasses import replace
+
+    batch = make_batch(seed=2)
+    grads = {}
+    for name, rollout, level in (("off", None, "off"), ("same", batch.old_logprobs, "token"), ("lower", batch.old_logprobs - 0.5, "token")):
+        trainer = Trainer(policy, UpdateConfig(micro_batch_size=8, rollout_is=level, rollout_is_threshold=10.0))
+        trainer.accumulate_gradients(replace(batch, rollout_logprobs=rollout), torch.arange(batch.size))
+        grads[name] = flat_gradients(policy.model)
+    np.testing.assert_allclose(grads["same"], grads["off"], atol=1e-7, rtol=0)  # engine = trainer: weight 1
+    # the engine gave every token 0.5 nats less: each token's loss weighs exp(0.5)
+    np.testing.assert_allclose(grads["lower"], grads["off"] * np.exp(0.5), atol=1e-6 * np.abs(grads["off"]).max(), rtol=1e-4)
+
+
 def run_update(tiny_model, batch, cfg, state=None):
     policy = HFPolicy.load(tiny_model, "cpu")
     trainer = Trainer(policy, cfg)
