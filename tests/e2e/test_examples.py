@@ -60,6 +60,13 @@ def test_grpo_example_learns_on_two_ray_workers_as_it_does_locally(tmp_path):
 
 
 @pytest.mark.slow
+def test_dr_grpo_example_learns_by_the_stated_margin(tmp_path):
+    rows = run_example("drgrpo.toml", tmp_path)
+    assert len(rows) == 30
+    assert learning_margin(rows) >= 0.5  # the margin stated in examples/drgrpo.toml
+
+
+@pytest.mark.slow
 def test_ppo_example_learns_by_the_stated_margin(tmp_path):
     rows = run_example("ppo.toml", tmp_path)
     assert len(rows) == 30
