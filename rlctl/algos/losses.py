@@ -57,6 +57,13 @@ def aggregate(
     raise ValueError(f"unknown loss_agg_mode {mode!r}; available: {', '.join(LOSS_AGG_MODES)}")
 
 
+def clipped_surrogate(advantages: torch.Tensor, ratio: torch.Tensor, low: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """max(-A·r, -A·clip(r, 1 - low, 1 + high)) per token, and where the clipped branch won."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
 def ppo_policy_loss(
     *,
     logprobs: torch.Tensor,  # [B, T] current policy
@@ -73,11 +80,7 @@ def ppo_policy_loss(
     (dual clip, Ye et al. 2020) when c > 1.
     """
     log_ratio = torch.clamp(logprobs - old_logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # as verl: exp stays finite
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped_obj = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss = torch.maximum(unclipped, clipped_obj)
-    clipped = clipped_obj > unclipped
+    loss, clipped = clipped_surrogate(advantages, torch.exp(log_ratio), clip_ratio_low, clip_ratio_high)
     dual = torch.zeros_like(clipped)
     if clip_ratio_c > 1.0:
         cap = -advantages * clip_ratio_c
@@ -107,10 +110,8 @@ def gspo_policy_loss(
     sequence_log_ratio = log_ratio.sum(-1, keepdim=True) / lengths
     token_log_ratio = logprobs - logprobs.detach() + sequence_log_ratio.detach()
     ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))  # as verl: exp stays finite
-    unclipped = -advantages * ratio
-    clipped_obj = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss = torch.maximum(unclipped, clipped_obj)
-    clipped = (clipped_obj > unclipped) & response_mask
+    loss, clipped = clipped_surrogate(advantages, ratio, clip_ratio_low, clip_ratio_high)
+    clipped = clipped & response_mask
     approx_kl = torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     return PolicyLoss(torch.where(response_mask, loss, 0), clipped, torch.where(response_mask, -approx_kl, 0), torch.zeros_like(clipped))
 
