@@ -65,10 +65,7 @@ class LocalWorkers:
         handed = {"mode": "in-memory (shared module)", "policy_version": self.trainer.step, "weights_sha256": self.weights_digest()}
         if self.generator is None:
             return handed
-        seconds = 0.0
-        if not faults.skipped(f"push-weights-{self.trainer.step}"):
-            seconds = self.generator.push_weights(self.policy.model.state_dict().items())
-        return {**handed, "mode": "in-place push into the vLLM engine", **sync_record(self.generator, self.policy.model, seconds)}
+        return {**handed, "mode": "in-place push into the vLLM engine", **push_and_check(self.generator, self.policy.model, self.trainer.step)}
 
     def weights_digest(self) -> str:
         """sha256 over the policy's parameters: identifies the weights a stage used. The
@@ -106,6 +103,15 @@ def start_vllm(cfg: Config, source: str, trainer: HFPolicy):
     engine = VLLMEngine.load(source, cfg.model.device, cfg.vllm, compute_dtype=cfg.rollout.dtype, params=sampling_params(cfg.rollout), seed=cfg.rollout.seed)
     sync_record(engine, trainer.model, 0.0)
     return engine
+
+
+def push_and_check(engine, trainer_model: torch.nn.Module, step: int) -> dict:
+    """Push the trainer's tensors into the vLLM engine in place, then probe it (`sync_record`).
+    The test-only fault `RLCTL_FAULT_SKIP=push-weights-` skips the push, for the probe to catch."""
+    seconds = 0.0
+    if not faults.skipped(f"push-weights-{step}"):
+        seconds = engine.push_weights(trainer_model.state_dict().items())
+    return sync_record(engine, trainer_model, seconds)
 
 
 def sync_record(engine, trainer_model: torch.nn.Module, seconds: float) -> dict:

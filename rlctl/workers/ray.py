@@ -528,16 +528,11 @@ class RankWorker:
     def hand_over(self) -> dict:
         """Gather the trained weights into this rank's engine copy, then push them into its
         vLLM engine and probe it (out of sync raises: exit 1). Seconds and the check."""
-        from rlctl.workers.local import sync_record
+        from rlctl.workers.local import push_and_check
 
         started = time.perf_counter()
         self._gather()
-        record: dict = {}
-        if self.generator is not None:
-            pushed = 0.0
-            if not faults.skipped(f"push-weights-{self.trainer.step}"):
-                pushed = self.generator.push_weights(self.engine.model.state_dict().items())
-            record = sync_record(self.generator, self.engine.model, pushed)
+        record = push_and_check(self.generator, self.engine.model, self.trainer.step) if self.generator is not None else {}
         return {"seconds": time.perf_counter() - started, **record}
 
     def pause_engine(self) -> None:
