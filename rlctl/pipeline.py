@@ -310,7 +310,7 @@ class Pipeline:
             f"run folder    {self.run_dir}",
             f"resume from   {self.checkpoint or 'the start (no committed checkpoint)'}",
             f"iterations    {first}..{total} of {total}" if first <= total else f"iterations    none left ({total} done)",
-            f"stages        {' → '.join(self._stages_to_run())} → hand-over (in memory)",
+            f"stages        {' → '.join(self._stages_to_run())} → hand-over ({describe_handover(cfg)})",
             f"policy        {cfg.model.path}{' (created: ' + cfg.model.init_preset + ')' if not Path(cfg.model.path, 'config.json').exists() else ''}",
             f"reference     {cfg.model.ref or '-'}",
             f"critic        {cfg.model.critic or '-'}",
@@ -562,6 +562,12 @@ def describe_workers(cfg: Config) -> str:
     kind = "NCCL" if w.gpus_per_worker else "gloo"
     pools = " (the reference in a pool of its own: twice the ranks)" if w.placement == "split" and cfg.model.ref else ""
     return f"ray: {w.num_workers} × ({w.cpus_per_worker} CPU{', ' + format(w.gpus_per_worker, 'g') + ' GPU' if w.gpus_per_worker else ''}) on {where}, FSDP2 over {kind}{pools}"
+
+
+def describe_handover(cfg: Config) -> str:
+    if cfg.rollout.backend == "vllm":
+        return "in-place push into the vLLM engine, probe-checked every iteration"
+    return "in memory"
 
 
 def notice(text: str) -> None:
