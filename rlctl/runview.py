@@ -5,18 +5,26 @@ per iteration (`--quiet`, or stderr not a terminal)."""
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 KEY_METRICS = (("reward", "reward_mean"), ("kl", "kl"), ("entropy", "entropy"), ("len", "response_length"), ("clip", "pg_clipfrac"), ("grad", "grad_norm"))
 
 
-def plain_line(row: dict[str, Any]) -> str:
-    parts = [f"iter {row['iteration']}"]
+def plain_line(row: dict[str, Any], total: int | None = None, eta_seconds: float | None = None) -> str:
+    parts = [f"iter {row['iteration']}" + (f"/{total}" if total else "")]
     for label, key in KEY_METRICS:
         value = row.get(key)
         if value is not None:
@@ -24,12 +32,44 @@ def plain_line(row: dict[str, Any]) -> str:
     if "val/score" in row:
         parts.append(f"val {row['val/score']:.3f}")
     parts.append(f"{row.get('seconds/total', 0.0):.1f}s")
+    if eta_seconds is not None:
+        parts.append(f"eta {duration(eta_seconds)}")
     return "  ".join(parts)
 
 
+def duration(seconds: float) -> str:
+    """1m20s, 2h05m, 45s: a time left, to the unit that matters."""
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+class Eta:
+    """Time left from the pace of the iterations run by this process (start-up excluded)."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None
+        self.first: int | None = None
+
+    def start(self, iteration_before: int) -> None:
+        if self.started is None:
+            self.started, self.first = time.monotonic(), iteration_before
+
+    def seconds_left(self, iteration: int, total: int) -> float | None:
+        if self.started is None or self.first is None or iteration <= self.first:
+            return None
+        pace = (time.monotonic() - self.started) / (iteration - self.first)
+        return pace * max(total - iteration, 0)
+
+
 class PlainView:
-    def __init__(self, stream=None) -> None:
+    def __init__(self, stream=None, first_iteration: int = 0) -> None:
         self.stream = stream or sys.stderr
+        self.first_iteration = first_iteration
+        self.eta = Eta()
 
     def __enter__(self):
         return self
@@ -38,7 +78,8 @@ class PlainView:
         """Nothing to tear down: each line was printed when its iteration ended."""
 
     def stage(self, name: str, total: float | None) -> None:
-        """Plain output shows iterations only, not stages."""
+        """Plain output shows iterations only, not stages (the first one starts the clock)."""
+        self.eta.start(self.first_iteration)
 
     def advance(self, amount: float) -> None:
         """Plain output has no per-stage progress."""
@@ -47,13 +88,13 @@ class PlainView:
         print(text, file=self.stream, flush=True)
 
     def iteration_done(self, row: dict[str, Any], total: int) -> None:
-        print(plain_line(row), file=self.stream, flush=True)
+        print(plain_line(row, total, self.eta.seconds_left(row["iteration"], total)), file=self.stream, flush=True)
 
 
 class LiveView:
     def __init__(self, first_iteration: int, total: int) -> None:
         self.console = Console(stderr=True)
-        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=self.console)
+        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=self.console)
         self.iterations = self.progress.add_task("iterations", total=total, completed=first_iteration)
         self.current = self.progress.add_task("starting", total=None)
         self.rows: list[dict[str, Any]] = []
@@ -97,5 +138,5 @@ class LiveView:
 
 def make_view(*, quiet: bool, first_iteration: int, total: int):
     if quiet or not sys.stderr.isatty():
-        return PlainView()
+        return PlainView(first_iteration=first_iteration)
     return LiveView(first_iteration, total)
