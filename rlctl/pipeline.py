@@ -465,7 +465,7 @@ class Pipeline:
     def _metrics_row(self, i, rollouts: pa.Table, scores: pa.Table, adv_stats: dict, train: dict, timings: dict, io: dict) -> dict:
         lengths = np.asarray([len(r) for r in rollouts.column("response_ids").to_pylist()], dtype=np.float64)
         rewards = np.asarray(scores.column("reward").to_pylist(), dtype=np.float64)
-        kl = float(adv_stats.get("kl", 0.0))
+        kl = adv_stats.get("kl")  # None without a reference model: not recorded
         row: dict[str, Any] = {
             "iteration": i,
             "policy_version": int(train.get("step", 0)),

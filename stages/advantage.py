@@ -72,7 +72,7 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
     last = torch.from_numpy(np.maximum(lengths - 1, 0))
     token_rewards[torch.arange(len(lengths))[rows_with_tokens], last[rows_with_tokens]] = rewards[rows_with_tokens]
     stats = {"reward_mean": float(rewards.mean()) if len(rewards) else 0.0, "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0}
-    observed_kl = 0.0
+    observed_kl: float | None = None  # no reference, no KL: "not recorded", not 0
     if "ref_logprobs" in names and not table.column("ref_logprobs").null_count:
         policy_column = "old_logprobs" if "old_logprobs" in names and not table.column("old_logprobs").null_count else "rollout_logprobs"
         kl = KL_ESTIMATORS.get(cfg.kl_estimator)(
@@ -89,7 +89,7 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
         gamma=cfg.gamma, lam=cfg.lam, norm_by_std=cfg.norm_by_std,
     )
     next_state = next_kl_state(
-        state, controller=cfg.kl_controller, observed_kl=observed_kl, batch_sequences=len(lengths), target=cfg.kl_target, horizon=cfg.kl_horizon
+        state, controller=cfg.kl_controller, observed_kl=observed_kl or 0.0, batch_sequences=len(lengths), target=cfg.kl_target, horizon=cfg.kl_horizon
     )
     stats.update({"kl": observed_kl, "kl_coef": kl_coef, "advantage_mean": float(masked_mean(result.advantages, mask))})
     table = set_columns(table, {

@@ -46,6 +46,7 @@ def test_grpo_example_learns_by_the_stated_margin(tmp_path):
     rows = run_example("grpo.toml", tmp_path)
     assert len(rows) == 30
     assert learning_margin(rows) >= 0.5  # the margin stated in examples/grpo.toml
+    assert rows[0]["kl"] is None  # no reference model: the KL is not recorded (not 0), and plot says so
     assert rows[-1]["val/score"] > rows[9]["val/score"] - 1e-9
 
 
