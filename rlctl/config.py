@@ -306,7 +306,7 @@ def section_from_dict(name: str, values: dict[str, Any], source: str = "config")
     kwargs = {}
     for key, value in values.items():
         if key not in hints:
-            raise ConfigError(f"{source}: unknown key {name}.{key}{_suggest(key, hints, prefix=name + '.')}")
+            raise ConfigError(f"{source}: unknown key {name}.{key}{suggest_key(name, key)}")
         kwargs[key] = coerce(value, hints[key], f"{name}.{key}")
     try:
         return cls(**kwargs)
@@ -324,7 +324,7 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
             raise ConfigError(f"--set {item!r}: unknown section {section!r}{_suggest(section, SECTIONS)}")
         hints = typing.get_type_hints(SECTIONS[section])
         if key not in hints:
-            raise ConfigError(f"--set {item!r}: unknown key {section}.{key}{_suggest(key, hints, prefix=section + '.')}")
+            raise ConfigError(f"--set {item!r}: unknown key {section}.{key}{suggest_key(section, key)}")
         value = coerce(parse_scalar(text), hints[key], dotted)
         try:
             cfg = replace(cfg, **{section: replace(getattr(cfg, section), **{key: value})})
@@ -401,6 +401,35 @@ def _toml_value(value: Any) -> str:
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{escaped}"'
+
+
+# what verl and TRL users type, for the key that means it here
+FOREIGN_KEYS = {
+    "learning_rate": "update.lr", "lr_warmup_steps": "update.warmup_steps", "num_train_epochs": "update.epochs",
+    "ppo_epochs": "update.epochs", "ppo_mini_batch_size": "update.mini_batch_size", "ppo_micro_batch_size": "update.micro_batch_size",
+    "per_device_train_batch_size": "update.micro_batch_size", "clip_ratio": "update.clip_ratio_low", "cliprange": "update.clip_ratio_low",
+    "kl_loss_type": "update.kl_loss_estimator", "grad_clip": "update.max_grad_norm",
+    "num_generations": "rollout.n", "max_completion_length": "rollout.max_new_tokens", "response_length": "rollout.max_new_tokens",
+    "max_prompt_length": "data.max_prompt_tokens", "train_batch_size": "data.batch_size", "adv_estimator": "advantage.estimator",
+    "kl_penalty": "advantage.kl_estimator", "beta": "advantage.kl_coef", "norm_adv_by_std_in_grpo": "advantage.norm_by_std",
+    "total_epochs": "pipeline.iterations", "total_training_steps": "pipeline.iterations", "save_freq": "pipeline.save_every",
+    "test_freq": "pipeline.val_every", "reward_funcs": "score.reward", "gpu_memory_utilization": "vllm.gpu_memory_utilization",
+}
+
+
+def suggest_key(section: str, key: str) -> str:
+    """The nearest key by spelling: in the section first, then over every section and the names
+    verl and TRL use (`lerning_rate` → update.lr); empty when nothing is near."""
+    hints = typing.get_type_hints(SECTIONS[section])
+    near = difflib.get_close_matches(key, list(hints), n=1, cutoff=0.75)
+    if near:
+        return f"; did you mean {section}.{near[0]}?"
+    everywhere = {f"{name}.{k}": f"{name}.{k}" for name, cls in SECTIONS.items() for k in typing.get_type_hints(cls)}
+    by_name = {**{dotted.partition(".")[2]: target for dotted, target in everywhere.items()}, **FOREIGN_KEYS}
+    near = difflib.get_close_matches(key, list(by_name), n=1, cutoff=0.75)
+    if near:
+        return f"; did you mean {by_name[near[0]]}?"
+    return _suggest(key, hints, prefix=section + ".")
 
 
 def _suggest(word: str, options, prefix: str = "") -> str:

@@ -20,6 +20,7 @@ import math
 import operator
 import re
 import signal
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -242,6 +243,9 @@ def _load_module(target: str, spec: str):
         path = Path(target)
         if not path.exists():
             raise InputError(f"--reward {spec!r}: file {target} does not exist")
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:  # the reward file imports its sibling modules, as a script would
+            sys.path.insert(0, folder)
         module_spec = importlib.util.spec_from_file_location(f"rlctl_user_reward_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
         try:

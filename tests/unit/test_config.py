@@ -36,6 +36,17 @@ def test_unknown_key_suggests_the_nearest(tmp_path):
         load_config(write(tmp_path, "[update]\nepochz = 2\n"))
 
 
+@pytest.mark.parametrize("typed,meant", [
+    ("update.lerning_rate", "update.lr"),  # verl/TRL's name, misspelt
+    ("rollout.num_generations", "rollout.n"),  # TRL's name
+    ("update.max_new_tokens", "rollout.max_new_tokens"),  # the right key in another section
+    ("advantage.gama", "advantage.gamma"),
+])
+def test_unknown_key_suggests_the_nearest_over_every_section_and_verl_and_trl_names(typed, meant):
+    with pytest.raises(ConfigError, match=rf"did you mean {meant}\?"):
+        load_config(None, [f"{typed}=1"])
+
+
 def test_unknown_section_suggests_the_nearest(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown section \[rollot\]; did you mean rollout\?"):
         load_config(write(tmp_path, "[rollot]\nn = 2\n"))

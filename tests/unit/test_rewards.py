@@ -120,6 +120,18 @@ def test_specs_load_files_modules_and_builtins(tmp_path):
         load_reward(f"{path}:missing")
 
 
+def test_a_reward_file_imports_the_modules_beside_it(tmp_path):
+    (tmp_path / "helpers_for_reward.py").write_text("def score(text):\n    return float(len(text))\n")
+    path = tmp_path / "uses_helper.py"
+    path.write_text(textwrap.dedent("""
+        import helpers_for_reward
+
+        def reward(samples):
+            return [helpers_for_reward.score(s) for s in samples]
+    """))
+    assert compute_rewards(load_reward(f"{path}:reward"), samples(["abc", "de"]), timeout=10) == [3.0, 2.0]
+
+
 def test_reward_model_scores_in_batches(tmp_path, tiny_model):
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
