@@ -202,9 +202,11 @@ class PipelineConfig:
     val_every: int = 0  # 0 = no validation
     seed: int = 0
     rollout_is_threshold: float = 2.0  # importance ratio trainer/engine beyond which a token counts as mismatched
+    dynamic_sampling: bool = False  # DAPO: train only on groups whose rewards differ, sampling more prompts to fill the batch
+    max_sampling_rounds: int = 4  # with dynamic_sampling: rounds of prompts at most per iteration (then dropped groups fill up)
 
     def __post_init__(self) -> None:
-        check_ranges(self, "pipeline", {"rollout_is_threshold": above(1.0), "iterations": at_least(1), "save_every": at_least(0), "keep_checkpoints": at_least(0), "keep_shards": at_least(0), "val_every": at_least(0)})
+        check_ranges(self, "pipeline", {"max_sampling_rounds": at_least(1), "rollout_is_threshold": above(1.0), "iterations": at_least(1), "save_every": at_least(0), "keep_checkpoints": at_least(0), "keep_shards": at_least(0), "val_every": at_least(0)})
 
 
 @dataclass(frozen=True)

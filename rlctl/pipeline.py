@@ -34,6 +34,7 @@ import pyarrow as pa
 
 from rlctl import faults
 from rlctl.algos.kl import KLControllerState
+from rlctl.algos.sampling import enough, select_groups
 from rlctl.config import Config, apply_overrides, from_dict, load_config, to_dict, to_toml
 from rlctl.errors import ConfigError, InputError
 from rlctl.lineage import make_manifest, shards_ref
@@ -90,17 +91,20 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
         logprobs_mode(sampling_params(cfg.rollout))
     if cfg.rollout.temperature <= 0:
         raise ConfigError("rollout.temperature must be > 0 for training rollouts (validation is greedy)")
+    if cfg.pipeline.dynamic_sampling and cfg.rollout.n < 2:
+        raise ConfigError("pipeline.dynamic_sampling keeps groups whose rewards differ: it needs rollout.n ≥ 2")
     if cfg.workers.backend == "ray" and cfg.workers.address not in ("", "auto"):
         from rlctl.workers.ray import check_reachable
 
         check_reachable(cfg.workers.address)
 
 
-def select_prompts(dataset: pa.Table, *, iteration: int, batch_size: int, shuffle: bool, seed: int) -> pa.Table:
+def select_prompts(dataset: pa.Table, *, iteration: int, batch_size: int, shuffle: bool, seed: int, start: int | None = None) -> pa.Table:
     """The prompts of `iteration` (1-based): consecutive slices of a stream of epochs, each
-    epoch a seeded permutation of the dataset. A pure function of its arguments."""
+    epoch a seeded permutation of the dataset; `start` (a position in that stream) overrides
+    the slice, for dynamic sampling's extra rounds. A pure function of its arguments."""
     n = dataset.num_rows
-    start = (iteration - 1) * batch_size
+    start = (iteration - 1) * batch_size if start is None else start
     rows = []
     for position in range(start, start + batch_size):
         epoch, offset = divmod(position, n)
@@ -136,6 +140,8 @@ class Pipeline:
         self.checkpoint_iteration = self.iteration if checkpoint else None
         self.kl_state = KLControllerState(float(state.get("kl_coef", cfg.advantage.kl_coef)), int(state.get("kl_steps", 0)))
         self.history: list[dict] = list(state.get("history", []))
+        # where the next iteration's prompts start in the prompt stream (dynamic sampling's extra rounds move it on)
+        self.stream_position = int(state.get("stream_position", self.iteration * cfg.data.batch_size))
 
     # -- construction ----------------------------------------------------------------
 
@@ -205,28 +211,25 @@ class Pipeline:
             model_inputs.append(InputRef(f"ref@{cfg.model.ref}", "frozen"))
         base_state = {"iteration": i, "weights_source": weights_source, "policy_version": workers.trainer.step}
 
-        def stage(name, config, inputs, compute, schema, write_parts=None):
-            rerun = first and self.from_stage is not None and name in stages  # --from re-runs its stages
-            return self._stage(i, name, config, inputs, compute, schema, stages, rerun, timings, io, base_state, write_parts)
+        def stage(name, config, inputs, compute, schema, write_parts=None, kind=None):
+            rerun = first and self.from_stage is not None and (kind or name) in stages  # --from re-runs its stages
+            return self._stage(i, name, config, inputs, compute, schema, stages, rerun, timings, io, base_state, write_parts, kind=kind)
 
-        prompts = stage(
-            "prompts", {"data": to_dict(cfg.data), "seed": cfg.pipeline.seed}, [self.dataset_ref],
-            lambda: (select_prompts(self.dataset, iteration=i, batch_size=cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.pipeline.seed), {}, {}),
-            "prompts",
-        )
-        rollout_cfg = replace(cfg.rollout, seed=cfg.rollout.seed + i)
-        rollout = stage(
-            "rollout", rollout_stage_config(rollout_cfg, cfg.data, cfg.vllm), [prompts.ref(), model_inputs[0]],
-            lambda: (self._rollout(prompts.table, rollout_cfg), {}, {}), "rollouts",
-            write_parts=self._rollout_parts(prompts.table, rollout_cfg),
-        )
-        score = stage(
-            "score", {"score": to_dict(cfg.score), "reward": self.reward.spec}, [rollout.ref(), *model_inputs],
-            lambda: (self._score(rollout.table), {}, {}), "scores",
-            write_parts=self._score_parts(rollout.table),
-        )
-        if score is None:
-            return self._stop_early(i, timings)
+        dynamic = cfg.pipeline.dynamic_sampling
+        rounds: list[tuple[Shards, Shards]] = []  # (rollout, score) of each round
+        for r in range(1, (cfg.pipeline.max_sampling_rounds if dynamic else 1) + 1):
+            prompts, rollout, score = self._sampling_round(i, r, stage, model_inputs)
+            if score is None:
+                return self._stop_early(i, timings)
+            rounds.append((rollout, score))
+            if not dynamic or enough([sc.table.column("reward").to_pylist() for _, sc in rounds], cfg.rollout.n, cfg.data.batch_size):
+                break
+        if dynamic:
+            score = stage(
+                "filter", {"dynamic_sampling": {"n": cfg.rollout.n, "batch_prompts": cfg.data.batch_size}}, [sc.ref() for _, sc in rounds],
+                lambda: filtered_batch([sc.table for _, sc in rounds], cfg.rollout.n, cfg.data.batch_size), "scores", kind="score",
+            )
+            rollout = score  # what is trained on: the metrics describe it
         kl_config = {"kl_coef": self.kl_state.kl_coef, "steps": self.kl_state.steps}
         advantage = stage(
             "advantage", {"advantage": to_dict(cfg.advantage), "kl_state": kl_config}, [score.ref()],
@@ -251,6 +254,8 @@ class Pipeline:
         handover = workers.hand_over_weights()
         timings["handover"] = time.perf_counter() - started
         row = self._metrics_row(i, rollout.table, score.table, advantage.manifest.metrics, train_metrics, timings, io)
+        if dynamic:
+            row.update({f"dynamic_sampling/{k}": v for k, v in score.manifest.metrics.items()})
         row.update({key: handover[key] for key in ("weights_in_sync", "weight_sync_seconds") if key in handover})
         if cfg.pipeline.val_every and self.val_dataset is not None and i % cfg.pipeline.val_every == 0:
             row.update(self._validate(i))
@@ -261,6 +266,7 @@ class Pipeline:
         self.history.append(row)
         self.kl_state = next_kl
         self.iteration = i
+        self.stream_position += len(rounds) * cfg.data.batch_size
         if (cfg.pipeline.save_every and i % cfg.pipeline.save_every == 0) or i == total:
             self._save_checkpoint(i)
         faults.point(f"iter-{i:04d}:after-checkpoint")
@@ -269,6 +275,37 @@ class Pipeline:
         if self.view:
             self.view.iteration_done(row, total)
         return row
+
+    def _sampling_round(self, i: int, r: int, stage, model_inputs):
+        """Prompts, rollout and score of round `r` of iteration `i` (round 1: the iteration's own
+        folders; later rounds of dynamic sampling: `prompts-rN`, `rollout-rN`, `score-rN`, on the
+        next prompts of the stream and their own sampling seed)."""
+        cfg = self.cfg
+        suffix = "" if r == 1 else f"-r{r}"
+        start = self.stream_position + (r - 1) * cfg.data.batch_size
+        prompts_config = {"data": to_dict(cfg.data), "seed": cfg.pipeline.seed}
+        if cfg.pipeline.dynamic_sampling:
+            prompts_config["stream_start"] = start
+        prompts = stage(
+            "prompts" + suffix, prompts_config, [self.dataset_ref],
+            lambda: (select_prompts(self.dataset, iteration=i, batch_size=cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.pipeline.seed, start=start),
+                     {"stream_start": start}, {}),
+            "prompts", kind="prompts",
+        )
+        rollout_cfg = replace(cfg.rollout, seed=cfg.rollout.seed + i + ROUND_SEED_STRIDE * (r - 1))
+        rollout = stage(
+            "rollout" + suffix, rollout_stage_config(rollout_cfg, cfg.data, cfg.vllm), [prompts.ref(), model_inputs[0]],
+            lambda: (self._rollout(prompts.table, rollout_cfg), {}, {}), "rollouts",
+            write_parts=self._rollout_parts(prompts.table, rollout_cfg), kind="rollout",
+        )
+        if rollout is None:
+            return prompts, None, None
+        score = stage(
+            "score" + suffix, {"score": to_dict(cfg.score), "reward": self.reward.spec}, [rollout.ref(), *model_inputs],
+            lambda: (self._score(rollout.table), {}, {}), "scores",
+            write_parts=self._score_parts(rollout.table), kind="score",
+        )
+        return prompts, rollout, score
 
     def _hold_run_lock(self) -> None:
         """One pipeline per run folder: the lock is held from the first step until close()."""
@@ -342,7 +379,7 @@ class Pipeline:
         last = STAGES.index(self.until_stage) if self.until_stage else len(STAGES) - 1
         return STAGES[start : last + 1]
 
-    def _stage(self, i, name, config, inputs, compute, schema, stages, rerun, timings, io, base_state, write_parts=None) -> Shards | None:
+    def _stage(self, i, name, config, inputs, compute, schema, stages, rerun, timings, io, base_state, write_parts=None, kind=None) -> Shards | None:
         """Read back a committed output with the same key, or compute and commit it. With
         `write_parts(uri, manifest)` the workers write the parts and it commits; the controller
         then reads the committed (verified) output back."""
@@ -360,8 +397,9 @@ class Pipeline:
                     io["seconds"] += time.perf_counter() - started
                     timings[name] = 0.0
                     return shards
-        if name != "prompts" and name not in stages:
-            if STAGES.index(name) < STAGES.index(stages[0]):
+        kind = kind or name  # dynamic sampling's round and filter folders count as their stage
+        if kind != "prompts" and kind not in stages:
+            if STAGES.index(kind) < STAGES.index(stages[0]):
                 raise InputError(f"iteration {i}: stage {name} is not committed with the current config, so --from {stages[0]} cannot start there")
             return None
         if self.view:
@@ -495,7 +533,7 @@ class Pipeline:
 
     def _save_checkpoint(self, i: int) -> None:
         directory = self.run_dir / "checkpoints" / f"iter-{i:04d}"
-        state = {"iteration": i, "kl_coef": self.kl_state.kl_coef, "kl_steps": self.kl_state.steps, "history": self.history}
+        state = {"iteration": i, "kl_coef": self.kl_state.kl_coef, "kl_steps": self.kl_state.steps, "history": self.history, "stream_position": self.stream_position}
         manifest = Manifest(stage="checkpoint", config={"iteration": i}, state={"policy_version": self.workers.trainer.step})
         self.workers.save(str(directory), manifest, state)
         self.checkpoint, self.checkpoint_iteration = directory, i
@@ -510,8 +548,9 @@ class Pipeline:
             return
         for old in range(1, i - keep + 1):
             folder = self.run_dir / f"iter-{old:04d}"
-            for name in ("prompts", "rollout", "score", "advantage", "val"):
-                shutil.rmtree(folder / name, ignore_errors=True)
+            for stage_dir in folder.iterdir() if folder.is_dir() else ():
+                if stage_dir.name != "update":  # every stage output, dynamic sampling's rounds too; update is a manifest
+                    shutil.rmtree(stage_dir, ignore_errors=True)
 
     def _write_metrics(self) -> None:
         rows = (json.dumps(strict_json_value(row), sort_keys=True, allow_nan=False) + "\n" for row in self.history)
@@ -529,6 +568,22 @@ class Pipeline:
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+ROUND_SEED_STRIDE = 1_000_003  # dynamic sampling: round r of iteration i samples with seed + i + stride·(r-1)
+
+
+def filtered_batch(scores: list[pa.Table], n: int, batch_prompts: int) -> tuple[pa.Table, dict, dict]:
+    """The rows dynamic sampling trains on, from the rounds' score tables (rlctl.algos.sampling)."""
+    selection = select_groups([t.column("reward").to_pylist() for t in scores], n, batch_prompts)
+    parts = []
+    for r, table in enumerate(scores):
+        rows = [row for round_, row in selection.rows if round_ == r]
+        if rows:
+            parts.append(table.take(pa.array(rows, pa.int64())).replace_schema_metadata(scores[0].schema.metadata))
+    table = pa.concat_tables(parts).combine_chunks()
+    stats = {"groups_kept": selection.kept, "groups_dropped": selection.dropped, "groups_filled": selection.filled, "rounds": len(scores)}
+    return table, {}, stats
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

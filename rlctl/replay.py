@@ -19,7 +19,7 @@ from rlctl.errors import InputError
 from rlctl.manifest import Manifest
 from rlctl.shards import read, read_manifest, write
 
-REPLAYABLE = ("prompts", "rollout", "score", "advantage", "update")
+REPLAYABLE = ("prompts", "rollout", "score", "filter", "advantage", "update")
 TIMING_KEYS = ("seconds", "tokens_per_s")
 
 
@@ -30,15 +30,16 @@ def replay_stage(
     """Re-run `stage_dir`. A reward that is code (file.py:fn, module:fn) recorded in the run
     folder runs only with `trust_run_code`; `reward` names the reward to use instead."""
     path = Path(stage_dir.rstrip("/"))
-    name, iter_dir = path.name, path.parent
+    folder, iter_dir = path.name, path.parent
+    name, _, round_ = folder.partition("-r")  # dynamic sampling's rounds: prompts-r2, rollout-r2, score-r2
     run_dir = iter_dir.parent
-    if name not in REPLAYABLE:
+    if name not in REPLAYABLE or (round_ and not round_.isdigit()):
         raise InputError(f"{stage_dir}: not a stage folder; replayable stages are {', '.join(REPLAYABLE)}")
     if not (run_dir / "config.resolved.toml").exists():
         raise InputError(f"{run_dir}: not a pipeline run folder (no config.resolved.toml)")
     recorded, _ = read_manifest(str(path))
     cfg = _recorded_config(load_config(run_dir / "config.resolved.toml"), recorded, overrides or [])
-    target = out or str(run_dir / "replay" / iter_dir.name / name)
+    target = out or str(run_dir / "replay" / iter_dir.name / folder)
     if name == "score":
         spec = reward or recorded.config.get("reward", cfg.score.reward)
         if reward is None and is_code_reward(spec) and not trust_run_code:
@@ -47,8 +48,8 @@ def replay_stage(
                 "pass --reward SPEC to choose it yourself, or --trust-run-code if you trust this run folder"
             )
         cfg = dataclasses.replace(cfg, score=dataclasses.replace(cfg.score, reward=spec))
-    replay = {"prompts": _prompts, "rollout": _rollout, "score": _score, "advantage": _advantage, "update": _update}[name]
-    result = replay(cfg, recorded, iter_dir, target)
+    replay = {"prompts": _prompts, "rollout": _rollout, "score": _score, "filter": _filter, "advantage": _advantage, "update": _update}[name]
+    result = replay(cfg, recorded, Round(iter_dir, f"-r{round_}" if round_ else ""), target)
     if not check:
         return f"replayed {iter_dir.name}/{name} into {target}"
     if isinstance(result, dict):
@@ -60,6 +61,22 @@ def is_code_reward(spec: str) -> bool:
     """Whether loading this reward spec would import Python code (a file or a module)."""
     kind = spec.partition(":")[0]
     return kind not in ("builtin", "rm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """The iteration folder of a replayed stage, and which dynamic-sampling round it belongs to."""
+
+    iter_dir: Path
+    suffix: str = ""  # "" for round 1 (and every stage of a run without dynamic sampling), else "-rN"
+
+    def __truediv__(self, stage: str) -> Path:
+        """The folder of `stage` in this round (`prompts` → `prompts-r2`)."""
+        return self.iter_dir / (stage + self.suffix)
+
+    @property
+    def name(self) -> str:
+        return self.iter_dir.name
 
 
 def _recorded_config(run_cfg: Config, recorded: Manifest, overrides: list[str]) -> Config:
@@ -78,12 +95,16 @@ def _weights(recorded: Manifest) -> str:
     return source
 
 
-def _prompts(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa.Table:
+def _prompts(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> pa.Table:
     from rlctl.pipeline import select_prompts
 
     dataset = read(cfg.data.prompts, "prompts").table
     i = recorded.state["iteration"]
-    table = select_prompts(dataset, iteration=i, batch_size=cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=recorded.config.get("seed", cfg.pipeline.seed))
+    start = recorded.state.get("stream_start")  # recorded since dynamic sampling; else the iteration's slice
+    table = select_prompts(
+        dataset, iteration=i, batch_size=cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=recorded.config.get("seed", cfg.pipeline.seed),
+        start=int(start) if start is not None else None,
+    )
     write(table, target, Manifest(stage="prompts", state={"replay_of": str(iter_dir / "prompts")}), schema="prompts")
     return read(target).table
 
@@ -99,7 +120,7 @@ def _run_workers(cfg: Config, *, policy: str, ref: str = "", critic: str | None 
     )
 
 
-def _rollout(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa.Table:
+def _rollout(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> pa.Table:
     from rlctl.shards import OutputSpec
     from rlctl.stages.rollout import rollout_parts_on_workers, rollout_table
 
@@ -114,7 +135,7 @@ def _rollout(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa
     return read(target).table
 
 
-def _score(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa.Table:
+def _score(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> pa.Table:
     from rlctl.rewards import load_reward
     from rlctl.stages.score import ScoringModels, score_table
 
@@ -131,19 +152,31 @@ def _score(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa.T
     return read(target).table
 
 
-def _advantage(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> pa.Table:
+def _advantage(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> pa.Table:
     from rlctl.algos.kl import KLControllerState
     from rlctl.stages.advantage import advantage_table, check_config
 
     check_config(cfg.advantage)
     saved = recorded.config.get("kl_state", {"kl_coef": cfg.advantage.kl_coef, "steps": 0})
     state = KLControllerState(float(saved["kl_coef"]), int(saved["steps"]))
-    table, _, _ = advantage_table(read(str(iter_dir / "score"), "scores").table, cfg.advantage, state)
+    scores = iter_dir / "filter" if (iter_dir / "filter").exists() else iter_dir / "score"  # dynamic sampling trains on the filter's rows
+    table, _, _ = advantage_table(read(str(scores), "scores").table, cfg.advantage, state)
     write(table, target, Manifest(stage="advantage", state={"replay_of": str(iter_dir / "advantage")}), schema="batch")
     return read(target).table
 
 
-def _update(cfg: Config, recorded: Manifest, iter_dir: Path, target: str) -> dict:
+def _filter(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> pa.Table:
+    """Dynamic sampling's selection again, from the recorded rounds' scores."""
+    from rlctl.pipeline import filtered_batch
+
+    rounds = int(recorded.metrics.get("rounds", 1))
+    scores = [read(str(iter_dir.iter_dir / ("score" if r == 1 else f"score-r{r}")), "scores").table for r in range(1, rounds + 1)]
+    table, _, _ = filtered_batch(scores, cfg.rollout.n, cfg.data.batch_size)
+    write(table, target, Manifest(stage="filter", state={"replay_of": str(iter_dir / "filter")}), schema="scores")
+    return read(target).table
+
+
+def _update(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> dict:
     from rlctl.checkpoint import load_trainer_state
     from rlctl.lineage import make_manifest
     from rlctl.trainer import TrainBatch

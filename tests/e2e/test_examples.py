@@ -68,6 +68,14 @@ def test_dr_grpo_example_learns_by_the_stated_margin(tmp_path):
 
 
 @pytest.mark.slow
+def test_dapo_example_learns_by_the_stated_margin(tmp_path):
+    rows = run_example("dapo.toml", tmp_path)
+    assert len(rows) == 30
+    assert learning_margin(rows) >= 0.5  # the margin stated in examples/dapo.toml
+    assert all(r["dynamic_sampling/groups_kept"] + r["dynamic_sampling/groups_filled"] == 8 for r in rows)
+
+
+@pytest.mark.slow
 def test_ppo_example_learns_by_the_stated_margin(tmp_path):
     rows = run_example("ppo.toml", tmp_path)
     assert len(rows) == 30
