@@ -354,7 +354,9 @@ class Pipeline:
             f"workers       {describe_workers(cfg)}",
             f"reward        {self.reward.spec}",
             f"prompts       {cfg.data.prompts} ({self.dataset.num_rows} rows, {cfg.data.batch_size} per iteration × n={cfg.rollout.n})",
-            f"outputs       {self.run_dir}/iter-NNNN/{{prompts,rollout,score,advantage,update}}, metrics.jsonl",
+            f"outputs       {self.run_dir}/iter-NNNN/{{prompts,rollout,score,{'filter,' if cfg.pipeline.dynamic_sampling else ''}advantage,update}}, metrics.jsonl",
+            *([f"sampling      dynamic: groups with equal rewards dropped, up to {cfg.pipeline.max_sampling_rounds} rounds (prompts-rN, rollout-rN, score-rN)"]
+              if cfg.pipeline.dynamic_sampling else []),
             f"checkpoints   {self.run_dir}/checkpoints/ every {cfg.pipeline.save_every or 'run end'}, keep {cfg.pipeline.keep_checkpoints or 'all'}",
         ]
         committed = [
