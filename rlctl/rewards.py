@@ -272,7 +272,14 @@ class RewardModel:
         path = check_model_dir(uri)
         self.device = resolve_device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(path, padding_side="right")
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).to(self.device).eval()
+        model, loading = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+        untrained = sorted(loading.get("missing_keys", []))
+        if untrained:  # e.g. a plain causal LM: transformers would add a random head and score noise
+            raise InputError(
+                f"rm:{uri}: not a trained reward model: its classification head or weights ({', '.join(untrained[:2])}) are not in the "
+                "checkpoint, so its scores would be random; use a sequence-classification model with one label"
+            )
+        self.model = model.to(self.device).eval()
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.batch_size = batch_size

@@ -147,6 +147,11 @@ def test_reward_model_scores_in_batches(tmp_path, tiny_model):
     assert len(scores) == 3 and scores[1] == pytest.approx(single[0], abs=1e-4)
 
 
+def test_a_plain_causal_lm_as_reward_model_is_refused_not_scored_at_random(tiny_model):
+    with pytest.raises(InputError, match="not a trained reward model: its classification head or weights \\(score.weight"):
+        load_reward(f"rm:{tiny_model}")
+
+
 def test_the_overlong_penalty_is_dapos_soft_punishment():
     from rlctl.rewards import overlong_penalty
 
