@@ -125,7 +125,7 @@ class Pipeline:
         validate(cfg, from_stage=from_stage, until_stage=until_stage)
         self.cfg = cfg
         self.from_stage, self.until_stage = from_stage, until_stage
-        self.reward: RewardFunction = from_callable(reward_fn, getattr(reward_fn, "__name__", "callable")) if reward_fn else load_reward(cfg.score.reward, device=cfg.model.device, batch_size=cfg.score.batch_size)
+        self.reward: RewardFunction = from_callable(reward_fn, f"callable:{getattr(reward_fn, '__name__', 'reward')}") if reward_fn else load_reward(cfg.score.reward, device=cfg.model.device, batch_size=cfg.score.batch_size)
         dataset = read(cfg.data.prompts, "prompts")
         self.dataset, self.dataset_ref = dataset.table, shards_ref(dataset)
         self.val_dataset = read(cfg.data.val_prompts, "prompts").table if cfg.data.val_prompts else None

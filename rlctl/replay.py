@@ -42,6 +42,11 @@ def replay_stage(
     target = out or str(run_dir / "replay" / iter_dir.name / folder)
     if name == "score":
         spec = reward or recorded.config.get("reward", cfg.score.reward)
+        if reward is None and spec.startswith("callable:"):
+            raise InputError(
+                f"{iter_dir.name}/score used a Python function given to Pipeline(reward_fn=...) ({spec.partition(':')[2]}); replay cannot "
+                "import it: pass --reward file.py:function (or module:function, builtin:NAME) that computes the same reward"
+            )
         if reward is None and is_code_reward(spec) and not trust_run_code:
             raise InputError(
                 f"replaying {iter_dir.name}/score would run the reward code the run folder names ({spec}); "

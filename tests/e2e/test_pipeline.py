@@ -175,6 +175,13 @@ def test_python_api_steps_and_takes_a_callable_reward(tmp_path, tiny_model):
     assert first["iteration"] == 1 and {"reward_mean", "kl_divergence", "entropy", "grad_norm", "logprob_mismatch"} <= set(first)
     assert first["logprob_mismatch"] < 1e-4
     assert len(pipeline.run()) == 1 and pipeline.iteration == 2
+    pipeline.close()
+    from typer.testing import CliRunner
+
+    from rlctl.cli import app
+
+    replayed = CliRunner().invoke(app, ["replay", str(tmp_path / "run" / "iter-0001" / "score"), "--check"])
+    assert replayed.exit_code == 2 and "Pipeline(reward_fn=...) (<lambda>)" in replayed.stderr and "pass --reward" in replayed.stderr
 
 
 def test_until_then_from_continues_to_the_same_weights(tmp_path, tiny_model, reference_run):
