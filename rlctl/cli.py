@@ -282,6 +282,7 @@ def pipeline(
     config: Annotated[Path, typer.Argument(help="Pipeline TOML config.")],
     iterations: Annotated[Optional[int], typer.Option("--iterations", help="Iterations to run in total.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an existing run folder (the default when one exists).")] = False,
+    resume_with_changes: Annotated[bool, typer.Option("--resume-with-changes", help="Continue a run whose training keys (reward, model, lr, ...) you changed; the change is recorded.")] = False,
     from_stage: Annotated[Optional[str], typer.Option("--from", help="First stage to run in each iteration.")] = None,
     until_stage: Annotated[Optional[str], typer.Option("--until", help="Last stage to run in each iteration.")] = None,
     set_: SetOpt = None,
@@ -298,7 +299,7 @@ def pipeline(
     flags = {"workers.backend": workers_backend, "workers.num_workers": workers, "workers.address": address}
     overrides = [*(set_ or []), *(f"{key}={value}" if key != "workers.address" else f'{key}="{value}"' for key, value in flags.items() if value is not None)]
     run_pipeline_command(
-        config=config, overrides=overrides, iterations=iterations, resume=resume,
+        config=config, overrides=overrides, iterations=iterations, resume=resume, resume_with_changes=resume_with_changes,
         from_stage=from_stage, until_stage=until_stage, run_dir=run_dir, dry_run=dry_run, quiet=quiet,
     )
 

@@ -119,10 +119,12 @@ class Pipeline:
     def __init__(
         self, cfg: Config, *, run_dir: str | Path | None = None, reward_fn: Callable | None = None,
         view=None, from_stage: str | None = None, until_stage: str | None = None, base_dir: Path | None = None,
+        resume_with_changes: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir or cfg.pipeline.run_dir)
         cfg = resolve_model_paths(_resolve_relative(cfg, base_dir), self.run_dir)
         validate(cfg, from_stage=from_stage, until_stage=until_stage)
+        self.config_changes = check_resume_config(self.run_dir, cfg, allow=resume_with_changes)
         self.cfg = cfg
         self.from_stage, self.until_stage = from_stage, until_stage
         self.reward: RewardFunction = from_callable(reward_fn, f"callable:{getattr(reward_fn, '__name__', 'reward')}") if reward_fn else load_reward(cfg.score.reward, device=cfg.model.device, batch_size=cfg.score.batch_size)
@@ -140,6 +142,8 @@ class Pipeline:
         self.checkpoint_iteration = self.iteration if checkpoint else None
         self.kl_state = KLControllerState(float(state.get("kl_coef", cfg.advantage.kl_coef)), int(state.get("kl_steps", 0)))
         self.history: list[dict] = list(state.get("history", []))
+        self.config_changes_before: list = list(state.get("config_changes", []))
+        self.checkpoint_iteration_at_start = self.iteration
         # where the next iteration's prompts start in the prompt stream (dynamic sampling's extra rounds move it on)
         self.stream_position = int(state.get("stream_position", self.iteration * cfg.data.batch_size))
 
@@ -536,6 +540,8 @@ class Pipeline:
     def _save_checkpoint(self, i: int) -> None:
         directory = self.run_dir / "checkpoints" / f"iter-{i:04d}"
         state = {"iteration": i, "kl_coef": self.kl_state.kl_coef, "kl_steps": self.kl_state.steps, "history": self.history, "stream_position": self.stream_position}
+        if self.config_changes:  # --resume-with-changes: the change joins the record of the run
+            state["config_changes"] = [*self.config_changes_before, {"from_iteration": self.checkpoint_iteration_at_start + 1, "changes": self.config_changes}]
         manifest = Manifest(stage="checkpoint", config={"iteration": i}, state={"policy_version": self.workers.trainer.step})
         self.workers.save(str(directory), manifest, state)
         self.checkpoint, self.checkpoint_iteration = directory, i
@@ -621,6 +627,41 @@ def describe_workers(cfg: Config) -> str:
     return f"ray: {w.num_workers} × ({w.cpus_per_worker} CPU{', ' + format(w.gpus_per_worker, 'g') + ' GPU' if w.gpus_per_worker else ''}) on {where}, FSDP2 over {kind}{pools}"
 
 
+# keys that do not change what is trained: how long, where, how often saved, how the models are held
+NOT_TRAINING = {
+    "pipeline": {"iterations", "run_dir", "save_every", "keep_checkpoints", "keep_shards", "val_every", "rollout_is_threshold"},
+    "model": {"device", "init_preset", "init_seed"}, "data": {"val_prompts"}, "workers": None, "vllm": None,
+}
+
+
+def training_config(cfg: Config) -> dict[str, Any]:
+    """`section.key → value` of every key that shapes the training (see NOT_TRAINING)."""
+    out = {}
+    for section, values in to_dict(cfg).items():
+        skip = NOT_TRAINING.get(section, set())
+        if skip is None:
+            continue
+        out.update({f"{section}.{key}": value for key, value in values.items() if key not in skip})
+    return out
+
+
+def check_resume_config(run_dir: Path, cfg: Config, *, allow: bool) -> dict[str, list]:
+    """A run folder with progress resumes with the config it started with: a change to a key
+    that shapes the training is exit 2 with the changed keys, unless `allow`
+    (`--resume-with-changes`); then the changes are returned, for the next checkpoint's record."""
+    saved = run_dir / "config.resolved.toml"
+    if not saved.exists() or not committed_checkpoints(run_dir):
+        return {}
+    before, after = training_config(load_config(saved)), training_config(cfg)
+    changes = {key: [before.get(key), after.get(key)] for key in sorted(set(before) | set(after)) if before.get(key) != after.get(key)}
+    if changes and not allow:
+        shown = "; ".join(f"{k}: {a!r} → {b!r}" for k, (a, b) in list(changes.items())[:4]) + ("; ..." if len(changes) > 4 else "")
+        raise InputError(f"{run_dir} was started with another config ({shown}); use a new run folder, or --resume-with-changes to go on with it")
+    if changes:
+        notice(f"rlctl: resuming {run_dir} with changed keys: {', '.join(changes)} (recorded in the next checkpoint)")
+    return changes
+
+
 def describe_handover(cfg: Config) -> str:
     if cfg.rollout.backend == "vllm":
         return "in-place push into the vLLM engine, probe-checked every iteration"
@@ -704,7 +745,7 @@ def _resolve_relative(cfg: Config, base_dir: Path | None) -> Config:
 
 def run_pipeline_command(
     *, config: Path, overrides: list[str], iterations: int | None, resume: bool, from_stage: str | None,
-    until_stage: str | None, run_dir: str | None, dry_run: bool, quiet: bool,
+    until_stage: str | None, run_dir: str | None, dry_run: bool, quiet: bool, resume_with_changes: bool = False,
 ) -> None:
     """`rlctl pipeline`: build the run (validating everything first), then plan or run it."""
     from rlctl.runview import make_view
@@ -713,7 +754,7 @@ def run_pipeline_command(
         overrides = [*overrides, f"pipeline.iterations={iterations}"]
     if run_dir is not None:
         overrides = [*overrides, f"pipeline.run_dir={run_dir}"]
-    pipeline = Pipeline.from_config(config, overrides, from_stage=from_stage, until_stage=until_stage)
+    pipeline = Pipeline.from_config(config, overrides, from_stage=from_stage, until_stage=until_stage, resume_with_changes=resume_with_changes)
     if resume and pipeline.checkpoint is None and not pipeline.run_dir.exists():
         raise InputError(f"--resume: no run at {pipeline.run_dir} to resume")
     total = pipeline.cfg.pipeline.iterations

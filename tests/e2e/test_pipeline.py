@@ -240,3 +240,19 @@ def test_bad_configs_fail_before_any_work(cli, tmp_path, tiny_model, args, fragm
     assert result.exit_code == 2, result.stderr
     assert fragment in one_line_error(result)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_resumes_only_with_the_training_config_it_started_with(tmp_path, tiny_model):
+    config = write_config(tmp_path, tiny_model, pipeline={"iterations": 1, "val_every": 0})
+    run = tmp_path / "run"
+    rlctl("pipeline", config, "--run-dir", run, "--quiet")
+    # more iterations, another worker layout: the same training, it goes on
+    rlctl("pipeline", config, "--run-dir", run, "--quiet", "--iterations", "2")
+    changed = rlctl("pipeline", config, "--run-dir", run, "--quiet", "--iterations", "3", "--set", "update.lr=0.5", check=False)
+    assert changed.returncode == 2
+    line = changed.stderr.strip().splitlines()[-1]
+    assert "was started with another config (update.lr: 0.001 → 0.5)" in line and "--resume-with-changes" in line
+    assert not (run / "iter-0003").exists()
+    rlctl("pipeline", config, "--run-dir", run, "--quiet", "--iterations", "3", "--set", "update.lr=0.5", "--resume-with-changes")
+    state = json.loads((run / "checkpoints" / "iter-0003" / "_manifest.json").read_text())["state"]["pipeline"]
+    assert state["config_changes"] == [{"from_iteration": 3, "changes": {"update.lr": [0.001, 0.5]}}]
