@@ -19,7 +19,7 @@ _rlctl() {
     case "$cmd" in
         "advantage") opts="--config --estimator --force --format --gamma --help --json --kl-coef --kl-controller --kl-estimator --kl-state --lam --no-norm-by-std --norm-by-std --out --rows-per-part --scores --set" ;;
         "model init") opts="--help --preset --seed" ;;
-        "pipeline") opts="--address --dry-run --from --help --iterations --quiet --resume --run-dir --set --until --workers --workers-backend" ;;
+        "pipeline") opts="--address --dry-run --from --help --iterations --quiet --resume --resume-with-changes --run-dir --set --until --workers --workers-backend" ;;
         "plot") opts="--help --out" ;;
         "replay") opts="--check --help --out --reward --set --trust-run-code" ;;
         "reshard") opts="--check --checkpoint --config --dtype --force --help --json --out --set --to" ;;

@@ -29,6 +29,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l iterations
 complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l quiet
 complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l resume
+complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l resume-with-changes
 complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l run-dir
 complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l set
 complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l until

@@ -19,7 +19,7 @@ _rlctl() {
   case $cmd in
     advantage) _arguments '*:file:_files' '--config' '--estimator' '--force' '--format' '--gamma' '--help' '--json' '--kl-coef' '--kl-controller' '--kl-estimator' '--kl-state' '--lam' '--no-norm-by-std' '--norm-by-std' '--out' '--rows-per-part' '--scores' '--set' ;;
     model-init) _arguments '*:file:_files' '--help' '--preset' '--seed' ;;
-    pipeline) _arguments '*:file:_files' '--address' '--dry-run' '--from' '--help' '--iterations' '--quiet' '--resume' '--run-dir' '--set' '--until' '--workers' '--workers-backend' ;;
+    pipeline) _arguments '*:file:_files' '--address' '--dry-run' '--from' '--help' '--iterations' '--quiet' '--resume' '--resume-with-changes' '--run-dir' '--set' '--until' '--workers' '--workers-backend' ;;
     plot) _arguments '*:file:_files' '--help' '--out' ;;
     replay) _arguments '*:file:_files' '--check' '--help' '--out' '--reward' '--set' '--trust-run-code' ;;
     reshard) _arguments '*:file:_files' '--check' '--checkpoint' '--config' '--dtype' '--force' '--help' '--json' '--out' '--set' '--to' ;;
