@@ -222,7 +222,7 @@ class Pipeline:
         dynamic = cfg.pipeline.dynamic_sampling
         rounds: list[tuple[Shards, Shards]] = []  # (rollout, score) of each round
         for r in range(1, (cfg.pipeline.max_sampling_rounds if dynamic else 1) + 1):
-            prompts, rollout, score = self._sampling_round(i, r, stage, model_inputs)
+            _, rollout, score = self._sampling_round(i, r, stage, model_inputs)
             if score is None:
                 return self._stop_early(i, timings)
             rounds.append((rollout, score))
