@@ -45,9 +45,15 @@ def sample_next(
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def row_seed(seed: int, row: int) -> int:
+    """The seed of sample row `row` (0-based across the whole output): every engine seeds
+    each row's sampling with it, so rows do not depend on batching or workers."""
+    return (seed * 1_000_003 + row) % (1 << 63)
+
+
 def row_generator(seed: int, row: int) -> torch.Generator:
-    """The random stream of sample row `row` (0-based across the whole output) for `seed`."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + row) % (1 << 63))
+    """The random stream of sample row `row` for `seed` (the HF engine's sampler)."""
+    return torch.Generator().manual_seed(row_seed(seed, row))
 
 
 def truncate_logits(*, logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:

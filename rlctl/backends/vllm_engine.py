@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlctl.algos.logprobs import row_seed
 from rlctl.backends.base import Generation, SamplingParams
 from rlctl.config import VLLMConfig
 from rlctl.errors import InputError, RlctlError
@@ -57,7 +58,6 @@ class SyncCheck:
     tokens_equal: bool
     max_logprob_diff: float
     exact_tensors_equal: bool
-    seconds: float
 
     def reason(self) -> str:
         """Why the engine is out of sync, in words (empty when it is in sync)."""
@@ -92,11 +92,6 @@ def logprobs_mode(params: SamplingParams) -> str:
         f"rollout.backend = vllm with temperature={params.temperature} and top_p={params.top_p}/top_k={params.top_k}: vLLM cannot "
         "return log softmax(logits / T) before truncation; set temperature = 1, or top_p = 1 and top_k = 0"
     )
-
-
-def row_seed(seed: int, row: int) -> int:
-    """The vLLM request seed of sample row `row` (0-based across the whole output)."""
-    return (seed * 1_000_003 + row) % (1 << 62)
 
 
 class VLLMEngine:
@@ -215,7 +210,7 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         return time.perf_counter() - started
 
-    def check_against(self, trainer_model: torch.nn.Module, seconds: float, *, temperature: float = 1.0) -> SyncCheck:
+    def check_against(self, trainer_model: torch.nn.Module) -> SyncCheck:
         """The probe: engine greedy tokens and log-probs vs the trainer's on the same tokens."""
         probes = probe_prompts(self.vocab_size, self.tokenizer)
         greedy = SamplingParams(self.settings.probe_tokens, temperature=0.0)
@@ -223,7 +218,7 @@ class VLLMEngine:
         tokens_equal, diff = trainer_agrees(trainer_model, probes, engine, tolerance=self.probe_tolerance)
         exact = self.unpacked_tensors_equal(trainer_model)
         in_sync = tokens_equal and exact and diff <= self.probe_tolerance
-        return SyncCheck(in_sync, tokens_equal, diff, exact, seconds)
+        return SyncCheck(in_sync, tokens_equal, diff, exact)
 
     def unpacked_tensors_equal(self, trainer_model: torch.nn.Module) -> bool:
         """Tensors vLLM keeps under the HF name and shape (norm weights, embeddings) must be

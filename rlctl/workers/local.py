@@ -118,7 +118,7 @@ def sync_record(engine, trainer_model: torch.nn.Module, seconds: float) -> dict:
     """The probe check after a push, as recorded; out of sync is exit 1 (never train on stale rollouts)."""
     from rlctl.backends.vllm_engine import WeightsOutOfSyncError
 
-    check = engine.check_against(trainer_model, seconds)
+    check = engine.check_against(trainer_model)
     if not check.in_sync:
         raise WeightsOutOfSyncError(f"the vLLM engine is not generating with the trainer's weights: {check.reason()}; stopping before the next rollout")
     return {"weights_in_sync": True, "weight_sync_seconds": seconds, "probe_max_logprob_diff": check.max_logprob_diff}
