@@ -154,7 +154,7 @@ def rollout(
 def score(
     rollouts: Annotated[str, typer.Option("--rollouts", help="Rollouts: shard folder, file or -.")],
     out: OutOpt,
-    reward: Annotated[Optional[str], typer.Option("--reward", help="file.py:fn, module:fn, builtin:NAME or rm:MODEL_URI.")] = None,
+    reward: Annotated[Optional[str], typer.Option("--reward", help="file.py:fn, module:fn, builtin:NAME, rm:MODEL_URI or an http(s):// endpoint.")] = None,
     ref: Annotated[Optional[str], typer.Option("--ref", help="Reference model → ref_logprobs.")] = None,
     critic: Annotated[Optional[str], typer.Option("--critic", help="Critic (causal LM + value head) → values.")] = None,
     policy: Annotated[Optional[str], typer.Option("--policy", help="Policy model → old_logprobs.")] = None,

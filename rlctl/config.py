@@ -64,6 +64,7 @@ def check_ranges(section: object, name: str, rules: dict[str, Rule]) -> None:
 
 
 COMPUTE_DTYPES = ("fp32", "bf16")
+DEFAULT_REWARD = "builtin:length"
 
 
 @dataclass(frozen=True)
@@ -112,17 +113,34 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
+class RewardTerm:
+    """One of several rewards: `{fn = "builtin:gsm8k", weight = 1.0, name = "correct"}`."""
+
+    fn: str  # a reward spec, as --reward takes it
+    weight: float = 1.0
+    name: str = ""  # its column reward/NAME; "" = the function's name
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "score.rewards", {"fn": lambda v: None if v else "must name a reward"})
+
+
+@dataclass(frozen=True)
 class ScoreConfig:
-    reward: str = "builtin:length"
-    reward_timeout: float = 60.0
-    batch_size: int = 16  # sequences per forward pass
+    reward: str = DEFAULT_REWARD  # file.py:fn, module:fn, builtin:NAME, rm:MODEL_URI or an http(s):// endpoint
+    rewards: tuple[RewardTerm, ...] = ()  # several weighted rewards instead of `reward` (TRL's reward_funcs + reward_weights)
+    reward_timeout: float = 60.0  # seconds a reward call (or one http request) may take
+    batch_size: int = 16  # sequences per forward pass (and samples per http reward request)
+    http_concurrency: int = 4  # http rewards: requests in flight at once
+    http_retries: int = 2  # http rewards: more tries of a request that timed out or got 429/5xx
     dtype: str = "fp32"  # compute dtype of the ref/policy/critic forward passes: fp32 | bf16
     old_logprobs: bool = True  # in a pipeline: recompute policy log-probs with a forward pass
     overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last N tokens before max_new_tokens; 0 = off
     overlong_penalty: float = 1.0  # the penalty at max_new_tokens (it grows linearly over the buffer)
 
     def __post_init__(self) -> None:
-        check_ranges(self, "score", {"overlong_buffer": at_least(0), "overlong_penalty": at_least(0.0), "reward_timeout": at_least(0.0), "batch_size": at_least(1), "dtype": one_of(*COMPUTE_DTYPES)})
+        if self.rewards and self.reward != DEFAULT_REWARD:
+            raise ConfigError(f"score.reward ({self.reward}) and score.rewards are both set: list every reward in score.rewards")
+        check_ranges(self, "score", {"http_concurrency": at_least(1), "http_retries": at_least(0), "overlong_buffer": at_least(0), "overlong_penalty": at_least(0.0), "reward_timeout": at_least(0.0), "batch_size": at_least(1), "dtype": one_of(*COMPUTE_DTYPES)})
 
 
 @dataclass(frozen=True)
@@ -360,6 +378,8 @@ def coerce(value: Any, expected: Any, key: str) -> Any:
         if value is None and type(None) in options:
             return None
         expected = next(t for t in options if t is not type(None))
+    if origin is tuple:
+        return _coerce_tuple(value, typing.get_args(expected)[0], key)
     if expected is bool:
         if isinstance(value, bool):
             return value
@@ -377,6 +397,29 @@ def coerce(value: Any, expected: Any, key: str) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
     raise ConfigError(f"{key}: expected {expected.__name__}, got {value!r}")
+
+
+def _coerce_tuple(value: Any, item: type, key: str) -> tuple:
+    """A TOML array (of tables, for a dataclass item type) as a tuple of `item`."""
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{key}: expected an array, got {value!r}")
+    if not dataclasses.is_dataclass(item):
+        return tuple(coerce(v, item, key) for v in value)
+    hints = typing.get_type_hints(item)
+    items = []
+    for v in value:
+        if dataclasses.is_dataclass(v):
+            v = dataclasses.asdict(v)
+        if not isinstance(v, dict):
+            raise ConfigError(f"{key}: expected tables like {{{', '.join(f'{k} = ...' for k in hints)}}}, got {v!r}")
+        unknown = [k for k in v if k not in hints]
+        if unknown:
+            raise ConfigError(f"{key}: unknown key {unknown[0]!r}{_suggest(unknown[0], hints)}")
+        missing = [f.name for f in dataclasses.fields(item) if f.default is dataclasses.MISSING and f.name not in v]
+        if missing:
+            raise ConfigError(f"{key}: every entry needs {missing[0]}, got {v!r}")
+        items.append(item(**{k: coerce(x, hints[k], f"{key}.{k}") for k, x in v.items()}))
+    return tuple(items)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -401,6 +444,8 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{escaped}"'
 
@@ -415,7 +460,7 @@ FOREIGN_KEYS = {
     "max_prompt_length": "data.max_prompt_tokens", "train_batch_size": "data.batch_size", "adv_estimator": "advantage.estimator",
     "kl_penalty": "advantage.kl_estimator", "beta": "advantage.kl_coef", "norm_adv_by_std_in_grpo": "advantage.norm_by_std",
     "total_epochs": "pipeline.iterations", "total_training_steps": "pipeline.iterations", "save_freq": "pipeline.save_every",
-    "test_freq": "pipeline.val_every", "reward_funcs": "score.reward", "gpu_memory_utilization": "vllm.gpu_memory_utilization",
+    "test_freq": "pipeline.val_every", "reward_funcs": "score.rewards", "reward_weights": "score.rewards", "report_to": "pipeline.loggers", "gpu_memory_utilization": "vllm.gpu_memory_utilization",
 }
 
 

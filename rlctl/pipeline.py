@@ -39,7 +39,7 @@ from rlctl.config import Config, apply_overrides, from_dict, load_config, to_dic
 from rlctl.errors import ConfigError, InputError
 from rlctl.lineage import make_manifest, shards_ref
 from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest, strict_json_value
-from rlctl.rewards import RewardFunction, from_callable, load_reward
+from rlctl.rewards import RewardSet, load_rewards
 from rlctl.runinfo import iteration_folders
 from rlctl.shards import Shards, commit_empty, filesystem, is_committed, read, read_manifest, write
 from rlctl.stages.rollout import stage_config as rollout_stage_config
@@ -127,7 +127,7 @@ class Pipeline:
         self.config_changes = check_resume_config(self.run_dir, cfg, allow=resume_with_changes)
         self.cfg = cfg
         self.from_stage, self.until_stage = from_stage, until_stage
-        self.reward: RewardFunction = from_callable(reward_fn, f"callable:{getattr(reward_fn, '__name__', 'reward')}") if reward_fn else load_reward(cfg.score.reward, device=cfg.model.device, batch_size=cfg.score.batch_size)
+        self.reward: RewardSet = load_rewards(cfg.score, device=cfg.model.device, reward_fn=reward_fn)
         dataset = read(cfg.data.prompts, "prompts")
         self.dataset, self.dataset_ref = dataset.table, shards_ref(dataset)
         self.val_dataset = read(cfg.data.val_prompts, "prompts").table if cfg.data.val_prompts else None
@@ -532,6 +532,7 @@ class Pipeline:
             "rollout_tokens_per_s": float(lengths.sum() / timings["rollout"]) if timings.get("rollout") else None,
             "train_tokens_per_s": train.get("tokens_per_s"),
             "seconds/io": io["seconds"],
+            **reward_component_means(scores),
         }
         row.update({f"seconds/{k}": v for k, v in timings.items()})
         row["seconds/total"] = sum(timings.values()) + io["seconds"]
@@ -722,6 +723,19 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def reward_component_means(scores: pa.Table) -> dict[str, float]:
+    """`reward_mean/NAME` for every numeric `reward/NAME` column (components, reported values),
+    over the rows that have one."""
+    means = {}
+    for name in scores.column_names:
+        column = scores.column(name)
+        if name.startswith("reward/") and pa.types.is_floating(column.type):
+            values = np.asarray(column.to_pylist(), dtype=np.float64)
+            present = values[~np.isnan(values)]
+            means["reward_mean/" + name.removeprefix("reward/")] = float(present.mean()) if present.size else None
+    return means
+
+
 def _resolve_relative(cfg: Config, base_dir: Path | None) -> Config:
     """Model and data paths in a config file are relative to the file's folder."""
     if base_dir is None:
@@ -734,10 +748,11 @@ def _resolve_relative(cfg: Config, base_dir: Path | None) -> Config:
 
     model = replace(cfg.model, path=fix(cfg.model.path), ref=fix(cfg.model.ref), critic=fix(cfg.model.critic))
     data = replace(cfg.data, prompts=fix(cfg.data.prompts), val_prompts=fix(cfg.data.val_prompts))
-    reward = cfg.score.reward
-    if reward.partition(":")[0].endswith(".py"):
-        reward = fix(reward)
-    return replace(cfg, model=model, data=data, score=replace(cfg.score, reward=reward))
+    def fix_reward(spec: str) -> str:
+        return fix(spec) if spec.partition(":")[0].endswith(".py") else spec
+
+    terms = tuple(replace(term, fn=fix_reward(term.fn)) for term in cfg.score.rewards)
+    return replace(cfg, model=model, data=data, score=replace(cfg.score, reward=fix_reward(cfg.score.reward), rewards=terms))
 
 
 # --- the command ---------------------------------------------------------------------------

@@ -41,18 +41,7 @@ def replay_stage(
     cfg = _recorded_config(load_config(run_dir / "config.resolved.toml"), recorded, overrides or [])
     target = out or str(run_dir / "replay" / iter_dir.name / folder)
     if name == "score":
-        spec = reward or recorded.config.get("reward", cfg.score.reward)
-        if reward is None and spec.startswith("callable:"):
-            raise InputError(
-                f"{iter_dir.name}/score used a Python function given to Pipeline(reward_fn=...) ({spec.partition(':')[2]}); replay cannot "
-                "import it: pass --reward file.py:function (or module:function, builtin:NAME) that computes the same reward"
-            )
-        if reward is None and is_code_reward(spec) and not trust_run_code:
-            raise InputError(
-                f"replaying {iter_dir.name}/score would run the reward code the run folder names ({spec}); "
-                "pass --reward SPEC to choose it yourself, or --trust-run-code if you trust this run folder"
-            )
-        cfg = dataclasses.replace(cfg, score=dataclasses.replace(cfg.score, reward=spec))
+        cfg = _replay_rewards(cfg, recorded, iter_dir.name, reward, trust_run_code)
     replay = {"prompts": _prompts, "rollout": _rollout, "score": _score, "filter": _filter, "advantage": _advantage, "update": _update}[name]
     result = replay(cfg, recorded, Round(iter_dir, f"-r{round_}" if round_ else ""), target)
     if not check:
@@ -62,10 +51,33 @@ def replay_stage(
     return compare_tables(read(str(path)).table, result)
 
 
+def _replay_rewards(cfg: Config, recorded: Manifest, iteration: str, reward: str | None, trust_run_code: bool) -> Config:
+    """The config whose rewards the replayed score uses: `reward` when given, else the
+    recorded ones, which must not be code unless the user trusts the run folder."""
+    if reward is not None:
+        return dataclasses.replace(cfg, score=dataclasses.replace(cfg.score, reward=reward, rewards=()))
+    recorded_spec = recorded.config.get("reward", cfg.score.reward)
+    specs = [term.fn for term in cfg.score.rewards] or [recorded_spec]
+    if recorded_spec.startswith("callable:"):
+        raise InputError(
+            f"{iteration}/score used a Python function given to Pipeline(reward_fn=...) ({recorded_spec.partition(':')[2]}); replay cannot "
+            "import it: pass --reward file.py:function (or module:function, builtin:NAME) that computes the same reward"
+        )
+    code = [spec for spec in specs if is_code_reward(spec)]
+    if code and not trust_run_code:
+        raise InputError(
+            f"replaying {iteration}/score would run the reward code the run folder names ({', '.join(code)}); "
+            "pass --reward SPEC to choose it yourself, or --trust-run-code if you trust this run folder"
+        )
+    if cfg.score.rewards:
+        return cfg
+    return dataclasses.replace(cfg, score=dataclasses.replace(cfg.score, reward=recorded_spec))
+
+
 def is_code_reward(spec: str) -> bool:
     """Whether loading this reward spec would import Python code (a file or a module)."""
     kind = spec.partition(":")[0]
-    return kind not in ("builtin", "rm")
+    return kind not in ("builtin", "rm", "http", "https")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +153,7 @@ def _rollout(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> p
 
 
 def _score(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> pa.Table:
-    from rlctl.rewards import load_reward
+    from rlctl.rewards import load_rewards
     from rlctl.stages.score import ScoringModels, score_table
 
     weights = _weights(recorded)
@@ -149,7 +161,7 @@ def _score(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> pa.
     if cfg.model.critic:
         critic_dir = Path(weights) / "critic"
         critic = str(critic_dir) if critic_dir.exists() else cfg.model.critic
-    reward = load_reward(cfg.score.reward, device=cfg.model.device)
+    reward = load_rewards(cfg.score, device=cfg.model.device)
     with _run_workers(cfg, policy=weights, ref=cfg.model.ref, critic=critic) as workers:
         models = ScoringModels(ref=workers.ref, policy=workers.policy if cfg.score.old_logprobs else None, critic=workers.critic)
         table = score_table(read(str(iter_dir / "rollout"), "rollouts").table, reward, models, cfg.score)

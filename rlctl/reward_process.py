@@ -198,8 +198,30 @@ def _jsonable(value: Any) -> Any:
     elif hasattr(value, "tolist"):
         value = value.tolist()
     if isinstance(value, (list, tuple)):
-        return [v if _plain_number(v) else {"__type__": type(v).__name__, "repr": repr(v)[:60]} for v in value]
-    return {"__type__": type(value).__name__, "repr": repr(value)[:60]}
+        return [_carried(v) for v in value]
+    return _foreign(value)
+
+
+def _carried(v: Any) -> Any:
+    """One sample's value: a number, None (TRL: no reward applies), or verl's dict of a score
+    and reported values (those that are not numbers or text travel as their repr)."""
+    v = _scalar(v)
+    if _plain_number(v) or v is None:
+        return v
+    if isinstance(v, dict) and "__type__" not in v:
+        return {str(k): x if _plain_number(x) or x is None or isinstance(x, str) else repr(x)[:60] for k, x in ((k, _scalar(x)) for k, x in v.items())}
+    return _foreign(v)
+
+
+def _scalar(v: Any) -> Any:
+    """A one-element tensor or numpy scalar as the Python number it holds."""
+    if hasattr(v, "item") and getattr(v, "ndim", getattr(v, "dim", lambda: 1)) in (0, ()):
+        return v.item()
+    return v
+
+
+def _foreign(v: Any) -> dict:
+    return {"__type__": type(v).__name__, "repr": repr(v)[:60]}
 
 
 def _plain_number(v: Any) -> bool:

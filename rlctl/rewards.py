@@ -1,9 +1,11 @@
-"""Reward functions: built-ins, user functions and reward models, behind one calling rule.
+"""Reward functions: built-ins, user functions, reward models and endpoints, behind one calling rule.
 
-`--reward SPEC` is `path/to/file.py:function`, `module:function`, `builtin:NAME` or
-`rm:MODEL_URI`. Code rewards run in a child process (`rlctl.reward_process`). A user function either takes the list of response strings
-(`fn(samples) -> list[float] | Tensor`) or takes keyword arguments among `prompts`,
-`responses`, `ground_truths`, `data_sources`, `extras` — decided from its signature.
+`--reward SPEC` is `path/to/file.py:function`, `module:function`, `builtin:NAME`,
+`rm:MODEL_URI` or an `http(s)://` endpoint. Code rewards run in a child process
+(`rlctl.reward_process`); how a function is called (rlctl's keywords, one positional list,
+verl's `compute_score`, TRL's `completions`) is decided from its signature (`reward_styles`).
+`score.rewards` combines several, weighted (`RewardSet`): the total is the `reward` column,
+each component and each extra value a function reports has a `reward/...` column of its own.
 
 A function that raises, returns the wrong count, returns NaN/inf, or runs past the timeout is
 a `RewardError` naming the first bad sample's index (found by re-calling per sample).
@@ -14,7 +16,6 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
-import inspect
 import json
 import math
 import operator
@@ -30,8 +31,10 @@ from typing import Any
 
 from rlctl.algos.registry import Registry
 from rlctl.errors import InputError, RewardError
+from rlctl.reward_http import HttpOptions, HttpReward
+from rlctl.reward_styles import ADAPTER_INPUTS, RLCTL_KEYWORDS, batch_adapter, calling_style
 
-KEYWORD_ARGS = ("prompts", "responses", "ground_truths", "data_sources", "extras")
+KEYWORD_ARGS = RLCTL_KEYWORDS
 FLOAT32_MAX = 3.4028234663852886e38
 
 
@@ -44,14 +47,19 @@ class RewardSamples:
     ground_truths: list[str | None]
     data_sources: list[str | None]
     extras: list[dict[str, Any]] = field(default_factory=list)
+    messages: list[list[dict] | None] = field(default_factory=list)  # chat prompts; empty: none are chats
 
     def __len__(self) -> int:
         return len(self.responses)
 
+    def column(self, name: str) -> list:
+        values = getattr(self, name)
+        return list(values) if values or name != "messages" else [None] * len(self)
+
     def subset(self, index: int) -> RewardSamples:
         pick = slice(index, index + 1)
         return RewardSamples(
-            self.prompts[pick], self.responses[pick], self.ground_truths[pick], self.data_sources[pick], self.extras[pick]
+            self.prompts[pick], self.responses[pick], self.ground_truths[pick], self.data_sources[pick], self.extras[pick], self.messages[pick]
         )
 
 
@@ -192,7 +200,7 @@ class RewardFunction:
         """(args, kwargs) of a call on `samples`, by the calling rule of the function."""
         if self.keywords is None:
             return [list(samples.responses)], {}
-        return [], {k: list(getattr(samples, k)) for k in self.keywords}
+        return [], {k: samples.column(k) for k in self.keywords}
 
     def __call__(self, samples: RewardSamples) -> Any:
         args, kwargs = self.arguments(samples)
@@ -200,21 +208,23 @@ class RewardFunction:
 
 
 def from_callable(fn: Callable, spec: str = "<callable>") -> RewardFunction:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return RewardFunction(spec, fn, None)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return RewardFunction(spec, fn, KEYWORD_ARGS)
-    named = tuple(k for k in KEYWORD_ARGS if k in params)
-    return RewardFunction(spec, fn, named or None)
+    """`fn` with the calling rule its signature asks for (`reward_styles.calling_style`)."""
+    style = calling_style(fn, spec)
+    if style.name in ("verl", "trl"):
+        return RewardFunction(spec, batch_adapter(fn, style), ADAPTER_INPUTS)
+    return RewardFunction(spec, fn, style.keywords if style.name == "rlctl" else None)
 
 
-def load_reward(spec: str, *, device: str = "cpu", batch_size: int = 16) -> RewardFunction:
+def load_reward(spec: str, *, device: str = "cpu", batch_size: int = 16, http: HttpOptions | None = None) -> RewardFunction:
     """A reward from its spec. Code (file.py:fn, module:fn) is loaded in a child process."""
     kind, sep, rest = spec.partition(":")
     if not sep or not rest:
-        raise InputError(f"--reward {spec!r}: expected file.py:function, module:function, builtin:NAME or rm:MODEL_URI")
+        raise InputError(f"--reward {spec!r}: expected file.py:function, module:function, builtin:NAME, rm:MODEL_URI or an http(s):// URL")
+    if kind in ("http", "https"):
+        if not rest.startswith("//") or len(rest) <= 2:
+            raise InputError(f"--reward {spec!r}: expected {kind}://HOST[:PORT]/PATH")
+        endpoint = HttpReward(spec, http or HttpOptions(batch_size=batch_size))
+        return RewardFunction(spec, endpoint, endpoint.keywords)
     if kind == "builtin":
         return from_callable(BUILTINS.get(rest), spec)
     if kind == "rm":
@@ -297,11 +307,116 @@ class RewardModel:
         return scores
 
 
+# --- several rewards, weighted ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightedReward:
+    name: str  # its column: reward/NAME
+    reward: RewardFunction
+    weight: float
+
+
+@dataclass(frozen=True)
+class RewardScores:
+    """The `reward` column (the weighted total) and the `reward/...` columns beside it."""
+
+    total: list[float]
+    columns: dict[str, list[Any]]
+
+
+class RewardSet:
+    """The rewards of a score stage. One reward of weight 1 is the plain case: its score is the
+    total and only its reported values get columns (`reward/KEY`). Several: each component is
+    `reward/NAME` and its reported values `reward/NAME/KEY`; a sample's total is the weighted sum
+    of the components that apply to it (TRL's None: not applicable)."""
+
+    def __init__(self, terms: Sequence[WeightedReward]) -> None:
+        self.terms = list(terms)
+
+    @classmethod
+    def of(cls, reward: RewardFunction) -> RewardSet:
+        return cls([WeightedReward(term_name(reward.spec), reward, 1.0)])
+
+    @property
+    def single(self) -> bool:
+        return len(self.terms) == 1 and self.terms[0].weight == 1.0
+
+    @property
+    def spec(self) -> str:
+        """What manifests and the run header record."""
+        if self.single:
+            return self.terms[0].reward.spec
+        return " + ".join(f"{t.weight:g}*{t.reward.spec}" for t in self.terms)
+
+    def score(self, samples: RewardSamples, *, timeout: float) -> RewardScores:
+        columns: dict[str, list[Any]] = {}
+        components = []
+        for term in self.terms:
+            values = evaluate_reward(term.reward, samples, timeout=timeout)
+            prefix = "reward/" if self.single else f"reward/{term.name}"
+            if not self.single:
+                columns[prefix] = values.scores
+            columns.update({f"{prefix.rstrip('/')}/{key}": column for key, column in values.info.items()})
+            components.append((term, values.scores))
+        total = []
+        for i in range(len(samples)):
+            applied = [(t.weight, scores[i]) for t, scores in components if scores[i] is not None]
+            if not applied:
+                names = ", ".join(t.reward.spec for t in self.terms)
+                raise RewardError(f"no reward applies to sample {i}: {names} returned None for it")
+            total.append(math.fsum(w * v for w, v in applied))
+        return RewardScores(total, columns)
+
+
+def term_name(spec: str) -> str:
+    """A reward's short name: the function's (file.py:fn → fn), the builtin's, `rm`, the host."""
+    kind, _, rest = spec.partition(":")
+    if kind in ("http", "https"):
+        return rest.lstrip("/").split("/")[0].split(":")[0] or kind
+    if kind == "rm":
+        return "rm"
+    return spec.rpartition(":")[2] or spec
+
+
+def load_rewards(cfg: Any, *, device: str = "cpu", reward_fn: Callable | None = None) -> RewardSet:
+    """The RewardSet a ScoreConfig names (`score.rewards`, else `score.reward`); a Python
+    callable given to the Pipeline stands in for `score.reward`."""
+    http = HttpOptions(batch_size=cfg.batch_size, concurrency=cfg.http_concurrency, retries=cfg.http_retries, timeout=cfg.reward_timeout or HttpOptions.timeout)
+    if reward_fn is not None:
+        return RewardSet.of(from_callable(reward_fn, f"callable:{getattr(reward_fn, '__name__', 'reward')}"))
+    if not cfg.rewards:
+        return RewardSet.of(load_reward(cfg.reward, device=device, batch_size=cfg.batch_size, http=http))
+    terms, seen = [], Counter()
+    for term in cfg.rewards:
+        name = term.name or term_name(term.fn)
+        seen[name] += 1
+        terms.append(WeightedReward(name if seen[name] == 1 else f"{name}_{seen[name]}", load_reward(term.fn, device=device, batch_size=cfg.batch_size, http=http), term.weight))
+    return RewardSet(terms)
+
+
 # --- calling safely ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RewardValues:
+    """What one reward function said about a batch: a score per sample (None where it does not
+    apply, TRL's convention) and the extra values it reported (verl's dict returns), by key."""
+
+    scores: list[float | None]
+    info: dict[str, list[Any]]
 
 
 def compute_rewards(reward: RewardFunction, samples: RewardSamples, *, timeout: float) -> list[float]:
     """One float per sample; any failure is a `RewardError` naming the sample index."""
+    values = evaluate_reward(reward, samples, timeout=timeout)
+    if None in values.scores:
+        raise RewardError(f"reward {reward.spec} returned None at sample {values.scores.index(None)}: no reward applies to it")
+    return values.scores
+
+
+def evaluate_reward(reward: RewardFunction, samples: RewardSamples, *, timeout: float) -> RewardValues:
+    """The function's scores and reported values; a failure names the first bad sample."""
     try:
         return _checked(_call_with_timeout(reward, samples, timeout), len(samples), reward.spec)
     except _Failure as failure:
@@ -327,7 +442,7 @@ def _first_failing_sample(reward: RewardFunction, samples: RewardSamples, timeou
     return None
 
 
-def _checked(result: Any, expected: int, spec: str) -> list[float]:
+def _checked(result: Any, expected: int, spec: str) -> RewardValues:
     if hasattr(result, "detach"):
         result = result.detach().cpu().reshape(-1).tolist()
     elif hasattr(result, "tolist"):
@@ -336,22 +451,46 @@ def _checked(result: Any, expected: int, spec: str) -> list[float]:
         raise _Failure(f"returned {getattr(result, 'type_name', type(result).__name__)}, expected a list of floats")
     if len(result) != expected:
         raise _Failure(f"returned {len(result)} values for {expected} samples")
-    values = []
+    scores: list[float | None] = []
+    info: dict[str, list[Any]] = {}
     for i, v in enumerate(result):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            kind = getattr(v, "type_name", type(v).__name__)
-            raise RewardError(f"reward {spec} returned {kind} {v!r} at sample {i}, expected a float")
-        value = float(v) if abs(v) <= FLOAT32_MAX else math.inf
-        if not math.isfinite(value):
-            what = v if isinstance(v, float) and not math.isfinite(v) else f"{str(v)[:12]}…, outside the float32 range of the reward column"
-            raise RewardError(f"reward {spec} returned {what} at sample {i}")
-        values.append(value)
-    return values
+        if isinstance(v, dict):  # verl: {"score": 1.0, "acc": True, "pred": "42"}
+            if "score" not in v:
+                raise RewardError(f"reward {spec} returned a dict without a 'score' key at sample {i} (keys: {', '.join(map(str, v))})")
+            for key, extra in v.items():
+                if key != "score":
+                    info.setdefault(str(key), [None] * expected)[i] = _info_value(extra)
+            v = v["score"]
+        scores.append(None if v is None else _finite(v, i, spec))
+    return RewardValues(scores, info)
+
+
+def _finite(v: Any, i: int, spec: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        kind = getattr(v, "type_name", type(v).__name__)
+        raise RewardError(f"reward {spec} returned {kind} {v!r} at sample {i}, expected a float")
+    value = float(v) if abs(v) <= FLOAT32_MAX else math.inf
+    if not math.isfinite(value):
+        what = v if isinstance(v, float) and not math.isfinite(v) else f"{str(v)[:12]}…, outside the float32 range of the reward column"
+        raise RewardError(f"reward {spec} returned {what} at sample {i}")
+    return value
+
+
+def _info_value(value: Any) -> float | str | None:
+    """A reported value as a shard can hold it: numbers (bools as 0/1) or text."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    return repr(value)
 
 
 def _call_with_timeout(reward: RewardFunction, samples: RewardSamples, timeout: float) -> Any:
     from rlctl.reward_process import RewardCallFailed, RewardProcess
 
+    if isinstance(reward.fn, HttpReward):  # times each request itself; failures are the whole batch's
+        args, kwargs = reward.arguments(samples)
+        return reward.fn.call(args, kwargs, timeout)
     if isinstance(reward.fn, RewardProcess):  # the child process enforces the timeout itself
         args, kwargs = reward.arguments(samples)
         try:

@@ -13,13 +13,7 @@ from rlctl.config import ScoreConfig, WorkersConfig, to_dict
 from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
 from rlctl.manifest import Manifest
-from rlctl.rewards import (
-    RewardFunction,
-    RewardSamples,
-    compute_rewards,
-    load_reward,
-    overlong_penalty,
-)
+from rlctl.rewards import RewardSamples, RewardScores, RewardSet, load_rewards, overlong_penalty
 from rlctl.schemas import spec
 from rlctl.shards import OutputSpec, read, write
 from rlctl.stages.rollout import sampling_of
@@ -46,7 +40,7 @@ def run(
     for uri in model_uris.values():
         if uri:
             check_model_dir(uri)
-    reward = load_reward(cfg.reward, device=device, batch_size=cfg.batch_size)
+    reward = load_rewards(cfg, device=device)
     inputs = [shards_ref(source)] + [model_ref(u) for u in model_uris.values() if u]
     config = {"score": to_dict(cfg), "models": {k: v or "" for k, v in model_uris.items()}}
     manifest = make_manifest("score", config, inputs)
@@ -84,22 +78,33 @@ def reward_samples(table: pa.Table) -> RewardSamples:
     known = {c.name for c in spec("scores").columns}
     extra_names = [c for c in names if c not in known]
     extras = [dict(zip(extra_names, values)) for values in zip(*(column(c) for c in extra_names))] if extra_names else [{} for _ in range(n)]
-    return RewardSamples(prompts, column("response"), column("ground_truth"), column("data_source"), extras)
+    return RewardSamples(prompts, column("response"), column("ground_truth"), column("data_source"), extras, chats)
 
 
-def score_table(table: pa.Table, reward: RewardFunction, models: ScoringModels, cfg: ScoreConfig) -> pa.Table:
+def score_table(table: pa.Table, reward: RewardSet, models: ScoringModels, cfg: ScoreConfig) -> pa.Table:
     """Rewards for every row, then the per-token columns each available model provides."""
-    return with_model_columns(table, scored_rewards(table, reward, models, cfg), models, cfg)
+    scores = scored_rewards(table, reward, models, cfg)
+    return with_model_columns(with_reward_columns(table, scores), scores.total, models, cfg)
 
 
-def scored_rewards(table: pa.Table, reward: RewardFunction, models: ScoringModels, cfg: ScoreConfig) -> list[float]:
-    """One reward per row (token ids checked against the models' vocabulary first)."""
+def with_reward_columns(table: pa.Table, scores: RewardScores) -> pa.Table:
+    """The `reward/...` columns: components and reported values (numbers, else text)."""
+    def array(values: list) -> pa.Array:
+        if all(v is None or isinstance(v, (int, float)) for v in values):
+            return pa.array(values, pa.float64())
+        return pa.array([None if v is None else str(v) for v in values], pa.string())
+
+    return set_columns(table, {name: array(values) for name, values in scores.columns.items()})
+
+
+def scored_rewards(table: pa.Table, reward: RewardSet, models: ScoringModels, cfg: ScoreConfig) -> RewardScores:
+    """The rewards of every row (token ids checked against the models' vocabulary first)."""
     if table.num_rows == 0:
         raise InputError("rollouts: no rows to score")
     vocab = next((m.vocab_size for m in (models.ref, models.policy, models.critic) if m is not None), None)
     if vocab is not None:
         check_token_ids(table, vocab, source="rollouts")
-    rewards = compute_rewards(reward, reward_samples(table), timeout=cfg.reward_timeout)
+    scores = reward.score(reward_samples(table), timeout=cfg.reward_timeout)
     if cfg.overlong_buffer > 0:
         limit = sampling_of(table).get("max_new_tokens")
         if not isinstance(limit, int) or cfg.overlong_buffer >= limit:
@@ -109,8 +114,8 @@ def scored_rewards(table: pa.Table, reward: RewardFunction, models: ScoringModel
             )
         lengths = [len(ids) for ids in table.column("response_ids").to_pylist()]
         shaping = overlong_penalty(lengths, max_new_tokens=limit, buffer=cfg.overlong_buffer, penalty=cfg.overlong_penalty)
-        rewards = [r + p for r, p in zip(rewards, shaping)]
-    return rewards
+        scores = RewardScores([r + p for r, p in zip(scores.total, shaping)], {**scores.columns, "reward/overlong_penalty": shaping})
+    return scores
 
 
 def with_model_columns(table: pa.Table, rewards: list[float], models: ScoringModels, cfg: ScoreConfig, *, ref_logprobs: list | None = None) -> pa.Table:
@@ -132,11 +137,12 @@ def with_model_columns(table: pa.Table, rewards: list[float], models: ScoringMod
     return set_columns(table, new)
 
 
-def score_parts_on_workers(group, table: pa.Table, reward: RewardFunction, models: ScoringModels, cfg: ScoreConfig, out: OutputSpec, manifest: Manifest) -> Manifest:
+def score_parts_on_workers(group, table: pa.Table, reward: RewardSet, models: ScoringModels, cfg: ScoreConfig, out: OutputSpec, manifest: Manifest) -> Manifest:
     """Rewards here (the reward's child process is the controller's); each rank adds its
     slice's model columns and writes its own part. A reference in a pool of its own
     (`workers.placement = "split"`) scores there first; its log-probs go with the rows."""
-    rewards = scored_rewards(table, reward, models, cfg)
+    scores = scored_rewards(table, reward, models, cfg)
+    rewards, table = scores.total, with_reward_columns(table, scores)
     ref_logprobs = None
     if models.ref is not None and getattr(group, "ref_pool", None) is not None:
         temperature = float(sampling_of(table).get("temperature", 1.0))

@@ -499,14 +499,14 @@ class RankWorker:
         """This rank's rollouts with their rewards (computed by the controller) and the model
         columns of `roles` (ref, policy, critic), as part `name` of the output at `uri`;
         `ref_logprobs` when the reference is in a pool of its own."""
-        from rlctl.config import ScoreConfig
+        from rlctl.config import section_from_dict
         from rlctl.stages.score import ScoringModels, with_model_columns
 
         with self._reference() if "ref" in roles else contextlib.nullcontext() as ref:  # every rank gathers, even one with no rows
             if rows.num_rows == 0:
                 return None
             models = ScoringModels(ref=ref, policy=self.engine if "policy" in roles else None, critic=self.critic_engine if "critic" in roles else None)
-            table = with_model_columns(rows, rewards, models, ScoreConfig(**score), ref_logprobs=ref_logprobs)
+            table = with_model_columns(rows, rewards, models, section_from_dict("score", score), ref_logprobs=ref_logprobs)
         return self._write_part(table, "scores", uri, name, fmt)
 
     def _write_part(self, table, schema: str, uri: str, name: str, fmt: str) -> dict:

@@ -7,10 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlctl import shards
 from rlctl.pipeline import Pipeline
 from tests.conftest import one_line_error
 
@@ -256,3 +258,29 @@ def test_a_run_resumes_only_with_the_training_config_it_started_with(tmp_path, t
     rlctl("pipeline", config, "--run-dir", run, "--quiet", "--iterations", "3", "--set", "update.lr=0.5", "--resume-with-changes")
     state = json.loads((run / "checkpoints" / "iter-0003" / "_manifest.json").read_text())["state"]["pipeline"]
     assert state["config_changes"] == [{"from_iteration": 3, "changes": {"update.lr": [0.001, 0.5]}}]
+
+
+def test_weighted_rewards_are_metrics_and_their_score_stage_replays(cli, tmp_path, tiny_model):
+    (tmp_path / "judge.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': float(len(solution_str) % 2), 'chars': len(solution_str)}\n"
+    )
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    rewards = [{"fn": "builtin:length", "weight": 1.0}, {"fn": f"{tmp_path / 'judge.py'}:compute_score", "weight": 0.5, "name": "parity"}]
+    pipeline = Pipeline.from_config(
+        {"model": {"path": tiny_model}, "data": {"prompts": str(prompts), "batch_size": 2}, "rollout": {"n": 2, "max_new_tokens": 4},
+         "score": {"rewards": rewards}, "advantage": {"estimator": "grpo"}, "pipeline": {"iterations": 1, "run_dir": str(tmp_path / "run")}},
+    )
+    (row,) = pipeline.run()
+    pipeline.close()
+    scores = shards.read(str(tmp_path / "run" / "iter-0001" / "score"), "scores").table
+    length, parity = (np.asarray(scores.column(c).to_pylist()) for c in ("reward/length", "reward/parity"))
+    assert row["reward_mean"] == pytest.approx(float(np.mean(length + 0.5 * parity)), rel=1e-5)
+    assert row["reward_mean/length"] == pytest.approx(float(length.mean())) and row["reward_mean/parity"] == pytest.approx(float(parity.mean()))
+    assert row["reward_mean/parity/chars"] == pytest.approx(float(np.mean([len(r) for r in scores.column("response").to_pylist()])))
+    stage = tmp_path / "run" / "iter-0001" / "score"
+    refused = cli("replay", stage, "--check")
+    assert refused.exit_code == 2 and "judge.py:compute_score" in refused.stderr and "--trust-run-code" in refused.stderr
+    trusted = cli("replay", stage, "--check", "--trust-run-code")
+    assert trusted.exit_code == 0 and trusted.stdout.strip() == "identical", trusted.stderr

@@ -195,3 +195,27 @@ def test_score_adds_the_overlong_penalty_from_the_rollouts_own_length_limit(cli,
         assert reward == pytest.approx(expected, abs=1e-6)
     too_long = cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "bad", "--reward", "builtin:length", "--set", f"score.overlong_buffer={limit}")
     bad(too_long, tmp_path / "bad", "needs rollouts that record a max_new_tokens above it")
+
+
+def test_score_with_weighted_verl_and_trl_rewards_records_every_component(cli, tmp_path, scored):
+    (tmp_path / "their_rewards.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': len(solution_str) / 10, 'words': len(solution_str.split())}\n\n"
+        "def short(prompts, completions, **kwargs):  # a chat row's completion is a message list, as in TRL\n"
+        "    texts = [c[0]['content'] if isinstance(c, list) else c for c in completions]\n"
+        "    return [1.0 if len(t) < 20 else None for t in texts]\n"
+    )
+    (tmp_path / "score.toml").write_text(
+        f'[score]\nrewards = [{{fn = "{tmp_path}/their_rewards.py:compute_score", weight = 2.0, name = "verl"}}, '
+        f'{{fn = "{tmp_path}/their_rewards.py:short", weight = 0.5}}]\n'
+    )
+    result = cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "multi", "--config", tmp_path / "score.toml")
+    assert result.exit_code == 0, result.stderr
+    table = shards.read(str(tmp_path / "multi"), "scores").table
+    responses = table.column("response").to_pylist()
+    assert table.column("reward/verl").to_pylist() == pytest.approx([len(r) / 10 for r in responses])
+    assert table.column("reward/verl/words").to_pylist() == [float(len(r.split())) for r in responses]
+    assert table.column("reward/short").to_pylist() == [1.0 if len(r) < 20 else None for r in responses]
+    expected = [2 * len(r) / 10 + (0.5 if len(r) < 20 else 0.0) for r in responses]
+    assert table.column("reward").to_pylist() == pytest.approx(expected, rel=1e-6)
+    assert cli("advantage", "--scores", tmp_path / "multi", "--out", tmp_path / "adv").exit_code == 0
