@@ -65,6 +65,7 @@ def check_ranges(section: object, name: str, rules: dict[str, Rule]) -> None:
 
 COMPUTE_DTYPES = ("fp32", "bf16")
 DEFAULT_REWARD = "builtin:length"
+LOGGER_NAMES = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 
 @dataclass(frozen=True)
@@ -222,9 +223,17 @@ class PipelineConfig:
     rollout_is_threshold: float = 2.0  # importance ratio trainer/engine beyond which a token counts as mismatched
     dynamic_sampling: bool = False  # DAPO: train only on groups whose rewards differ, sampling more prompts to fill the batch
     max_sampling_rounds: int = 4  # with dynamic_sampling: rounds of prompts at most per iteration (then dropped groups fill up)
+    loggers: tuple[str, ...] = ("console", "jsonl")  # also: tensorboard, wandb, mlflow (metrics.jsonl is always written)
+    wandb_project: str = "rlctl"  # the wandb project of the wandb logger
+    wandb_mode: str = "online"  # online | offline (offline: RUN/wandb, no network; `wandb sync` it later)
+    mlflow_uri: str = ""  # tracking URI of the mlflow logger; "" = the file store RUN/mlruns
+    mlflow_experiment: str = "rlctl"  # the MLflow experiment of the mlflow logger
 
     def __post_init__(self) -> None:
-        check_ranges(self, "pipeline", {"max_sampling_rounds": at_least(1), "rollout_is_threshold": above(1.0), "iterations": at_least(1), "save_every": at_least(0), "keep_checkpoints": at_least(0), "keep_shards": at_least(0), "val_every": at_least(0)})
+        unknown = [name for name in self.loggers if name not in LOGGER_NAMES]
+        if unknown:
+            raise ConfigError(f"pipeline.loggers: unknown logger {unknown[0]!r}; available: {', '.join(LOGGER_NAMES)}")
+        check_ranges(self, "pipeline", {"wandb_mode": one_of("online", "offline"), "max_sampling_rounds": at_least(1), "rollout_is_threshold": above(1.0), "iterations": at_least(1), "save_every": at_least(0), "keep_checkpoints": at_least(0), "keep_shards": at_least(0), "val_every": at_least(0)})
 
 
 @dataclass(frozen=True)

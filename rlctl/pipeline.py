@@ -39,6 +39,7 @@ from rlctl.config import Config, apply_overrides, from_dict, load_config, to_dic
 from rlctl.errors import ConfigError, InputError
 from rlctl.lineage import make_manifest, shards_ref
 from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest, strict_json_value
+from rlctl.loggers import Loggers, check_loggers
 from rlctl.rewards import RewardSet, load_rewards
 from rlctl.runinfo import iteration_folders
 from rlctl.shards import Shards, commit_empty, filesystem, is_committed, read, read_manifest, write
@@ -73,6 +74,7 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
     if not cfg.model.path and not cfg.model.init_preset:
         raise ConfigError("set model.path (a model folder) or model.init_preset (tiny|small|medium) to make one")
     check_config(cfg.advantage)
+    check_loggers(cfg.pipeline.loggers)
     ESTIMATORS.get(cfg.advantage.estimator)
     if cfg.advantage.kl_coef > 0 and not cfg.model.ref:
         raise ConfigError("advantage.kl_coef > 0 needs a reference model: set model.ref")
@@ -132,6 +134,7 @@ class Pipeline:
         self.dataset, self.dataset_ref = dataset.table, shards_ref(dataset)
         self.val_dataset = read(cfg.data.val_prompts, "prompts").table if cfg.data.val_prompts else None
         self._run_lock = None
+        self._loggers: Loggers | None = None
         self.view = view
         self._workers = None
         self._stepped = False  # --from/--until shape only the first iteration of this run
@@ -275,10 +278,17 @@ class Pipeline:
             self._save_checkpoint(i)
         faults.point(f"iter-{i:04d}:after-checkpoint")
         self._write_metrics()
+        self._trackers().log(row)
         self._prune(i)
         if self.view:
             self.view.iteration_done(row, total)
         return row
+
+    def _trackers(self) -> Loggers:
+        """The `pipeline.loggers` beyond metrics.jsonl, opened at the first iteration run."""
+        if self._loggers is None:
+            self._loggers = Loggers(self.cfg.pipeline.loggers, run_dir=self.run_dir, config=to_dict(self.cfg), settings=self.cfg.pipeline)
+        return self._loggers
 
     def _sampling_round(self, i: int, r: int, stage, model_inputs):
         """Prompts, rollout and score of round `r` of iteration `i` (round 1: the iteration's own
@@ -326,6 +336,9 @@ class Pipeline:
         if workers is not None:
             workers.close()
             self._workers = None
+        if getattr(self, "_loggers", None) is not None:
+            self._loggers.close()
+            self._loggers = None
         self._release_lock()
 
     def _release_lock(self) -> None:
@@ -630,7 +643,10 @@ def describe_workers(cfg: Config) -> str:
 
 # keys that do not change what is trained: how long, where, how often saved, how the models are held
 NOT_TRAINING = {
-    "pipeline": {"iterations", "run_dir", "save_every", "keep_checkpoints", "keep_shards", "val_every", "rollout_is_threshold"},
+    "pipeline": {
+        "iterations", "run_dir", "save_every", "keep_checkpoints", "keep_shards", "val_every", "rollout_is_threshold",
+        "loggers", "wandb_project", "wandb_mode", "mlflow_uri", "mlflow_experiment",
+    },
     "model": {"device", "init_preset", "init_seed"}, "data": {"val_prompts"}, "workers": None, "vllm": None,
 }
 
@@ -776,6 +792,7 @@ def run_pipeline_command(
     if dry_run:
         print(pipeline.plan())
         return
+    quiet = quiet or "console" not in pipeline.cfg.pipeline.loggers
     with pipeline, make_view(quiet=quiet, first_iteration=pipeline.iteration, total=total) as view:
         pipeline.view = view
         pipeline._hold_run_lock()

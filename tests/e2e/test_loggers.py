@@ -1,0 +1,84 @@
+"""pipeline.loggers: TensorBoard, wandb (offline) and MLflow get every metric of every
+iteration that metrics.jsonl has, a resumed run goes on in the same tracker run, and a
+missing package is exit 2 naming the extra."""
+
+import json
+
+import pytest
+
+from rlctl.config import load_config
+from rlctl.errors import ConfigError
+from rlctl.loggers import check_loggers, numeric
+from rlctl.pipeline import Pipeline
+from tests.e2e.test_pipeline import PROMPTS
+
+
+def run(tmp_path, tiny_model, iterations: int) -> list[dict]:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    cfg = {
+        "model": {"path": tiny_model}, "data": {"prompts": str(prompts), "batch_size": 2}, "rollout": {"n": 2, "max_new_tokens": 4},
+        "pipeline": {"iterations": iterations, "run_dir": str(tmp_path / "run"), "loggers": ["console", "jsonl", "tensorboard", "wandb", "mlflow"], "wandb_mode": "offline"},
+    }
+    with Pipeline.from_config(cfg) as pipeline:
+        pipeline.run()
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory, tiny_model):
+    tmp_path = tmp_path_factory.mktemp("loggers")
+    run(tmp_path, tiny_model, 1)
+    rows = run(tmp_path, tiny_model, 2)  # resumed: iteration 2 goes to the same tracker runs
+    return tmp_path / "run", rows
+
+
+def test_tensorboard_holds_every_metric_of_every_iteration(logged):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, rows = logged
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    # a resumed run writes a second event file into the same folder; read both
+    seen = {}
+    for path in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
+        one = EventAccumulator(str(path))
+        one.Reload()
+        for tag in one.Tags()["scalars"]:
+            seen.update({(tag, e.step): e.value for e in one.Scalars(tag)})
+    for row in rows:
+        for key, value in numeric(row).items():
+            assert seen[(key, row["iteration"])] == pytest.approx(value, rel=1e-6), key
+
+
+def test_mlflow_has_one_run_with_every_iteration(logged, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    run_dir, rows = logged
+    client = mlflow.MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
+    (experiment,) = [e for e in client.search_experiments() if e.name == "rlctl"]
+    (tracked,) = client.search_runs([experiment.experiment_id])
+    history = client.get_metric_history(tracked.info.run_id, "reward_mean")
+    logged_points = sorted((m.step, m.value) for m in history)
+    assert [step for step, _ in logged_points] == [r["iteration"] for r in rows]
+    assert [value for _, value in logged_points] == pytest.approx([r["reward_mean"] for r in rows])
+    assert tracked.data.params["update.lr"] == "1e-06"
+
+
+def test_wandb_offline_writes_one_run_folder(logged):
+    run_dir, _ = logged
+    folders = list((run_dir / "wandb").glob("offline-run-*"))
+    assert folders and len({f.name.rpartition("-")[2] for f in folders}) == 1  # the same run id after resuming
+    assert all(list(f.glob("run-*.wandb")) for f in folders)
+
+
+def test_unknown_or_missing_loggers_are_config_errors(monkeypatch):
+    with pytest.raises(ConfigError, match="unknown logger 'tensorbord'; available: console, jsonl, tensorboard, wandb, mlflow"):
+        load_config(None, ['pipeline.loggers=["tensorbord"]'])
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match="wandb needs the wandb package: pip install 'rlctl\\[wandb\\]'"):
+        check_loggers(("console", "wandb"))
