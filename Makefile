@@ -1,5 +1,5 @@
 # Developer shortcuts. The RL loop itself as stage-command targets is examples/Makefile.
-.PHONY: test test-fast completions lint example vllm
+.PHONY: test test-fast completions docs lint example vllm
 
 test:
 	python -m pytest -q
@@ -9,6 +9,9 @@ test-fast:
 
 completions:
 	python -m rlctl.completion completions
+
+docs:
+	python -m rlctl.config_doc docs/config.md
 
 lint:
 	ruff check rlctl stages schemas tests

@@ -4,6 +4,7 @@ _rlctl() {
   local -a commands
   commands=(
     'advantage:Turn rewards into per-token rewards, advantages and returns (pure math, no model).'
+    'config-show:Print every config key with its type, default, current value and meaning.'
     'model-init:Write a random Qwen2-style model + byte-level BPE tokenizer, fully offline.'
     'pipeline:Run rollout → score → advantage → update → reshard for N iterations, models resident.'
     'plot:Plot reward, KL, entropy, response length and validation score by iteration.'
@@ -17,16 +18,17 @@ _rlctl() {
   local cmd="${words[2]}"
   [[ "${words[2]}" == model ]] && cmd="model-${words[3]}"
   case $cmd in
-    advantage) _arguments '*:file:_files' '--config' '--estimator' '--force' '--format' '--gamma' '--help' '--json' '--kl-coef' '--kl-controller' '--kl-estimator' '--kl-state' '--lam' '--no-norm-by-std' '--norm-by-std' '--out' '--rows-per-part' '--scores' '--set' ;;
-    model-init) _arguments '*:file:_files' '--help' '--preset' '--seed' ;;
-    pipeline) _arguments '*:file:_files' '--address' '--dry-run' '--from' '--help' '--iterations' '--quiet' '--resume' '--resume-with-changes' '--run-dir' '--set' '--until' '--workers' '--workers-backend' ;;
+    advantage) _arguments '*:file:_files' '--config' '--estimator:estimator:(gae grpo reinforce_pp reinforce_pp_baseline rloo)' '--force' '--format:format:(arrow parquet)' '--gamma' '--help' '--json' '--kl-coef' '--kl-controller:kl-controller:(fixed adaptive)' '--kl-estimator:kl-estimator:(abs abs+ k1 k1+ k2 k2+ k3 k3+ kl kl+ low_var_kl low_var_kl+ mse mse+)' '--kl-state' '--lam' '--no-norm-by-std' '--norm-by-std' '--out' '--rows-per-part' '--scores' '--set' ;;
+    config-show) _arguments '*:file:_files' '--help' '--json' '--set' ;;
+    model-init) _arguments '*:file:_files' '--help' '--preset:preset:(tiny small medium)' '--seed' ;;
+    pipeline) _arguments '*:file:_files' '--address' '--dry-run' '--from:from:(rollout score advantage update)' '--help' '--iterations' '--quiet' '--resume' '--resume-with-changes' '--run-dir' '--set' '--until:until:(rollout score advantage update)' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
     plot) _arguments '*:file:_files' '--help' '--out' ;;
     replay) _arguments '*:file:_files' '--check' '--help' '--out' '--reward' '--set' '--trust-run-code' ;;
-    reshard) _arguments '*:file:_files' '--check' '--checkpoint' '--config' '--dtype' '--force' '--help' '--json' '--out' '--set' '--to' ;;
-    rollout) _arguments '*:file:_files' '--address' '--backend' '--chat-template' '--config' '--device' '--dtype' '--force' '--format' '--help' '--json' '--max-new-tokens' '--max-prompt-tokens' '--model' '--n' '--no-chat-template' '--out' '--prompts' '--rows-per-part' '--seed' '--set' '--temperature' '--top-k' '--top-p' '--truncate' '--workers' '--workers-backend' ;;
-    score) _arguments '*:file:_files' '--address' '--batch-size' '--config' '--critic' '--device' '--dtype' '--force' '--format' '--help' '--json' '--out' '--policy' '--ref' '--reward' '--reward-timeout' '--rollouts' '--rows-per-part' '--set' '--workers' '--workers-backend' ;;
+    reshard) _arguments '*:file:_files' '--check' '--checkpoint' '--config' '--dtype:dtype:(bf16 fp16 fp32)' '--force' '--help' '--json' '--out' '--set' '--to' ;;
+    rollout) _arguments '*:file:_files' '--address' '--backend:backend:(hf vllm)' '--chat-template' '--config' '--device' '--dtype:dtype:(fp32 bf16)' '--force' '--format:format:(arrow parquet)' '--help' '--json' '--max-new-tokens' '--max-prompt-tokens' '--model' '--n' '--no-chat-template' '--out' '--prompts' '--rows-per-part' '--seed' '--set' '--temperature' '--top-k' '--top-p' '--truncate:truncate:(error left)' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
+    score) _arguments '*:file:_files' '--address' '--batch-size' '--config' '--critic' '--device' '--dtype:dtype:(fp32 bf16)' '--force' '--format:format:(arrow parquet)' '--help' '--json' '--out' '--policy' '--ref' '--reward' '--reward-timeout' '--rollouts' '--rows-per-part' '--set' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
     show) _arguments '*:file:_files' '--columns' '--help' '--json' '--rows' '--width' ;;
-    update) _arguments '*:file:_files' '--address' '--batch' '--bf16' '--config' '--critic' '--device' '--epochs' '--force' '--help' '--json' '--loss-agg-mode' '--lr' '--micro-batch-size' '--mini-batch-size' '--model' '--no-bf16' '--out' '--seed' '--set' '--workers' '--workers-backend' ;;
+    update) _arguments '*:file:_files' '--address' '--batch' '--bf16' '--config' '--critic' '--device' '--epochs' '--force' '--help' '--json' '--loss-agg-mode:loss-agg-mode:(token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm)' '--lr' '--micro-batch-size' '--mini-batch-size' '--model' '--no-bf16' '--out' '--seed' '--set' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
     *) _describe 'command' commands ;;
   esac
 }

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from rlctl import __version__
+from rlctl import __version__, choices
 from rlctl.errors import InputError, RlctlError
 
 app = typer.Typer(
@@ -27,19 +27,38 @@ app = typer.Typer(
 )
 model_app = typer.Typer(help="Make and inspect local models.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
+config_app = typer.Typer(help="Explain the config: every key, its type, default and meaning.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
 
 # --- options shared by the stage commands ---------------------------------------------------
+
+
+def _default(dotted: str) -> str:
+    """The `[default: ...]` note of a flag that overrides config key `dotted`: the value a run
+    has without --config (the flag's own default is None, so that a config file can set it)."""
+    from rlctl.config import SECTIONS, _toml_value
+
+    section, key = dotted.split(".")
+    value = getattr(SECTIONS[section](), key)
+    return f"  [default: {value if isinstance(value, str) and value else _toml_value(value)}]"
+
+
+def _choices(values: tuple[str, ...]) -> str:
+    """The metavar of a choice flag, `[a|b|c]`: --help shows the allowed values, and the
+    shell completions read them from it (rlctl.completion)."""
+    return "[" + "|".join(values) + "]"
+
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="TOML file whose sections give defaults; flags override it.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a config key: section.key=value (repeatable).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the manifest of what was written to stdout.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Run even if the output is up to date.")]
-FormatOpt = Annotated[str, typer.Option("--format", help="Shard file format: arrow or parquet.")]
+FormatOpt = Annotated[str, typer.Option("--format", help="Shard file format.", metavar=_choices(choices.SHARD_FORMATS))]
 RowsOpt = Annotated[int, typer.Option("--rows-per-part", help="Rows per part file.", min=1)]
-DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto, cpu or cuda.")]
+DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto, cpu, cuda or cuda:N." + _default("model.device"))]
 OutOpt = Annotated[str, typer.Option("--out", help="Output folder URI, or - for an Arrow stream on stdout.")]
-WorkersBackendOpt = Annotated[Optional[str], typer.Option("--workers-backend", help="Who holds the models: local (this process) or ray (a worker group).")]
-WorkersOpt = Annotated[Optional[int], typer.Option("--workers", help="Ranks of the Ray worker group (data-parallel, FSDP2 for training).")]
+WorkersBackendOpt = Annotated[Optional[str], typer.Option("--workers-backend", help="Who holds the models: local (this process) or ray (a worker group)." + _default("workers.backend"), metavar=_choices(choices.WORKER_BACKENDS))]
+WorkersOpt = Annotated[Optional[int], typer.Option("--workers", help="Ranks of the Ray worker group (data-parallel, FSDP2 for training)." + _default("workers.num_workers"))]
 AddressOpt = Annotated[Optional[str], typer.Option("--address", help="Ray cluster to join: auto or HOST:PORT; empty starts one for this command.")]
 
 
@@ -113,17 +132,17 @@ def rollout(
     prompts: Annotated[str, typer.Option("--prompts", help="Prompts: shard folder, .jsonl, .parquet or -.")],
     model: Annotated[str, typer.Option("--model", help="Policy weights: HF folder or rlctl checkpoint.")],
     out: OutOpt,
-    n: Annotated[Optional[int], typer.Option("--n", help="Samples per prompt.")] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Longest response in tokens.")] = None,
-    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature; 0 is greedy.")] = None,
-    top_p: Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass.")] = None,
-    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Sample from the k most likely tokens; 0 = all.")] = None,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed.")] = None,
-    backend: Annotated[Optional[str], typer.Option("--backend", help="Rollout engine: hf or vllm.")] = None,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype of generation: fp32 or bf16.")] = None,
-    max_prompt_tokens: Annotated[Optional[int], typer.Option("--max-prompt-tokens", help="Longest prompt in tokens.")] = None,
-    truncate: Annotated[Optional[str], typer.Option("--truncate", help="A too-long prompt is an error, or left-truncated (left).")] = None,
-    chat_template: Annotated[Optional[bool], typer.Option("--chat-template/--no-chat-template", help="Render plain prompts with the chat template.")] = None,
+    n: Annotated[Optional[int], typer.Option("--n", help="Samples per prompt." + _default("rollout.n"))] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Longest response in tokens." + _default("rollout.max_new_tokens"))] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature; 0 is greedy." + _default("rollout.temperature"))] = None,
+    top_p: Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass." + _default("rollout.top_p"))] = None,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Sample from the k most likely tokens; 0 = all." + _default("rollout.top_k"))] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed." + _default("rollout.seed"))] = None,
+    backend: Annotated[Optional[str], typer.Option("--backend", help="Rollout engine: transformers (hf) or vLLM." + _default("rollout.backend"), metavar=_choices(choices.ROLLOUT_BACKENDS))] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype of generation." + _default("rollout.dtype"), metavar=_choices(choices.COMPUTE_DTYPES))] = None,
+    max_prompt_tokens: Annotated[Optional[int], typer.Option("--max-prompt-tokens", help="Longest prompt in tokens." + _default("data.max_prompt_tokens"))] = None,
+    truncate: Annotated[Optional[str], typer.Option("--truncate", help="A too-long prompt is an error, or left-truncated (left)." + _default("data.truncate"), metavar=_choices(choices.TRUNCATE))] = None,
+    chat_template: Annotated[Optional[bool], typer.Option("--chat-template/--no-chat-template", help="Render plain prompts with the chat template." + _default("data.chat_template"))] = None,
     workers_backend: WorkersBackendOpt = None,
     workers: WorkersOpt = None,
     address: AddressOpt = None,
@@ -154,13 +173,13 @@ def rollout(
 def score(
     rollouts: Annotated[str, typer.Option("--rollouts", help="Rollouts: shard folder, file or -.")],
     out: OutOpt,
-    reward: Annotated[Optional[str], typer.Option("--reward", help="file.py:fn, module:fn, builtin:NAME, rm:MODEL_URI or an http(s):// endpoint.")] = None,
+    reward: Annotated[Optional[str], typer.Option("--reward", help=f"file.py:fn, module:fn, builtin:NAME ({', '.join(choices.BUILTIN_REWARDS)}), rm:MODEL_URI or an http(s):// endpoint." + _default("score.reward"))] = None,
     ref: Annotated[Optional[str], typer.Option("--ref", help="Reference model → ref_logprobs.")] = None,
     critic: Annotated[Optional[str], typer.Option("--critic", help="Critic (causal LM + value head) → values.")] = None,
     policy: Annotated[Optional[str], typer.Option("--policy", help="Policy model → old_logprobs.")] = None,
-    reward_timeout: Annotated[Optional[float], typer.Option("--reward-timeout", help="Seconds a reward call may take.")] = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per forward pass.")] = None,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype of the forward passes: fp32 or bf16.")] = None,
+    reward_timeout: Annotated[Optional[float], typer.Option("--reward-timeout", help="Seconds a reward call may take." + _default("score.reward_timeout"))] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per forward pass." + _default("score.batch_size"))] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype of the forward passes." + _default("score.dtype"), metavar=_choices(choices.COMPUTE_DTYPES))] = None,
     workers_backend: WorkersBackendOpt = None,
     workers: WorkersOpt = None,
     address: AddressOpt = None,
@@ -190,13 +209,13 @@ def score(
 def advantage(
     scores: Annotated[str, typer.Option("--scores", help="Scores: shard folder, file or -.")],
     out: OutOpt,
-    estimator: Annotated[Optional[str], typer.Option("--estimator", help="gae, grpo, rloo, reinforce_pp or reinforce_pp_baseline.")] = None,
-    gamma: Annotated[Optional[float], typer.Option("--gamma", help="Discount factor.")] = None,
-    lam: Annotated[Optional[float], typer.Option("--lam", help="GAE lambda.")] = None,
-    kl_coef: Annotated[Optional[float], typer.Option("--kl-coef", help="KL penalty coefficient in the reward.")] = None,
-    kl_estimator: Annotated[Optional[str], typer.Option("--kl-estimator", help="k1 (kl), k2 (mse), k3 (low_var_kl, bounded) or abs; a + suffix takes k2's gradient.")] = None,
-    norm_by_std: Annotated[Optional[bool], typer.Option("--norm-by-std/--no-norm-by-std", help="GRPO: divide by the group's std.")] = None,
-    kl_controller: Annotated[Optional[str], typer.Option("--kl-controller", help="fixed or adaptive.")] = None,
+    estimator: Annotated[Optional[str], typer.Option("--estimator", help="Advantage estimator (docs/algorithms.md)." + _default("advantage.estimator"), metavar=_choices(choices.ESTIMATORS))] = None,
+    gamma: Annotated[Optional[float], typer.Option("--gamma", help="Discount factor." + _default("advantage.gamma"))] = None,
+    lam: Annotated[Optional[float], typer.Option("--lam", help="GAE lambda." + _default("advantage.lam"))] = None,
+    kl_coef: Annotated[Optional[float], typer.Option("--kl-coef", help="KL penalty coefficient in the reward." + _default("advantage.kl_coef"))] = None,
+    kl_estimator: Annotated[Optional[str], typer.Option("--kl-estimator", help="k1 (kl), k2 (mse), k3 (low_var_kl, bounded) or abs; a + suffix takes k2's gradient." + _default("advantage.kl_estimator"), metavar=_choices(choices.KL_ESTIMATORS))] = None,
+    norm_by_std: Annotated[Optional[bool], typer.Option("--norm-by-std/--no-norm-by-std", help="GRPO: divide by the group's std." + _default("advantage.norm_by_std"))] = None,
+    kl_controller: Annotated[Optional[str], typer.Option("--kl-controller", help="KL coefficient: fixed, or adaptive towards a target KL." + _default("advantage.kl_controller"), metavar=_choices(choices.KL_CONTROLLERS))] = None,
     kl_state: Annotated[Optional[str], typer.Option("--kl-state", help="A previous advantage output whose KL controller state to continue.")] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -221,13 +240,13 @@ def update(
     model: Annotated[str, typer.Option("--model", help="Policy: HF folder or rlctl checkpoint (optimizer state is restored).")],
     out: Annotated[str, typer.Option("--out", help="Checkpoint folder to write.")],
     critic: Annotated[Optional[str], typer.Option("--critic", help="Critic to train too (written to OUT/critic).")] = None,
-    lr: Annotated[Optional[float], typer.Option("--lr", help="Policy learning rate.")] = None,
-    epochs: Annotated[Optional[int], typer.Option("--epochs", help="PPO epochs over the batch.")] = None,
-    mini_batch_size: Annotated[Optional[int], typer.Option("--mini-batch-size", help="Sequences per optimizer step (0 = all).")] = None,
-    micro_batch_size: Annotated[Optional[int], typer.Option("--micro-batch-size", help="Sequences per forward/backward.")] = None,
-    loss_agg_mode: Annotated[Optional[str], typer.Option("--loss-agg-mode", help="token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm.")] = None,
-    bf16: Annotated[Optional[bool], typer.Option("--bf16/--no-bf16", help="bf16 autocast for forward/backward.")] = None,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Shuffling seed.")] = None,
+    lr: Annotated[Optional[float], typer.Option("--lr", help="Policy learning rate." + _default("update.lr"))] = None,
+    epochs: Annotated[Optional[int], typer.Option("--epochs", help="PPO epochs over the batch." + _default("update.epochs"))] = None,
+    mini_batch_size: Annotated[Optional[int], typer.Option("--mini-batch-size", help="Sequences per optimizer step (0 = all)." + _default("update.mini_batch_size"))] = None,
+    micro_batch_size: Annotated[Optional[int], typer.Option("--micro-batch-size", help="Sequences per forward/backward." + _default("update.micro_batch_size"))] = None,
+    loss_agg_mode: Annotated[Optional[str], typer.Option("--loss-agg-mode", help="How token losses become the batch loss (docs/algorithms.md)." + _default("update.loss_agg_mode"), metavar=_choices(choices.LOSS_AGG_MODES))] = None,
+    bf16: Annotated[Optional[bool], typer.Option("--bf16/--no-bf16", help="bf16 autocast for forward/backward." + _default("update.bf16"))] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Shuffling seed." + _default("update.seed"))] = None,
     workers_backend: WorkersBackendOpt = None,
     workers: WorkersOpt = None,
     address: AddressOpt = None,
@@ -256,8 +275,8 @@ def update(
 def reshard(
     checkpoint: Annotated[str, typer.Option("--checkpoint", help="Training checkpoint folder.")],
     out: Annotated[str, typer.Option("--out", help="Folder for rollout-layout weights.")],
-    to: Annotated[Optional[str], typer.Option("--to", help="hf: one HF folder that transformers and vLLM load (the one target).")] = None,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="bf16, fp16 or fp32.")] = None,
+    to: Annotated[Optional[str], typer.Option("--to", help="hf: one HF folder that transformers and vLLM load (the one target)." + _default("reshard.to"), metavar=_choices(choices.RESHARD_TARGETS))] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="dtype of the written weights." + _default("reshard.dtype"), metavar=_choices(choices.RESHARD_DTYPES))] = None,
     check: Annotated[bool, typer.Option("--check", help="Reload the written weights and require them equal to the cast source.")] = False,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -280,13 +299,13 @@ def reshard(
 @app.command()
 def pipeline(
     config: Annotated[Path, typer.Argument(help="Pipeline TOML config.")],
-    iterations: Annotated[Optional[int], typer.Option("--iterations", help="Iterations to run in total.")] = None,
+    iterations: Annotated[Optional[int], typer.Option("--iterations", help="Iterations to run in total." + _default("pipeline.iterations"))] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an existing run folder (the default when one exists).")] = False,
     resume_with_changes: Annotated[bool, typer.Option("--resume-with-changes", help="Continue a run whose training keys (reward, model, lr, ...) you changed; the change is recorded.")] = False,
-    from_stage: Annotated[Optional[str], typer.Option("--from", help="First stage to run in each iteration.")] = None,
-    until_stage: Annotated[Optional[str], typer.Option("--until", help="Last stage to run in each iteration.")] = None,
+    from_stage: Annotated[Optional[str], typer.Option("--from", help="First stage to run in each iteration.", metavar=_choices(choices.PIPELINE_STAGES))] = None,
+    until_stage: Annotated[Optional[str], typer.Option("--until", help="Last stage to run in each iteration.", metavar=_choices(choices.PIPELINE_STAGES))] = None,
     set_: SetOpt = None,
-    run_dir: Annotated[Optional[str], typer.Option("--run-dir", help="Where the run's outputs go.")] = None,
+    run_dir: Annotated[Optional[str], typer.Option("--run-dir", help="Where the run's outputs go." + _default("pipeline.run_dir"))] = None,
     workers_backend: WorkersBackendOpt = None,
     workers: WorkersOpt = None,
     address: AddressOpt = None,
@@ -348,7 +367,7 @@ def plot(
 @model_app.command("init")
 def model_init(
     directory: Annotated[Path, typer.Argument(help="Folder to write the model into.")],
-    preset: Annotated[str, typer.Option("--preset", help="tiny (≈0.85M params), small (≈25M) or medium (≈494M, Qwen2.5-0.5B's shape).")] = "tiny",
+    preset: Annotated[str, typer.Option("--preset", help="tiny (≈0.85M params), small (≈25M) or medium (≈494M, Qwen2.5-0.5B's shape).", metavar=_choices(choices.PRESETS))] = "tiny",
     seed: Annotated[int, typer.Option("--seed", help="Seed for weights and tokenizer text.")] = 0,
 ) -> None:
     """Write a random Qwen2-style model + byte-level BPE tokenizer, fully offline."""
@@ -358,6 +377,21 @@ def model_init(
     quiet_transformers()
     path = init_model(directory, preset=preset, seed=seed)
     typer.echo(str(path))
+
+
+@config_app.command("show")
+def config_show(
+    config: Annotated[Optional[Path], typer.Argument(help="A TOML config file (default: every default).")] = None,
+    set_: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list of {key, type, default, value, description}.")] = False,
+) -> None:
+    """Print every config key with its type, default, current value and meaning."""
+    import json
+
+    from rlctl import config_doc
+
+    cfg = _stage_config(config, set_)
+    typer.echo(json.dumps(config_doc.as_json(cfg), indent=1) if as_json else config_doc.show(cfg))
 
 
 # --- the one place errors become exit codes -------------------------------------------------
@@ -387,7 +421,7 @@ def _map_errors(command):
     return wrapper
 
 
-for _info in [*app.registered_commands, *model_app.registered_commands]:
+for _info in [*app.registered_commands, *model_app.registered_commands, *config_app.registered_commands]:
     _info.callback = _map_errors(_info.callback)
 
 

@@ -21,6 +21,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from rlctl.choices import (
+    COMPUTE_DTYPES,
+    KL_CONTROLLERS,
+    POLICY_LOSSES,
+    RESHARD_DTYPES,
+    ROLLOUT_BACKENDS,
+    TRUNCATE,
+    WORKER_BACKENDS,
+)
 from rlctl.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -63,7 +72,6 @@ def check_ranges(section: object, name: str, rules: dict[str, Rule]) -> None:
             raise ConfigError(f"{name}.{key} {problem}, got {value!r}")
 
 
-COMPUTE_DTYPES = ("fp32", "bf16")
 DEFAULT_REWARD = "builtin:length"
 LOGGER_NAMES = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
@@ -77,31 +85,35 @@ class ModelConfig:
     critic: str = ""  # critic (value head on a causal LM) for GAE ("" = none)
     device: str = "auto"  # auto | cpu | cuda
     init_preset: str = ""  # when set and `path` does not exist: `rlctl model init` it first
-    init_seed: int = 0
+    init_seed: int = 0  # seed of the model `init_preset` makes
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    prompts: str = ""
-    val_prompts: str = ""
+    """The prompts each iteration draws, and how they become token ids."""
+
+    prompts: str = ""  # prompts: a .jsonl/.parquet file or a shard folder (any fsspec URL)
+    val_prompts: str = ""  # held-out prompts scored greedily every pipeline.val_every iterations ("" = none)
     batch_size: int = 8  # prompts per iteration
-    shuffle: bool = True
-    max_prompt_tokens: int = 512
+    shuffle: bool = True  # a new seeded permutation of the prompts every epoch
+    max_prompt_tokens: int = 512  # longest prompt in tokens (see truncate)
     truncate: str = "error"  # error | left
-    chat_template: bool = False
+    chat_template: bool = False  # render plain prompts through the tokenizer's chat template
 
     def __post_init__(self) -> None:
-        check_ranges(self, "data", {"batch_size": at_least(1), "max_prompt_tokens": at_least(1), "truncate": one_of("error", "left")})
+        check_ranges(self, "data", {"batch_size": at_least(1), "max_prompt_tokens": at_least(1), "truncate": one_of(*TRUNCATE)})
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    n: int = 1
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
+    """Generation: how many samples per prompt, how long, how random, on which engine."""
+
+    n: int = 1  # samples per prompt (the group size of GRPO/RLOO)
+    max_new_tokens: int = 64  # response length limit in tokens
+    temperature: float = 1.0  # sampling temperature; 0 = greedy
+    top_p: float = 1.0  # nucleus sampling: smallest token set with this probability mass; 1 = off
+    top_k: int = 0  # sample among the k likeliest tokens; 0 = off
+    seed: int = 0  # sampling seed; each row is seeded from (seed, row)
     backend: str = "hf"  # hf | vllm
     batch_size: int = 64  # sequences generated together
     dtype: str = "fp32"  # compute dtype of generation: fp32 | bf16 (bf16 autocast on the HF engine)
@@ -109,7 +121,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         check_ranges(self, "rollout", {
             "n": at_least(1), "max_new_tokens": at_least(1), "temperature": at_least(0.0), "top_p": lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
-            "top_k": at_least(0), "batch_size": at_least(1), "dtype": one_of(*COMPUTE_DTYPES), "backend": one_of("hf", "vllm"),
+            "top_k": at_least(0), "batch_size": at_least(1), "dtype": one_of(*COMPUTE_DTYPES), "backend": one_of(*ROLLOUT_BACKENDS),
         })
 
 
@@ -118,7 +130,7 @@ class RewardTerm:
     """One of several rewards: `{fn = "builtin:gsm8k", weight = 1.0, name = "correct"}`."""
 
     fn: str  # a reward spec, as --reward takes it
-    weight: float = 1.0
+    weight: float = 1.0  # its score's factor in the total reward
     name: str = ""  # its column reward/NAME; "" = the function's name
 
     def __post_init__(self) -> None:
@@ -127,6 +139,8 @@ class RewardTerm:
 
 @dataclass(frozen=True)
 class ScoreConfig:
+    """The reward, and the forward passes that add reference/old log-probs and critic values."""
+
     reward: str = DEFAULT_REWARD  # file.py:fn, module:fn, builtin:NAME, rm:MODEL_URI or an http(s):// endpoint
     rewards: tuple[RewardTerm, ...] = ()  # several weighted rewards instead of `reward` (TRL's reward_funcs + reward_weights)
     reward_timeout: float = 60.0  # seconds a reward call (or one http request) may take
@@ -146,56 +160,60 @@ class ScoreConfig:
 
 @dataclass(frozen=True)
 class AdvantageConfig:
-    estimator: str = "grpo"
-    gamma: float = 1.0
-    lam: float = 1.0
-    norm_by_std: bool = True
-    kl_coef: float = 0.0
-    kl_estimator: str = "k1"
+    """Rewards → advantages and returns (pure math), with the optional KL penalty."""
+
+    estimator: str = "grpo"  # gae | grpo | rloo | reinforce_pp | reinforce_pp_baseline (docs/algorithms.md)
+    gamma: float = 1.0  # discount of GAE and REINFORCE++ returns
+    lam: float = 1.0  # GAE's lambda
+    norm_by_std: bool = True  # GRPO: divide by the group's reward std (false = Dr. GRPO)
+    kl_coef: float = 0.0  # KL penalty in the per-token reward (needs model.ref); 0 = off
+    kl_estimator: str = "k1"  # k1 | k2 | k3 | abs (verl's kl, mse, low_var_kl; + suffix: k2's gradient)
     kl_controller: str = "fixed"  # fixed | adaptive
-    kl_target: float = 0.1
-    kl_horizon: int = 10000
+    kl_target: float = 0.1  # adaptive controller: the KL it steers towards
+    kl_horizon: int = 10000  # adaptive controller: the horizon of its proportional update
 
     def __post_init__(self) -> None:
         check_ranges(self, "advantage", {
-            "gamma": between(0.0, 1.0), "lam": between(0.0, 1.0), "kl_coef": at_least(0.0), "kl_controller": one_of("fixed", "adaptive"),
+            "gamma": between(0.0, 1.0), "lam": between(0.0, 1.0), "kl_coef": at_least(0.0), "kl_controller": one_of(*KL_CONTROLLERS),
             "kl_target": above(0.0), "kl_horizon": at_least(1),
         })
 
 
 @dataclass(frozen=True)
 class UpdateConfig:
-    lr: float = 1e-6
-    critic_lr: float = 1e-5
-    epochs: int = 1
+    """The policy (and critic) update: PPO-style losses, batching, optimizer."""
+
+    lr: float = 1e-6  # policy learning rate (AdamW)
+    critic_lr: float = 1e-5  # critic learning rate (AdamW)
+    epochs: int = 1  # passes over the batch per update (PPO epochs)
     mini_batch_size: int = 0  # sequences per optimizer step; 0 = the whole batch
     micro_batch_size: int = 4  # sequences per forward/backward
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
+    clip_ratio_low: float = 0.2  # PPO clip below: ratio ≥ 1 - clip_ratio_low
+    clip_ratio_high: float = 0.2  # PPO clip above: ratio ≤ 1 + clip_ratio_high (DAPO's clip-higher: 0.28)
     clip_ratio_c: float = 3.0  # dual clip for negative advantages; 0 disables (PPO only)
     policy_loss: str = "ppo"  # ppo | gspo (sequence-level ratio: set clip_ratio_low/high ≈ 3e-4/4e-4, loss_agg_mode seq-mean-token-mean)
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     rollout_is: str = "off"  # off | token | sequence: truncated importance weights engine → trainer (verl's rollout_is)
     rollout_is_threshold: float = 2.0  # the truncation of those weights
     loss_horizon: int = 0  # seq-mean-token-sum-norm divisor; 0 = longest response in the batch
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    cliprange_value: float = 0.5
-    vf_coef: float = 1.0
-    max_grad_norm: float = 1.0
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    bf16: bool = False
-    seed: int = 0
+    use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style) instead of in the reward
+    kl_loss_coef: float = 0.001  # weight of that KL loss
+    kl_loss_estimator: str = "k3"  # estimator of that KL loss (as advantage.kl_estimator)
+    entropy_coef: float = 0.0  # entropy bonus weight; 0 = off
+    cliprange_value: float = 0.5  # critic: clip of the value change per update
+    vf_coef: float = 1.0  # critic loss weight
+    max_grad_norm: float = 1.0  # gradient clipping by global norm; 0 = off
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
+    bf16: bool = False  # bf16 autocast in training (pays only where the CPU/GPU has native bf16)
+    seed: int = 0  # seed of mini-batch shuffling and dropout
     allow_skipped_steps: bool = False  # a step whose gradient is not finite is skipped; by default that fails the update
 
     def __post_init__(self) -> None:
         check_ranges(self, "update", {
             "lr": above(0.0), "critic_lr": above(0.0), "epochs": at_least(1), "mini_batch_size": at_least(0), "micro_batch_size": at_least(1),
             "clip_ratio_low": between(0.0, 1.0), "clip_ratio_high": at_least(0.0),
-            "clip_ratio_c": lambda v: None if v == 0 or v > 1 else "must be 0 (off) or > 1", "policy_loss": one_of("ppo", "gspo"),
+            "clip_ratio_c": lambda v: None if v == 0 or v > 1 else "must be 0 (off) or > 1", "policy_loss": one_of(*POLICY_LOSSES),
             "rollout_is": one_of("off", "token", "sequence"), "rollout_is_threshold": above(1.0),
             "loss_horizon": at_least(0), "kl_loss_coef": at_least(0.0), "cliprange_value": above(0.0), "vf_coef": at_least(0.0),
             "max_grad_norm": at_least(0.0), "weight_decay": at_least(0.0), "warmup_steps": at_least(0),
@@ -204,22 +222,26 @@ class UpdateConfig:
 
 @dataclass(frozen=True)
 class ReshardConfig:
+    """Converting a checkpoint into what inference loads."""
+
     to: str = "hf"  # hf: one HF folder (the only target; see stages/reshard.py)
     dtype: str = "fp32"  # bf16 | fp16 | fp32
 
     def __post_init__(self) -> None:
-        check_ranges(self, "reshard", {"dtype": one_of("bf16", "fp16", "fp32")})
+        check_ranges(self, "reshard", {"dtype": one_of(*RESHARD_DTYPES)})
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    iterations: int = 1
-    run_dir: str = "runs/default"
+    """The end-to-end run: iterations, checkpoints, validation, sampling rounds, trackers."""
+
+    iterations: int = 1  # iterations to run (a re-run with more continues the run)
+    run_dir: str = "runs/default"  # run folder: stage outputs, checkpoints, metrics.jsonl
     save_every: int = 1  # checkpoint every N iterations (and at the end); resume starts there
     keep_checkpoints: int = 2  # 0 = keep all
     keep_shards: int = 0  # keep the stage outputs of the last K iterations; 0 = all
     val_every: int = 0  # 0 = no validation
-    seed: int = 0
+    seed: int = 0  # seed of the prompt order
     rollout_is_threshold: float = 2.0  # importance ratio trainer/engine beyond which a token counts as mismatched
     dynamic_sampling: bool = False  # DAPO: train only on groups whose rewards differ, sampling more prompts to fill the batch
     max_sampling_rounds: int = 4  # with dynamic_sampling: rounds of prompts at most per iteration (then dropped groups fill up)
@@ -250,7 +272,7 @@ class WorkersConfig:
 
     def __post_init__(self) -> None:
         check_ranges(self, "workers", {
-            "reference": one_of("replicated", "sharded"), "placement": one_of("colocate", "split"), "backend": one_of("local", "ray"), "num_workers": at_least(1), "cpus_per_worker": at_least(1), "gpus_per_worker": at_least(0.0),
+            "reference": one_of("replicated", "sharded"), "placement": one_of("colocate", "split"), "backend": one_of(*WORKER_BACKENDS), "num_workers": at_least(1), "cpus_per_worker": at_least(1), "gpus_per_worker": at_least(0.0),
         })
 
 
@@ -260,7 +282,7 @@ class VLLMConfig:
 
     gpu_memory_utilization: float = 0.5  # share of a GPU's memory vLLM may take (weights + KV cache)
     max_num_seqs: int = 256  # sequences decoded together
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # GPUs one vLLM engine spans
     enforce_eager: bool = False  # no CUDA graphs (always eager on the CPU)
     dtype: str = "auto"  # auto (= rollout.dtype) | float32 | bfloat16 | float16
     cpu_kv_cache_gib: int = 1  # KV-cache GiB of the CPU engine (VLLM_CPU_KVCACHE_SPACE)

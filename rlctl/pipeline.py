@@ -38,8 +38,8 @@ from rlctl.algos.sampling import enough, select_groups
 from rlctl.config import Config, apply_overrides, from_dict, load_config, to_dict, to_toml
 from rlctl.errors import ConfigError, InputError
 from rlctl.lineage import make_manifest, shards_ref
-from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest, strict_json_value
 from rlctl.loggers import Loggers, check_loggers
+from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest, strict_json_value
 from rlctl.rewards import RewardSet, load_rewards
 from rlctl.runinfo import iteration_folders
 from rlctl.shards import Shards, commit_empty, filesystem, is_committed, read, read_manifest, write

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_architecture_commands_are_all_registered():
     names = {" ".join(p) for p in COMMANDS}
-    assert names == {"rollout", "score", "advantage", "update", "reshard", "pipeline", "replay", "show", "plot", "model init"}
+    assert names == {"rollout", "score", "advantage", "update", "reshard", "pipeline", "replay", "show", "plot", "model init", "config show"}
 
 
 @pytest.mark.parametrize("path", COMMANDS, ids=lambda p: "-".join(p))
@@ -54,3 +54,44 @@ def test_bash_completion_script_parses():
     import subprocess
 
     subprocess.run(["bash", "-n", str(ROOT / "completions" / "rlctl.bash")], check=True)
+
+
+def bash_complete(*words: str) -> list[str]:
+    """What the bash script offers when the command line is `rlctl WORDS` (the last word being typed)."""
+    import shlex
+    import subprocess
+
+    line = " ".join(shlex.quote(w) for w in ("rlctl", *words))
+    script = f'source {ROOT / "completions" / "rlctl.bash"}; COMP_WORDS=({line}); COMP_CWORD={len(words)}; _rlctl; printf "%s\\n" "${{COMPREPLY[@]}}"'
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_completion_offers_the_values_of_choice_flags():
+    assert bash_complete("advantage", "--estimator", "") == ["gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
+    assert bash_complete("model", "init", "--preset", "s") == ["small"]
+    assert bash_complete("rollout", "--backend", "") == ["hf", "vllm"]
+    assert bash_complete("rollout", "--max-new") == ["--max-new-tokens"]
+
+
+def test_help_shows_config_defaults_and_choices(cli):
+    text = cli("rollout", "--help").stdout
+    assert "--dtype [fp32|bf16]" in text and "[default: fp32]" in text
+    assert "[default: 64]" in text  # --max-new-tokens: rollout.max_new_tokens's default
+
+
+def test_choice_lists_are_the_registries():
+    from rlctl import choices
+    from rlctl.algos.advantages import ESTIMATORS
+    from rlctl.algos.kl import KL_ESTIMATORS
+    from rlctl.algos.losses import LOSS_AGG_MODES, POLICY_LOSSES
+    from rlctl.modelinit import PRESETS
+    from rlctl.pipeline import STAGES
+    from rlctl.rewards import BUILTINS
+
+    assert choices.ESTIMATORS == tuple(ESTIMATORS.names())
+    assert choices.KL_ESTIMATORS == tuple(KL_ESTIMATORS.names())
+    assert choices.LOSS_AGG_MODES == tuple(LOSS_AGG_MODES)
+    assert choices.POLICY_LOSSES == tuple(POLICY_LOSSES)
+    assert choices.PRESETS == tuple(PRESETS)
+    assert choices.PIPELINE_STAGES == tuple(STAGES)
+    assert choices.BUILTIN_REWARDS == tuple(BUILTINS.names())

@@ -6,7 +6,14 @@ import pytest
 
 from rlctl.config import RewardTerm, ScoreConfig, load_config
 from rlctl.errors import ConfigError, InputError, RewardError
-from rlctl.rewards import RewardSamples, RewardSet, WeightedReward, compute_rewards, from_callable, load_rewards
+from rlctl.rewards import (
+    RewardSamples,
+    RewardSet,
+    WeightedReward,
+    compute_rewards,
+    from_callable,
+    load_rewards,
+)
 
 
 def samples(responses, truths=None, *, extras=None, messages=None):

@@ -1,0 +1,21 @@
+"""The allowed values of every choice: config rules, `--help`, validation and the shell
+completions all read these lists. Kept free of torch so `rlctl --help` starts in milliseconds;
+where a registry is the source (estimators, KL estimators, loss modes, presets, built-in
+rewards), tests/unit/test_config_doc.py checks that the list here is the registry's."""
+
+COMPUTE_DTYPES = ("fp32", "bf16")
+RESHARD_DTYPES = ("bf16", "fp16", "fp32")
+ROLLOUT_BACKENDS = ("hf", "vllm")
+WORKER_BACKENDS = ("local", "ray")
+TRUNCATE = ("error", "left")
+KL_CONTROLLERS = ("fixed", "adaptive")
+SHARD_FORMATS = ("arrow", "parquet")
+RESHARD_TARGETS = ("hf",)
+PIPELINE_STAGES = ("rollout", "score", "advantage", "update")
+
+ESTIMATORS = ("gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo")
+KL_ESTIMATORS = ("abs", "abs+", "k1", "k1+", "k2", "k2+", "k3", "k3+", "kl", "kl+", "low_var_kl", "low_var_kl+", "mse", "mse+")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+POLICY_LOSSES = ("ppo", "gspo")
+PRESETS = ("tiny", "small", "medium")
+BUILTIN_REWARDS = ("countdown", "gsm8k", "gsm8k_flexible", "length")
