@@ -25,7 +25,7 @@ _rlctl() {
         "pipeline") opts="--address --dry-run --from --help --iterations --quiet --resume --resume-with-changes --run-dir --set --until --workers --workers-backend" ;;
         "plot") opts="--help --out" ;;
         "replay") opts="--check --help --out --reward --set --trust-run-code" ;;
-        "reshard") opts="--check --checkpoint --config --dtype --force --help --json --out --set --to" ;;
+        "reshard") opts="--check --checkpoint --config --dtype --force --help --json --merge-lora --out --set --to" ;;
         "rollout") opts="--address --backend --chat-template --config --device --dtype --force --format --help --json --max-new-tokens --max-prompt-tokens --model --n --no-chat-template --out --prompts --rows-per-part --seed --set --temperature --top-k --top-p --truncate --workers --workers-backend" ;;
         "score") opts="--address --batch-size --config --critic --device --dtype --force --format --help --json --out --policy --ref --reward --reward-timeout --rollouts --rows-per-part --set --workers --workers-backend" ;;
         "show") opts="--columns --help --json --rows --width" ;;

@@ -54,6 +54,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from reshard' -l dtype -xa 'bf16 fp
 complete -c rlctl -n '__fish_seen_subcommand_from reshard' -l force
 complete -c rlctl -n '__fish_seen_subcommand_from reshard' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from reshard' -l json
+complete -c rlctl -n '__fish_seen_subcommand_from reshard' -l merge-lora
 complete -c rlctl -n '__fish_seen_subcommand_from reshard' -l out
 complete -c rlctl -n '__fish_seen_subcommand_from reshard' -l set
 complete -c rlctl -n '__fish_seen_subcommand_from reshard' -l to

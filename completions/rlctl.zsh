@@ -9,7 +9,7 @@ _rlctl() {
     'pipeline:Run rollout → score → advantage → update → reshard for N iterations, models resident.'
     'plot:Plot reward, KL, entropy, response length and validation score by iteration.'
     'replay:Re-run one recorded stage from its recorded inputs, config, seed and RNG state.'
-    'reshard:Turn a training checkpoint into rollout weights (an HF folder, cast to a dtype).'
+    'reshard:Turn a training checkpoint into rollout weights (an HF folder, cast to a dtype; a LoRA'
     'rollout:Sample responses from the policy for each prompt (writes the rollouts schema).'
     'score:Score rollouts with a reward; optionally add ref/old log-probs and critic values.'
     'show:Print a shard, a manifest, a checkpoint or a whole run as a table.'
@@ -24,7 +24,7 @@ _rlctl() {
     pipeline) _arguments '*:file:_files' '--address' '--dry-run' '--from:from:(rollout score advantage update)' '--help' '--iterations' '--quiet' '--resume' '--resume-with-changes' '--run-dir' '--set' '--until:until:(rollout score advantage update)' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
     plot) _arguments '*:file:_files' '--help' '--out' ;;
     replay) _arguments '*:file:_files' '--check' '--help' '--out' '--reward' '--set' '--trust-run-code' ;;
-    reshard) _arguments '*:file:_files' '--check' '--checkpoint' '--config' '--dtype:dtype:(bf16 fp16 fp32)' '--force' '--help' '--json' '--out' '--set' '--to' ;;
+    reshard) _arguments '*:file:_files' '--check' '--checkpoint' '--config' '--dtype:dtype:(bf16 fp16 fp32)' '--force' '--help' '--json' '--merge-lora' '--out' '--set' '--to' ;;
     rollout) _arguments '*:file:_files' '--address' '--backend:backend:(hf vllm)' '--chat-template' '--config' '--device' '--dtype:dtype:(fp32 bf16)' '--force' '--format:format:(arrow parquet)' '--help' '--json' '--max-new-tokens' '--max-prompt-tokens' '--model' '--n' '--no-chat-template' '--out' '--prompts' '--rows-per-part' '--seed' '--set' '--temperature' '--top-k' '--top-p' '--truncate:truncate:(error left)' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
     score) _arguments '*:file:_files' '--address' '--batch-size' '--config' '--critic' '--device' '--dtype:dtype:(fp32 bf16)' '--force' '--format:format:(arrow parquet)' '--help' '--json' '--out' '--policy' '--ref' '--reward' '--reward-timeout' '--rollouts' '--rows-per-part' '--set' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
     show) _arguments '*:file:_files' '--columns' '--help' '--json' '--rows' '--width' ;;

@@ -1,4 +1,5 @@
-"""Checkpoint folders: a Hugging Face model folder that transformers and vLLM load as is, plus
+"""Checkpoint folders: a Hugging Face model folder that transformers and vLLM load as is (or,
+for a LoRA run, peft's adapter folder over the base it names: `rlctl reshard --merge-lora`), plus
 `trainer_state/` (optimizer state, step, RNG state: safetensors + JSON, never pickle),
 `critic/` when a critic is trained, and `_manifest.json` written last, listing every file with
 its size and sha256.
@@ -104,8 +105,8 @@ def is_intact(uri: str) -> str | None:
     """None when the checkpoint verifies, else the reason it does not."""
     try:
         verify_checkpoint(uri)
-        if not (Path(uri) / "config.json").exists():
-            return "no config.json"
+        if not (Path(uri) / "config.json").exists() and not (Path(uri) / "adapter_config.json").exists():
+            return "no config.json (nor a LoRA adapter_config.json)"
     except InputError as exc:
         return str(exc)
     return None

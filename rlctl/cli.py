@@ -278,17 +278,19 @@ def reshard(
     to: Annotated[Optional[str], typer.Option("--to", help="hf: one HF folder that transformers and vLLM load (the one target)." + _default("reshard.to"), metavar=_choices(choices.RESHARD_TARGETS))] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="dtype of the written weights." + _default("reshard.dtype"), metavar=_choices(choices.RESHARD_DTYPES))] = None,
     check: Annotated[bool, typer.Option("--check", help="Reload the written weights and require them equal to the cast source.")] = False,
+    merge_lora: Annotated[Optional[bool], typer.Option("--merge-lora", help="A LoRA checkpoint: merge the adapter into its base (W + B·A·alpha/r)." + _default("reshard.merge_lora"))] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     as_json: JsonOpt = False,
     force: ForceOpt = False,
 ) -> None:
-    """Turn a training checkpoint into rollout weights (an HF folder, cast to a dtype)."""
+    """Turn a training checkpoint into rollout weights (an HF folder, cast to a dtype; a LoRA
+    checkpoint's adapter merged into its base with --merge-lora)."""
     from rlctl.config import override_section
     from rlctl.stages import reshard as stage
 
     cfg = _stage_config(config, set_)
-    reshard_cfg = override_section(cfg.reshard, to=to, dtype=dtype)
+    reshard_cfg = override_section(cfg.reshard, to=to, dtype=dtype, merge_lora=merge_lora)
     manifest = stage.run(checkpoint=checkpoint, out=out, cfg=reshard_cfg, check=check, force=force)
     _report(manifest, as_json)
 

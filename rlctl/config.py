@@ -180,6 +180,21 @@ class AdvantageConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (peft) on the policy: `update.lora = {r = 16, alpha = 32}`."""
+
+    r: int = 0  # adapter rank; 0 = off (full fine-tuning)
+    alpha: float = 16.0  # scaling numerator: the update is B·A·alpha/r
+    dropout: float = 0.0  # dropout on the adapter's input
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # module names adapted
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "update.lora", {"r": at_least(0), "alpha": above(0.0), "dropout": between(0.0, 1.0)})
+        if self.r and not self.target_modules:
+            raise ConfigError("update.lora.target_modules must name at least one module")
+
+
+@dataclass(frozen=True)
 class UpdateConfig:
     """The policy (and critic) update: PPO-style losses, batching, optimizer."""
 
@@ -208,6 +223,7 @@ class UpdateConfig:
     bf16: bool = False  # bf16 autocast in training (pays only where the CPU/GPU has native bf16)
     seed: int = 0  # seed of mini-batch shuffling and dropout
     allow_skipped_steps: bool = False  # a step whose gradient is not finite is skipped; by default that fails the update
+    lora: LoraConfig = field(default_factory=LoraConfig)  # train LoRA adapters instead of every weight (r > 0)
 
     def __post_init__(self) -> None:
         check_ranges(self, "update", {
@@ -226,6 +242,7 @@ class ReshardConfig:
 
     to: str = "hf"  # hf: one HF folder (the only target; see stages/reshard.py)
     dtype: str = "fp32"  # bf16 | fp16 | fp32
+    merge_lora: bool = False  # a LoRA checkpoint: write base + adapter merged (W + B·A·alpha/r)
 
     def __post_init__(self) -> None:
         check_ranges(self, "reshard", {"dtype": one_of(*RESHARD_DTYPES)})
@@ -374,9 +391,16 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         if section not in SECTIONS:
             raise ConfigError(f"--set {item!r}: unknown section {section!r}{_suggest(section, SECTIONS)}")
         hints = typing.get_type_hints(SECTIONS[section])
-        if key not in hints:
+        key, _, inner = key.partition(".")  # update.lora.r: a key of the table update.lora
+        if key not in hints or (inner and not dataclasses.is_dataclass(hints[key])):
             raise ConfigError(f"--set {item!r}: unknown key {section}.{key}{suggest_key(section, key)}")
-        value = coerce(parse_scalar(text), hints[key], dotted)
+        value = parse_scalar(text)
+        if inner:
+            table = dataclasses.asdict(getattr(getattr(cfg, section), key))
+            if inner not in table:
+                raise ConfigError(f"--set {item!r}: unknown key {section}.{key}.{inner}{_suggest(inner, table, prefix=f'{section}.{key}.')}")
+            value = {**table, inner: value}
+        value = coerce(value, hints[key], dotted)
         try:
             cfg = replace(cfg, **{section: replace(getattr(cfg, section), **{key: value})})
         except ConfigError as exc:
@@ -411,6 +435,8 @@ def coerce(value: Any, expected: Any, key: str) -> Any:
         expected = next(t for t in options if t is not type(None))
     if origin is tuple:
         return _coerce_tuple(value, typing.get_args(expected)[0], key)
+    if dataclasses.is_dataclass(expected):
+        return _coerce_table(value, expected, key)
     if expected is bool:
         if isinstance(value, bool):
             return value
@@ -436,21 +462,23 @@ def _coerce_tuple(value: Any, item: type, key: str) -> tuple:
         raise ConfigError(f"{key}: expected an array, got {value!r}")
     if not dataclasses.is_dataclass(item):
         return tuple(coerce(v, item, key) for v in value)
-    hints = typing.get_type_hints(item)
-    items = []
-    for v in value:
-        if dataclasses.is_dataclass(v):
-            v = dataclasses.asdict(v)
-        if not isinstance(v, dict):
-            raise ConfigError(f"{key}: expected tables like {{{', '.join(f'{k} = ...' for k in hints)}}}, got {v!r}")
-        unknown = [k for k in v if k not in hints]
-        if unknown:
-            raise ConfigError(f"{key}: unknown key {unknown[0]!r}{_suggest(unknown[0], hints)}")
-        missing = [f.name for f in dataclasses.fields(item) if f.default is dataclasses.MISSING and f.name not in v]
-        if missing:
-            raise ConfigError(f"{key}: every entry needs {missing[0]}, got {v!r}")
-        items.append(item(**{k: coerce(x, hints[k], f"{key}.{k}") for k, x in v.items()}))
-    return tuple(items)
+    return tuple(_coerce_table(v, item, key, entry=True) for v in value)
+
+
+def _coerce_table(value: Any, cls: type, key: str, *, entry: bool = False) -> Any:
+    """A TOML table (or an instance) as the dataclass `cls`, its keys checked and coerced."""
+    if isinstance(value, cls):
+        return value
+    hints = typing.get_type_hints(cls)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected {'tables' if entry else 'a table'} like {{{', '.join(f'{k} = ...' for k in hints)}}}, got {value!r}")
+    unknown = [k for k in value if k not in hints]
+    if unknown:
+        raise ConfigError(f"{key}: unknown key {unknown[0]!r}{_suggest(unknown[0], hints)}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in value]
+    if missing:
+        raise ConfigError(f"{key}: every entry needs {missing[0]}, got {value!r}")
+    return cls(**{k: coerce(x, hints[k], f"{key}.{k}") for k, x in value.items()})
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -63,8 +63,20 @@ def key_docs() -> list[KeyDoc]:
     for section, cls in SECTIONS.items():
         comments, hints, defaults = field_comments(cls), typing.get_type_hints(cls), to_dict(cls())
         for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):  # a table of its own (update.lora): its keys, dotted
+                inner, inner_hints = field_comments(hints[f.name]), typing.get_type_hints(hints[f.name])
+                for g in dataclasses.fields(hints[f.name]):
+                    docs.append(KeyDoc(section, f"{f.name}.{g.name}", type_name(inner_hints[g.name]), defaults[f.name][g.name], inner.get(g.name, "")))
+                continue
             docs.append(KeyDoc(section, f.name, type_name(hints[f.name]), defaults[f.name], comments.get(f.name, "")))
     return docs
+
+
+def value_of(values: dict[str, Any], doc: KeyDoc) -> Any:
+    value = values[doc.section]
+    for part in doc.key.split("."):
+        value = value[part]
+    return value
 
 
 def section_summary(section: str) -> str:
@@ -80,7 +92,7 @@ def show(cfg: Config) -> str:
         if doc.section != current:
             current = doc.section
             lines += ([""] if lines else []) + [f"[{doc.section}]  # {section_summary(doc.section)}"]
-        value = values[doc.section][doc.key]
+        value = value_of(values, doc)
         assignment = f"{doc.key} = {_toml_value(value)}"
         changed = "" if value == doc.default else f"; default {_toml_value(doc.default)}"
         lines.append(f"{assignment:<40} # {doc.type}{changed}: {doc.description}" if len(assignment) <= 40 else f"{assignment}\n{'':<40} # {doc.type}{changed}: {doc.description}")
@@ -89,7 +101,7 @@ def show(cfg: Config) -> str:
 
 def as_json(cfg: Config) -> list[dict[str, Any]]:
     values = to_dict(cfg)
-    return [{"key": d.name, "type": d.type, "default": d.default, "value": values[d.section][d.key], "description": d.description} for d in key_docs()]
+    return [{"key": d.name, "type": d.type, "default": d.default, "value": value_of(values, d), "description": d.description} for d in key_docs()]
 
 
 def markdown() -> str:

@@ -75,6 +75,8 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
         raise ConfigError("set model.path (a model folder) or model.init_preset (tiny|small|medium) to make one")
     check_config(cfg.advantage)
     check_loggers(cfg.pipeline.loggers)
+    if cfg.update.lora.r and cfg.workers.backend == "ray":
+        raise ConfigError("update.lora runs on the local workers backend; FSDP2 sharding of LoRA adapters on Ray worker groups is not built yet")
     ESTIMATORS.get(cfg.advantage.estimator)
     if cfg.advantage.kl_coef > 0 and not cfg.model.ref:
         raise ConfigError("advantage.kl_coef > 0 needs a reference model: set model.ref")
@@ -366,7 +368,9 @@ class Pipeline:
             f"iterations    {first}..{total} of {total}" if first <= total else f"iterations    none left ({total} done)",
             f"stages        {' → '.join(self._stages_to_run())} → hand-over ({describe_handover(cfg)})",
             f"policy        {cfg.model.path}{' (created: ' + cfg.model.init_preset + ')' if not Path(cfg.model.path, 'config.json').exists() else ''}",
-            f"reference     {cfg.model.ref or '-'}",
+            *([f"training      LoRA adapters r={cfg.update.lora.r}, alpha={cfg.update.lora.alpha:g} on {', '.join(cfg.update.lora.target_modules)}; "
+               "checkpoints hold the adapter (reshard --merge-lora)"] if cfg.update.lora.r else []),
+            f"reference     {cfg.model.ref or '-'}{' (the policy base with its adapters disabled, if it is that folder)' if cfg.update.lora.r and cfg.model.ref else ''}",
             f"critic        {cfg.model.critic or '-'}",
             f"workers       {describe_workers(cfg)}",
             f"reward        {self.reward.spec}",

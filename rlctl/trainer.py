@@ -78,6 +78,10 @@ def check_update_config(cfg: UpdateConfig, batch_size: int | None = None) -> Non
     if cfg.loss_agg_mode not in LOSS_AGG_MODES:
         raise InputError(f"unknown loss_agg_mode {cfg.loss_agg_mode!r}; available: {', '.join(LOSS_AGG_MODES)}")
     KL_ESTIMATORS.get(cfg.kl_loss_estimator)
+    if cfg.lora.r:
+        from rlctl.lora import require_peft
+
+        require_peft()
     if cfg.micro_batch_size < 1 or cfg.epochs < 1 or cfg.mini_batch_size < 0:
         raise InputError("update: micro_batch_size and epochs must be ≥ 1, mini_batch_size ≥ 0")
     if batch_size is not None and cfg.mini_batch_size and batch_size % cfg.mini_batch_size:
@@ -137,7 +141,7 @@ class Trainer:
     ) -> None:
         self.policy, self.cfg, self.critic, self.temperature, self.ranks = policy, cfg, critic, temperature, ranks
         self.step = 0
-        self.optimizer = torch.optim.AdamW(policy.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(trainable(policy.model), lr=cfg.lr, weight_decay=cfg.weight_decay)  # LoRA: the adapters only
         self.critic_optimizer = (
             torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay) if critic is not None else None
         )
@@ -273,7 +277,7 @@ class Trainer:
 
     def _optimizer_step(self) -> dict[str, float]:
         lr = self.lr_at(self.step)
-        grad_norm = _clip(self.policy.model.parameters(), self.cfg.max_grad_norm)
+        grad_norm = _clip(trainable(self.policy.model), self.cfg.max_grad_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         stats = {"grad_norm": grad_norm}
@@ -289,6 +293,11 @@ class Trainer:
                 stats["vf_skipped_steps"] = 1.0
         self.step += 1
         return stats
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters an update changes: all of them, or a LoRA run's adapters."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _clip(parameters, max_norm: float) -> float:

@@ -1,5 +1,6 @@
 """reshard: training checkpoint → rollout weights: one HF folder (weights, config, tokenizer;
-no optimizer state), cast to a dtype, that transformers and vLLM load as they are.
+no optimizer state), cast to a dtype, that transformers and vLLM load as they are. A LoRA
+checkpoint (an adapter over its base) is merged with `--merge-lora`.
 
 There is one target, `hf`. A tensor-parallel layout of rlctl's own (`tp=N` rank shards) was
 dropped: no engine loaded it. vLLM splits an HF folder over its ranks itself when it loads it
@@ -45,17 +46,18 @@ def run(*, checkpoint: str, out: str, cfg: ReshardConfig, check: bool = False, f
     manifest = make_manifest("reshard", {"reshard": to_dict(cfg)}, [model_ref(checkpoint)])
     if (existing := up_to_date(out, manifest, force)) is not None:
         return existing
-    config = json.loads((source / "config.json").read_text())
-    state = cast_state(load_state(source), DTYPES[cfg.dtype])
+    config, weights = _source_weights(source, cfg.merge_lora)
+    state = cast_state(weights, DTYPES[cfg.dtype])
     fs, path = filesystem(out)
     with OutputWrite(fs, path, out, what="reshard output", fixed_names=True) as writing:
         target = Path(path)
         config["torch_dtype"] = config["dtype"] = CONFIG_DTYPE[cfg.dtype]
         (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         names = ["config.json"]
-        for name in COPIED:
-            if (source / name).exists():
-                shutil.copy2(source / name, target / name)
+        for name in COPIED:  # the checkpoint's own, else (a LoRA checkpoint) its base's
+            found = next((folder / name for folder in _file_sources(source) if (folder / name).exists()), None)
+            if found is not None:
+                shutil.copy2(found, target / name)
                 names.append(name)
         _save(state, target / "model.safetensors")
         names.append("model.safetensors")
@@ -66,6 +68,45 @@ def run(*, checkpoint: str, out: str, cfg: ReshardConfig, check: bool = False, f
 
         manifest.state = {"checked": check, "policy_version": read_trainer_step(checkpoint)}
         return writing.commit(manifest)
+
+
+def _source_weights(source: Path, merge_lora: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, weights) of the checkpoint: its own, or for a LoRA checkpoint its base's
+    config and the merged weights (`--merge-lora`, asked for explicitly)."""
+    from rlctl.lora import adapter_base, is_adapter_dir
+
+    if not is_adapter_dir(source):
+        if merge_lora:
+            raise InputError(f"reshard --merge-lora: {source} holds no LoRA adapter (no adapter_config.json); leave the flag out")
+        return json.loads((source / "config.json").read_text()), load_state(source)
+    if not merge_lora:
+        raise InputError(f"{source} is a LoRA checkpoint (an adapter over {adapter_base(source)}): pass --merge-lora to write the merged model")
+    from rlctl.backends.hf import HFPolicy
+    from rlctl.lora import adapts_tied_output, merged_state_dict
+
+    model = HFPolicy.load(str(source), "cpu").model
+    config = json.loads((Path(adapter_base(source)) / "config.json").read_text())
+    if adapts_tied_output(model):  # the adapted lm_head is no longer the input embedding
+        config["tie_word_embeddings"] = False
+    return config, without_shared_storage(merged_state_dict(model))
+
+
+def _file_sources(source: Path) -> list[Path]:
+    from rlctl.lora import adapter_base, is_adapter_dir
+
+    return [source, Path(adapter_base(source))] if is_adapter_dir(source) else [source]
+
+
+def without_shared_storage(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tied weights (lm_head = embed_tokens) once, under the first name, as save_pretrained
+    writes them (safetensors refuses tensors that share memory)."""
+    seen: set[int] = set()
+    kept = {}
+    for name, tensor in state.items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            kept[name] = tensor
+    return kept
 
 
 def load_state(folder: Path) -> dict[str, torch.Tensor]:

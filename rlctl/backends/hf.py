@@ -58,12 +58,17 @@ def check_model_dir(uri: str) -> Path:
     """A local HF model folder: its config names a model type, and when it is (part of) an
     rlctl checkpoint or reshard output, every file matches the manifest."""
     from rlctl.checkpoint import verify_checkpoint
+    from rlctl.lora import adapter_base, is_adapter_dir
 
     path = Path(uri)
     if not path.exists():
         raise InputError(f"model {uri!r} does not exist")
     if not path.is_dir():
         raise InputError(f"model {uri!r} is a file, not a Hugging Face model folder")
+    if is_adapter_dir(path):  # a LoRA checkpoint: the adapter here, the base where it names
+        verify_checkpoint(uri)
+        check_model_dir(adapter_base(path))
+        return path
     if not (path / "config.json").is_file():
         raise InputError(f"model {uri!r} is not a Hugging Face model folder (no config.json)")
     try:
@@ -80,13 +85,18 @@ def load_causal_lm(uri: str, device: torch.device):
     """(model, tokenizer) from a local HF folder; fp32 weights, eval mode, no dropout."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rlctl.lora import adapter_base, is_adapter_dir, load_adapter
+
     quiet_transformers()
     path = check_model_dir(uri)
+    weights = adapter_base(path) if is_adapter_dir(path) else path
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left", trust_remote_code=False)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False, use_safetensors=True).to(device)
+        model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32, trust_remote_code=False, use_safetensors=True).to(device)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise InputError(f"model {uri!r} cannot be loaded as a causal LM: {_first_line(exc)}") from None
+    if weights is not path:
+        model = load_adapter(model, str(path)).to(device)
     model.eval()
     return model, tokenizer
 

@@ -224,9 +224,11 @@ class VLLMEngine:
         """Tensors vLLM keeps under the HF name and shape (norm weights, embeddings) must be
         the trainer's exactly (cast to the engine's dtype, as the push casts them): a skipped
         or partial push cannot hide in a probe's tolerance."""
+        from rlctl.lora import hf_state_dict
+
         engine = dict(self._worker().model_runner.get_model().named_parameters())
         compared = 0
-        for name, tensor in trainer_model.state_dict().items():
+        for name, tensor in hf_state_dict(trainer_model).items():
             theirs = engine.get(name)
             if theirs is None or theirs.shape != tensor.shape:
                 continue

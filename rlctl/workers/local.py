@@ -18,8 +18,17 @@ import torch
 
 from rlctl import faults
 from rlctl.backends.hf import HFPolicy, ValueModel, resolve_device
-from rlctl.checkpoint import CRITIC_DIR, load_trainer_state, save_checkpoint
+from rlctl.checkpoint import CRITIC_DIR, load_trainer_state, same_folder, save_checkpoint
 from rlctl.config import Config
+from rlctl.errors import InputError
+from rlctl.lora import (
+    AdapterDisabledReference,
+    adapts_tied_output,
+    base_path,
+    hf_state_dict,
+    is_lora,
+    prepare_for_training,
+)
 from rlctl.manifest import Manifest
 from rlctl.trainer import Trainer
 
@@ -31,7 +40,8 @@ class LocalWorkers:
         self.loads: list[str] = []  # every model load, for accounting (each model once per run)
         self._digests: dict[tuple[str, int], str] = {}
         self.policy = self._load_policy(policy_source)
-        self.ref = self._load_policy(cfg.model.ref) if cfg.model.ref else None
+        prepare_for_training(self.policy, cfg.update.lora, policy_source)
+        self.ref = self._reference(cfg.model.ref) if cfg.model.ref else None
         self.critic = None
         if critic_source:
             self.loads.append(f"critic:{critic_source}")
@@ -44,6 +54,13 @@ class LocalWorkers:
         self.generator = None  # a vLLM engine beside the trainer, or None (the trainer generates)
         if cfg.rollout.backend == "vllm":
             self.generator = start_vllm(cfg, policy_source, self.policy)
+
+    def _reference(self, uri: str):
+        """The reference model; for a LoRA policy whose base it is, the policy itself with
+        its adapters disabled (no second copy)."""
+        if is_lora(self.policy.model) and same_folder(uri, base_path(self.policy.model)):
+            return AdapterDisabledReference(self.policy)
+        return self._load_policy(uri)
 
     def _load_policy(self, uri: str) -> HFPolicy:
         self.loads.append(f"policy:{uri}")
@@ -100,8 +117,17 @@ def start_vllm(cfg: Config, source: str, trainer: HFPolicy):
     from rlctl.backends.base import sampling_params
     from rlctl.backends.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine.load(source, cfg.model.device, cfg.vllm, compute_dtype=cfg.rollout.dtype, params=sampling_params(cfg.rollout), seed=cfg.rollout.seed)
-    sync_record(engine, trainer.model, 0.0)
+    lora = is_lora(trainer.model)
+    if lora and adapts_tied_output(trainer.model):
+        raise InputError(
+            "update.lora adapts lm_head of a model with tied embeddings: vLLM ties them again and would not generate with the "
+            "trained lm_head; leave lm_head out of update.lora.target_modules, or use rollout.backend = \"hf\""
+        )
+    engine = VLLMEngine.load(base_path(trainer.model) if lora else source, cfg.model.device, cfg.vllm, compute_dtype=cfg.rollout.dtype, params=sampling_params(cfg.rollout), seed=cfg.rollout.seed)
+    if lora:  # the engine holds the base: give it the merged weights before the first rollout
+        push_and_check(engine, trainer.model, 0)
+    else:
+        sync_record(engine, trainer.model, 0.0)
     return engine
 
 
@@ -110,7 +136,7 @@ def push_and_check(engine, trainer_model: torch.nn.Module, step: int) -> dict:
     The test-only fault `RLCTL_FAULT_SKIP=push-weights-` skips the push, for the probe to catch."""
     seconds = 0.0
     if not faults.skipped(f"push-weights-{step}"):
-        seconds = engine.push_weights(trainer_model.state_dict().items())
+        seconds = engine.push_weights(hf_state_dict(trainer_model).items())
     return sync_record(engine, trainer_model, seconds)
 
 
