@@ -75,8 +75,6 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
         raise ConfigError("set model.path (a model folder) or model.init_preset (tiny|small|medium) to make one")
     check_config(cfg.advantage)
     check_loggers(cfg.pipeline.loggers)
-    if cfg.update.lora.r and cfg.workers.backend == "ray":
-        raise ConfigError("update.lora runs on the local workers backend; FSDP2 sharding of LoRA adapters on Ray worker groups is not built yet")
     ESTIMATORS.get(cfg.advantage.estimator)
     if cfg.advantage.kl_coef > 0 and not cfg.model.ref:
         raise ConfigError("advantage.kl_coef > 0 needs a reference model: set model.ref")

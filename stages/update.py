@@ -23,7 +23,7 @@ from rlctl.checkpoint import (
 from rlctl.config import UpdateConfig, WorkersConfig, to_dict
 from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
-from rlctl.lora import is_adapter_dir, prepare_for_training
+from rlctl.lora import prepare_for_training
 from rlctl.manifest import Manifest, strict_json_value
 from rlctl.schemas import spec, validate
 from rlctl.shards import read
@@ -56,8 +56,6 @@ def run(
         raise InputError(f"{batch}: the batch has no rows")
     temperature = float(sampling_of(source.table).get("temperature", 1.0))
     if workers.backend == "ray":
-        if cfg.lora.r or is_adapter_dir(model):
-            raise InputError("update.lora runs on the local workers backend; FSDP2 sharding of LoRA adapters on Ray worker groups is not built yet")
         return _update_on_workers(source, train_batch, model, critic, out, cfg, workers, manifest, temperature)
     policy = HFPolicy.load(model, device)
     prepare_for_training(policy, cfg.lora, model)

@@ -402,6 +402,7 @@ class RankWorker:
         from rlctl.backends.hf import HFPolicy, ValueModel, quiet_transformers, resolve_device
         from rlctl.checkpoint import load_trainer_state
         from rlctl.config import from_dict
+        from rlctl.lora import prepare_for_training
         from rlctl.trainer import RankGroup, Trainer
 
         quiet_transformers()
@@ -414,7 +415,9 @@ class RankWorker:
         dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://{spec['master']}:{spec['port']}", rank=rank, world_size=world, timeout=timedelta(minutes=10))
         self.rank, self.world, self.cfg = rank, world, cfg
         self.engine = HFPolicy.load(spec["policy"], str(device)) if spec["policy"] else None
-        self.ref = HFPolicy.load(cfg.model.ref, str(device)) if cfg.model.ref else None
+        if self.engine is not None and spec["train"]:
+            prepare_for_training(self.engine, cfg.update.lora, spec["policy"])
+        self.ref = self._load_reference(cfg.model.ref, device) if cfg.model.ref else None
         self.ref_shards = None  # the reference as FSDP2 shards (workers.reference = "sharded"), gathered to score
         if self.ref is not None and cfg.workers.reference == "sharded" and world > 1:
             mesh = init_device_mesh(device.type, (world,))
@@ -446,6 +449,16 @@ class RankWorker:
 
     def step(self) -> int:
         return self.trainer.step
+
+    def _load_reference(self, uri: str, device):
+        """The reference replica; for a LoRA policy whose base it is, this rank's plain policy
+        copy with its adapters disabled (no second copy)."""
+        from rlctl.checkpoint import same_folder
+        from rlctl.lora import AdapterDisabledReference, base_path, is_lora
+
+        if self.engine is not None and is_lora(self.engine.model) and same_folder(uri, base_path(self.engine.model)):
+            return AdapterDisabledReference(self.engine)
+        return HFPolicy.load(uri, str(device))
 
     # -- work on rows ----------------------------------------------------------------------
 
@@ -589,9 +602,13 @@ class RankWorker:
 
 
 def _sharded(model, mesh):
+    """FSDP2 over each decoder layer, then the whole model (a LoRA policy: its base's layers;
+    FSDP2 keeps frozen base weights and trained adapters in one group)."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.model.layers:
+    from rlctl.lora import is_lora
+
+    for layer in (model.get_base_model() if is_lora(model) else model).model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
@@ -629,7 +646,7 @@ def _full_optimizer_state(model, optimizer) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
-    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    index = {name: i for i, name in enumerate(_trained_names(model))}
     return {
         "state": {index[name]: values for name, values in full["state"].items()},
         "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in full["param_groups"]],
@@ -641,9 +658,15 @@ def _set_full_optimizer_state(model, optimizer, state: dict | None) -> None:
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    names = [name for name, _ in model.named_parameters()]
+    names = _trained_names(model)
     keyed = {
         "state": {names[i]: values for i, values in state["state"].items()},
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
     }
     set_optimizer_state_dict(model, optimizer, keyed, options=StateDictOptions(full_state_dict=True))
+
+
+def _trained_names(model) -> list[str]:
+    """The optimizer's parameters in order (every parameter, or a LoRA run's adapters): a
+    single-process AdamW numbers its state by this order."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]

@@ -136,8 +136,6 @@ def test_lora_mistakes_are_exit_2(cli, tmp_path, tiny_model, batch):
     assert wrong_module.exit_code == 2 and "has no module named 'qkv'" in one_line_error(wrong_module)
     plain = cli("reshard", "--checkpoint", tiny_model, "--out", tmp_path / "m", "--merge-lora")
     assert plain.exit_code == 2 and "holds no LoRA adapter" in one_line_error(plain)
-    on_ray = cli("update", "--batch", batch, "--model", tiny_model, "--out", tmp_path / "c2", "--set", LORA, "--workers-backend", "ray")
-    assert on_ray.exit_code == 2 and "local workers backend" in one_line_error(on_ray)
 
 
 @pytest.mark.slow

@@ -255,3 +255,28 @@ def test_a_reference_in_a_pool_of_its_own_gives_the_run_that_colocated_ranks_giv
     assert metrics_without_timings(tmp_path / "split") == metrics_without_timings(tmp_path / "colocate")  # the same kl, rewards, losses
     expected, got = final_weights(tmp_path / "colocate"), final_weights(tmp_path / "split")
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_two_workers_train_the_lora_adapter_one_process_trains(ray_session, tiny_model, gae_batch, tmp_path):
+    from rlctl.config import LoraConfig
+    from rlctl.workers import make_workers
+
+    batch = TrainBatch.from_table(shards.read(gae_batch, "batch").table)
+    lora = LoraConfig(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
+    adapters = {}
+    for name, backend, n in (("local", "local", 1), ("ray1", "ray", 1), ("ray2", "ray", 2)):
+        cfg = config(tiny_model, workers=n, backend=backend, lora=lora)
+        cfg = replace(cfg, model=replace(cfg.model, ref=tiny_model))
+        workers = make_workers(cfg, policy_source=tiny_model, critic_source=tiny_model)
+        try:
+            workers.trainer.train(batch)
+            workers.hand_over_weights()
+            workers.save(str(tmp_path / name), Manifest(stage="test"), None)
+        finally:
+            workers.close()
+        adapters[name] = load_file(str(tmp_path / name / "adapter_model.safetensors"))
+    for name in ("ray1", "ray2"):
+        assert adapters[name].keys() == adapters["local"].keys()
+        worst = max(float((adapters[name][k] - adapters["local"][k]).abs().max()) for k in adapters["local"])
+        assert worst < 1e-5, (name, worst)
+    assert max(float(v.abs().max()) for k, v in adapters["local"].items() if "lora_B" in k) > 1e-4  # the adapter trained
