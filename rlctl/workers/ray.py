@@ -453,6 +453,7 @@ class RankWorker:
     def _load_reference(self, uri: str, device):
         """The reference replica; for a LoRA policy whose base it is, this rank's plain policy
         copy with its adapters disabled (no second copy)."""
+        from rlctl.backends.hf import HFPolicy
         from rlctl.checkpoint import same_folder
         from rlctl.lora import AdapterDisabledReference, base_path, is_lora
 
