@@ -36,8 +36,9 @@ def local_checkpoint_dir(uri: str) -> Path:
     return Path(path)
 
 
-def save_checkpoint(uri: str, *, policy, trainer_state: dict, manifest: Manifest, critic=None) -> Manifest:
-    """Write the policy (and critic) weights and the trainer state, then the manifest."""
+def save_checkpoint(uri: str, *, policy, trainer_state: dict, manifest: Manifest, critic=None, critic_files: dict[str, bytes] | None = None) -> Manifest:
+    """Write the policy (and critic) weights and the trainer state, then the manifest.
+    `critic_files`: the critic's folder as another process saved it (a critic pool of its own)."""
     out = local_checkpoint_dir(uri)
     fs, path = filesystem(str(out))
     with OutputWrite(fs, path, uri, what="checkpoint", fixed_names=True) as writing:
@@ -46,6 +47,9 @@ def save_checkpoint(uri: str, *, policy, trainer_state: dict, manifest: Manifest
         save_trainer_state(out / STATE_DIR, trainer_state)
         if critic is not None:
             critic.save(out / CRITIC_DIR)
+        for name, data in (critic_files or {}).items():
+            (out / CRITIC_DIR / name).parent.mkdir(parents=True, exist_ok=True)
+            (out / CRITIC_DIR / name).write_bytes(data)
         names = [str(p.relative_to(out)) for p in sorted(out.rglob("*")) if p.is_file() and p.name not in RESERVED_NAMES]
         manifest.files = describe_files(fs, path, names)
         faults.point(f"{uri}:before-commit")

@@ -284,7 +284,7 @@ class WorkersConfig:
     address: str = ""  # "" = an embedded Ray for this command; auto or HOST:PORT joins a cluster
     cpus_per_worker: int = 1  # Ray CPUs of a worker, and its torch/OpenMP threads
     gpus_per_worker: float = 0.0  # 1 on a GPU machine: NCCL instead of gloo
-    placement: str = "colocate"  # colocate: a rank holds policy, reference, critic | split: the reference in its own pool
+    placement: str = "colocate"  # colocate: a rank holds policy, reference, critic | split: the reference and the critic each in a pool of their own
     reference: str = "replicated"  # replicated: a full copy per rank | sharded: FSDP2 shards at rest, gathered to score
 
     def __post_init__(self) -> None:

@@ -639,7 +639,8 @@ def describe_workers(cfg: Config) -> str:
         return "local (models in this process)"
     where = w.address or "an embedded Ray"
     kind = "NCCL" if w.gpus_per_worker else "gloo"
-    pools = " (the reference in a pool of its own: twice the ranks)" if w.placement == "split" and cfg.model.ref else ""
+    own = [role for role, model in (("the reference", cfg.model.ref), ("the critic", cfg.model.critic)) if model] if w.placement == "split" else []
+    pools = f" ({' and '.join(own)} in {'a pool' if len(own) == 1 else 'pools'} of {'its' if len(own) == 1 else 'their'} own: {len(own) + 1}× the ranks)" if own else ""
     return f"ray: {w.num_workers} × ({w.cpus_per_worker} CPU{', ' + format(w.gpus_per_worker, 'g') + ' GPU' if w.gpus_per_worker else ''}) on {where}, FSDP2 over {kind}{pools}"
 
 

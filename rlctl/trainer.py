@@ -137,11 +137,17 @@ class Trainer:
     """Holds the policy (and critic) optimizers; `train(batch)` runs one update."""
 
     def __init__(
-        self, policy: HFPolicy, cfg: UpdateConfig, *, critic: ValueModel | None = None, temperature: float = 1.0, ranks: RankGroup = ALONE,
+        self, policy: HFPolicy | None, cfg: UpdateConfig, *, critic: ValueModel | None = None, temperature: float = 1.0, ranks: RankGroup = ALONE,
     ) -> None:
+        """`policy=None`: a critic-only trainer (the critic's own pool of ranks,
+        `workers.placement = "split"`), stepping in lockstep with the policy's."""
         self.policy, self.cfg, self.critic, self.temperature, self.ranks = policy, cfg, critic, temperature, ranks
         self.step = 0
-        self.optimizer = torch.optim.AdamW(trainable(policy.model), lr=cfg.lr, weight_decay=cfg.weight_decay)  # LoRA: the adapters only
+        self.pad_id = policy.pad_id if policy is not None else 0  # padding sits past each row's end: any id gives the same values
+        self.device = policy.device if policy is not None else next(critic.parameters()).device
+        self.optimizer = (  # LoRA: the adapters only
+            torch.optim.AdamW(trainable(policy.model), lr=cfg.lr, weight_decay=cfg.weight_decay) if policy is not None else None
+        )
         self.critic_optimizer = (
             torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay) if critic is not None else None
         )
@@ -151,13 +157,13 @@ class Trainer:
     def state_dict(self) -> dict:
         return {
             "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "critic_optimizer": self.critic_optimizer.state_dict() if self.critic_optimizer else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
-        if state.get("optimizer"):
+        if self.optimizer is not None and state.get("optimizer"):
             self.optimizer.load_state_dict(state["optimizer"])
         if self.critic_optimizer is not None and state.get("critic_optimizer"):
             self.critic_optimizer.load_state_dict(state["critic_optimizer"])
@@ -173,7 +179,7 @@ class Trainer:
     def train(self, batch: TrainBatch) -> dict[str, float]:
         cfg = self.cfg
         check_update_config(cfg, batch.size)
-        if cfg.use_kl_loss and batch.ref_logprobs is None:
+        if self.policy is not None and cfg.use_kl_loss and batch.ref_logprobs is None:
             raise InputError("use_kl_loss needs ref_logprobs in the batch: score with --ref")
         if self.critic is not None and (batch.returns is None or batch.old_values is None):
             raise InputError("training a critic needs values and returns in the batch (score with --critic, advantage gae)")
@@ -182,7 +188,8 @@ class Trainer:
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
         totals: dict[str, float] = {}
         steps = 0
-        self.policy.model.train()
+        if self.policy is not None:
+            self.policy.model.train()
         for _ in range(cfg.epochs):
             order = torch.randperm(batch.size, generator=generator)
             for start in range(0, batch.size, mini):
@@ -192,7 +199,8 @@ class Trainer:
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + v
                 steps += 1
-        self.policy.model.eval()
+        if self.policy is not None:
+            self.policy.model.eval()
         skipped = int(totals.get("skipped_steps", 0) + totals.get("vf_skipped_steps", 0))
         if skipped and not cfg.allow_skipped_steps:
             raise TrainingError(
@@ -209,55 +217,34 @@ class Trainer:
     def accumulate_gradients(self, batch: TrainBatch, indices: torch.Tensor) -> dict[str, float]:
         """Zero the gradients, then backward every micro-batch of this mini-batch."""
         cfg = self.cfg
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.critic_optimizer is not None:
-            self.critic_optimizer.zero_grad(set_to_none=True)
+        for optimizer in (self.optimizer, self.critic_optimizer):
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
         mask = batch.response_mask[indices]
         norms = {"batch_tokens": int(mask.sum()), "batch_seqs": len(indices), "horizon": cfg.loss_horizon or batch.response_mask.shape[1]}
-        stats = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": 0.0, "entropy": 0.0}
-        if batch.ref_logprobs is not None:  # reported whenever measurable; a loss only with use_kl_loss
+        stats = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": 0.0, "entropy": 0.0} if self.policy is not None else {}
+        if self.policy is not None and batch.ref_logprobs is not None:  # reported whenever measurable; a loss only with use_kl_loss
             stats["kl"] = 0.0
         if self.critic is not None:
             stats["vf_loss"] = 0.0
-        if cfg.rollout_is != "off":
+        if self.policy is not None and cfg.rollout_is != "off":
             if batch.rollout_logprobs is None:
                 raise InputError("update.rollout_is needs the engine's rollout_logprobs in the batch")
             stats["rollout_is_weight"] = 0.0
         tokens = max(norms["batch_tokens"], 1)
-        device = self.policy.device
+        device = self.device
         autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
         for micro, weight in self.ranks.micro_batches(indices, cfg.micro_batch_size):
             scale = weight * self.ranks.grad_scale
-            packed = pack([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro], self.policy.pad_id, device)
+            packed = pack([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro], self.pad_id, device)
             width = packed.response_mask.shape[1]
             m = packed.response_mask
 
             def take(t: torch.Tensor, rows=micro, width=width) -> torch.Tensor:
                 return t[rows, :width].to(device)
 
-            with autocast:
-                logp, entropy = self.policy.forward(packed, temperature=self.temperature, with_entropy=True)
-            pg = POLICY_LOSSES[cfg.policy_loss](
-                logprobs=logp, old_logprobs=take(batch.old_logprobs), advantages=take(batch.advantages), response_mask=m,
-                clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
-            )
-            token_loss = pg.loss
-            if cfg.rollout_is != "off":
-                weights = rollout_is_weights(
-                    old_logprobs=take(batch.old_logprobs), rollout_logprobs=take(batch.rollout_logprobs), response_mask=m,
-                    level=cfg.rollout_is, threshold=cfg.rollout_is_threshold,
-                )
-                token_loss = pg.loss * weights
-                stats["rollout_is_weight"] += weight * float(torch.where(m, weights, 0).sum()) / tokens
-            pg_loss = aggregate(loss=token_loss, response_mask=m, mode=cfg.loss_agg_mode, **norms)
-            entropy_loss = aggregate(loss=entropy, response_mask=m, mode=cfg.loss_agg_mode, **norms)
-            loss = pg_loss - cfg.entropy_coef * entropy_loss
-            if batch.ref_logprobs is not None:
-                kl = KL_ESTIMATORS.get(cfg.kl_loss_estimator)(logprobs=logp, ref_logprobs=take(batch.ref_logprobs))
-                if cfg.use_kl_loss:
-                    loss = loss + cfg.kl_loss_coef * aggregate(loss=kl, response_mask=m, mode=cfg.loss_agg_mode, **norms)
-                stats["kl"] += weight * float(torch.where(m, kl.detach(), 0).sum()) / tokens
-            (loss * scale).backward()
+            if self.policy is not None:
+                self._policy_backward(batch, packed, take, norms, weight, scale, tokens, autocast, stats)
             if self.critic is not None:
                 with autocast:
                     values = self.critic(packed)
@@ -268,23 +255,51 @@ class Trainer:
                 vf_loss = aggregate(loss=vf, response_mask=m, mode=cfg.loss_agg_mode, **norms)
                 (cfg.vf_coef * vf_loss * scale).backward()
                 stats["vf_loss"] += weight * float(vf_loss.detach())
-            stats["pg_loss"] += weight * float(pg_loss.detach())
-            stats["pg_clipfrac"] += weight * float(pg.clipped.sum()) / tokens
-            stats["pg_clipfrac_lower"] += weight * float(pg.dual_clipped.sum()) / tokens
-            stats["ppo_kl"] += weight * float(pg.approx_kl.detach().sum()) / tokens
-            stats["entropy"] += weight * float(torch.where(m, entropy.detach(), 0).sum()) / tokens
         return self.ranks.sum(stats)
 
+    def _policy_backward(self, batch: TrainBatch, packed, take, norms: dict, weight: float, scale: float, tokens: int, autocast, stats: dict) -> None:
+        """One micro-batch's policy loss, its backward, and its share of the statistics."""
+        cfg, m = self.cfg, packed.response_mask
+        with autocast:
+            logp, entropy = self.policy.forward(packed, temperature=self.temperature, with_entropy=True)
+        pg = POLICY_LOSSES[cfg.policy_loss](
+            logprobs=logp, old_logprobs=take(batch.old_logprobs), advantages=take(batch.advantages), response_mask=m,
+            clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+        )
+        token_loss = pg.loss
+        if cfg.rollout_is != "off":
+            weights = rollout_is_weights(
+                old_logprobs=take(batch.old_logprobs), rollout_logprobs=take(batch.rollout_logprobs), response_mask=m,
+                level=cfg.rollout_is, threshold=cfg.rollout_is_threshold,
+            )
+            token_loss = pg.loss * weights
+            stats["rollout_is_weight"] += weight * float(torch.where(m, weights, 0).sum()) / tokens
+        pg_loss = aggregate(loss=token_loss, response_mask=m, mode=cfg.loss_agg_mode, **norms)
+        entropy_loss = aggregate(loss=entropy, response_mask=m, mode=cfg.loss_agg_mode, **norms)
+        loss = pg_loss - cfg.entropy_coef * entropy_loss
+        if batch.ref_logprobs is not None:
+            kl = KL_ESTIMATORS.get(cfg.kl_loss_estimator)(logprobs=logp, ref_logprobs=take(batch.ref_logprobs))
+            if cfg.use_kl_loss:
+                loss = loss + cfg.kl_loss_coef * aggregate(loss=kl, response_mask=m, mode=cfg.loss_agg_mode, **norms)
+            stats["kl"] += weight * float(torch.where(m, kl.detach(), 0).sum()) / tokens
+        (loss * scale).backward()
+        stats["pg_loss"] += weight * float(pg_loss.detach())
+        stats["pg_clipfrac"] += weight * float(pg.clipped.sum()) / tokens
+        stats["pg_clipfrac_lower"] += weight * float(pg.dual_clipped.sum()) / tokens
+        stats["ppo_kl"] += weight * float(pg.approx_kl.detach().sum()) / tokens
+        stats["entropy"] += weight * float(torch.where(m, entropy.detach(), 0).sum()) / tokens
+
     def _optimizer_step(self) -> dict[str, float]:
-        lr = self.lr_at(self.step)
-        grad_norm = _clip(trainable(self.policy.model), self.cfg.max_grad_norm)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        stats = {"grad_norm": grad_norm}
-        if math.isfinite(grad_norm):  # a non-finite gradient would poison the weights: skip
-            self.optimizer.step()
-        else:
-            stats["skipped_steps"] = 1.0
+        stats: dict[str, float] = {}
+        if self.optimizer is not None:
+            lr = self.lr_at(self.step)
+            stats["grad_norm"] = grad_norm = _clip(trainable(self.policy.model), self.cfg.max_grad_norm)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            if math.isfinite(grad_norm):  # a non-finite gradient would poison the weights: skip
+                self.optimizer.step()
+            else:
+                stats["skipped_steps"] = 1.0
         if self.critic_optimizer is not None:
             stats["vf_grad_norm"] = _clip(self.critic.parameters(), self.cfg.max_grad_norm)
             if math.isfinite(stats["vf_grad_norm"]):

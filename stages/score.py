@@ -118,9 +118,11 @@ def scored_rewards(table: pa.Table, reward: RewardSet, models: ScoringModels, cf
     return scores
 
 
-def with_model_columns(table: pa.Table, rewards: list[float], models: ScoringModels, cfg: ScoreConfig, *, ref_logprobs: list | None = None) -> pa.Table:
+def with_model_columns(
+    table: pa.Table, rewards: list[float], models: ScoringModels, cfg: ScoreConfig, *, ref_logprobs: list | None = None, values: list | None = None,
+) -> pa.Table:
     """`table` with its rewards and the ref/old log-probs and values of the models given
-    (`ref_logprobs` computed elsewhere stand in for a reference model)."""
+    (`ref_logprobs` and `values` computed elsewhere stand in for a reference and a critic)."""
     temperature = float(sampling_of(table).get("temperature", 1.0))
     prompt_ids = table.column("prompt_ids").to_pylist()
     response_ids = table.column("response_ids").to_pylist()
@@ -133,24 +135,32 @@ def with_model_columns(table: pa.Table, rewards: list[float], models: ScoringMod
         new["old_logprobs"] = list_column(models.policy.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size, compute_dtype=cfg.dtype), pa.float32())
     if models.critic is not None:
         pad_id = models.policy.pad_id if models.policy is not None else 0
-        new["values"] = list_column(models.critic.values(prompt_ids, response_ids, pad_id=pad_id, batch_size=cfg.batch_size, compute_dtype=cfg.dtype), pa.float32())
+        values = models.critic.values(prompt_ids, response_ids, pad_id=pad_id, batch_size=cfg.batch_size, compute_dtype=cfg.dtype)
+    if values is not None:
+        new["values"] = list_column(values, pa.float32())
     return set_columns(table, new)
 
 
 def score_parts_on_workers(group, table: pa.Table, reward: RewardSet, models: ScoringModels, cfg: ScoreConfig, out: OutputSpec, manifest: Manifest) -> Manifest:
     """Rewards here (the reward's child process is the controller's); each rank adds its
     slice's model columns and writes its own part. A reference in a pool of its own
-    (`workers.placement = "split"`) scores there first; its log-probs go with the rows."""
+    (`workers.placement = "split"`) and a critic in one score there first; their log-probs
+    and values go with the rows."""
     scores = scored_rewards(table, reward, models, cfg)
     rewards, table = scores.total, with_reward_columns(table, scores)
-    ref_logprobs = None
+    prompt_ids, response_ids = table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist()
+    ref_logprobs = values = None
     if models.ref is not None and getattr(group, "ref_pool", None) is not None:
         temperature = float(sampling_of(table).get("temperature", 1.0))
-        ref_logprobs = models.ref.logprobs(
-            table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist(), temperature=temperature, batch_size=cfg.batch_size, compute_dtype=cfg.dtype,
-        )
+        ref_logprobs = models.ref.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size, compute_dtype=cfg.dtype)
         models = ScoringModels(policy=models.policy, critic=models.critic)
+    if models.critic is not None and getattr(group, "critic_pool", None) is not None:
+        pad_id = models.policy.pad_id if models.policy is not None else 0
+        values = models.critic.values(prompt_ids, response_ids, pad_id=pad_id, batch_size=cfg.batch_size, compute_dtype=cfg.dtype)
+        models = ScoringModels(ref=models.ref, policy=models.policy)
     roles = [role for role, model in (("ref", models.ref), ("policy", models.policy), ("critic", models.critic)) if model is not None]
-    return group.commit_parts(
-        "score_part", table, lambda rows: (rewards[rows], roles, to_dict(cfg), ref_logprobs[rows] if ref_logprobs is not None else None), out, manifest, "scores",
-    )
+
+    def part_inputs(rows: slice) -> tuple:
+        return rewards[rows], roles, to_dict(cfg), ref_logprobs[rows] if ref_logprobs is not None else None, values[rows] if values is not None else None
+
+    return group.commit_parts("score_part", table, part_inputs, out, manifest, "scores")

@@ -15,8 +15,11 @@ Each rank holds:
   for values), when configured. The reference is a full copy per rank (`workers.reference =
   "replicated"`), or FSDP2 shards (`"sharded"`: 1/N of it per rank at rest, its full weights
   gathered for each scoring call, which every rank makes once, and released after). With `workers.placement = "split"` the reference
-  lives in a pool of its own (another N ranks, another placement group): its log-probs are
-  computed there and handed to the policy ranks with the rows they score.
+  and the critic each live in a pool of their own (another N ranks, another placement group):
+  log-probs and values are computed there and handed to the policy ranks with the rows they
+  score; the critic pool trains its critic (a critic-only Trainer) on the same mini-batches as
+  the policy ranks, and its rank 0 hands its checkpoint files and optimizer state, by Ray
+  object reference, to the policy's rank 0, which writes them into the one checkpoint.
 
 Rows are spread over ranks by `rlctl.dispatch` (contiguous slices, results in row order);
 sampling draws from one random stream per row, so the rows do not depend on the group size.
@@ -153,17 +156,26 @@ class RayWorkers:
                 check_model_dir(source)  # bad input is exit 2 here, before Ray starts
         from dataclasses import replace
 
-        split = cfg.workers.placement == "split" and bool(cfg.model.ref) and policy_source is not None
+        split = cfg.workers.placement == "split" and policy_source is not None
+        split_ref, split_critic = split and bool(cfg.model.ref), split and bool(critic_source)
         self.log_dir = log_dir  # a run folder's logs/ray: Ray's logs are copied there at close
-        self._started_ray = start_ray(cfg.workers, pools=2 if split else 1)
+        self._started_ray = start_ray(cfg.workers, pools=1 + split_ref + split_critic)
         self.ref_pool: RayWorkers | None = None  # the reference's own pool (placement = split)
-        if split:
-            try:
+        self.critic_pool: RayWorkers | None = None  # the critic's own pool, training it in lockstep (placement = split)
+        try:
+            if split_ref:
                 self.ref_pool = RayWorkers(replace(cfg, model=replace(cfg.model, path="", critic="")), policy_source=None, critic_source=None, train=False)
-            except BaseException:
-                self.close()
-                raise
+            if split_critic:
+                self.critic_pool = RayWorkers(
+                    replace(cfg, model=replace(cfg.model, path="", ref="")), policy_source=None, critic_source=critic_source, train=train, temperature=temperature,
+                )
+        except BaseException:
+            self.close()
+            raise
+        if split_ref:
             cfg = replace(cfg, model=replace(cfg.model, ref=""))  # the policy ranks hold no reference
+        if split_critic:
+            cfg, critic_source = replace(cfg, model=replace(cfg.model, critic="")), None  # ... nor the critic
         self.cfg, self.size = cfg, cfg.workers.num_workers
         self.loads: list[str] = []
         self._digests: dict[tuple[str, int], str] = {}
@@ -190,7 +202,7 @@ class RayWorkers:
         master, port = self._call([self.actors[0].rendezvous.remote()])[0]
         setup = {
             "config": asdict(cfg), "policy": policy_source, "critic": critic_source, "master": master, "port": port,
-            "train": train and policy_source is not None, "temperature": cfg.rollout.temperature if temperature is None else temperature,
+            "train": train and (policy_source is not None or critic_source is not None), "temperature": cfg.rollout.temperature if temperature is None else temperature,
         }
         self.pad_id, self.vocab_size, self.context_length = self._all("setup", setup, per_rank=lambda rank: {"rank": rank, "world": self.size})[0]
         self.loads += [f"{role}:{source}" for role, source in (("policy", policy_source), ("ref", cfg.model.ref), ("critic", critic_source)) if source]
@@ -203,12 +215,17 @@ class RayWorkers:
         if self.ref_pool is not None:
             self.ref, self.loads = self.ref_pool.ref, self.loads + self.ref_pool.loads
         self.critic = _CriticProxy(self) if critic_source else None
+        if self.critic_pool is not None:
+            self.critic, self.loads = self.critic_pool.critic, self.loads + self.critic_pool.loads
+            self.critic_pool._all("set_pad_id", self.pad_id)  # pack the critic's rows as the policy's
 
     # -- the methods the controller calls -------------------------------------------------
 
     def hand_over_weights(self) -> dict:
         """Gather the trained full parameters into every rank's rollout engine (in memory),
         and push them into each rank's vLLM engine when there is one (probe-checked)."""
+        if self.critic_pool is not None:
+            self.critic_pool._all("hand_over")  # its trained critic gathered into its value scorer
         ranks = self._all("hand_over")
         mode = "in-memory (shared module on the one rank)" if self.size == 1 else "gathered full parameters into each rank's engine (FSDP2 all-gather)"
         handed = {"mode": mode, "workers": self.size, "seconds": max(r["seconds"] for r in ranks),
@@ -229,7 +246,7 @@ class RayWorkers:
         return self._digest("policy")
 
     def critic_digest(self) -> str:
-        return self._digest("critic")
+        return (self.critic_pool or self)._digest("critic")
 
     def commit_parts(self, method: str, rows, extra, out, manifest: Manifest, schema: str) -> Manifest:
         """Each rank turns its contiguous slice of `rows` into its own part of the output,
@@ -263,14 +280,18 @@ class RayWorkers:
         """Rank 0 writes the checkpoint; every rank takes part in gathering the state."""
         if pipeline_state is not None:
             manifest.state = {**manifest.state, "pipeline": pipeline_state}
-        return Manifest.from_json(self._all("save", directory, manifest.to_json())[0])
+        critic = None
+        if self.critic_pool is not None:  # a reference to what the critic pool's rank 0 holds: the bytes go rank to rank
+            critic = next(payload for payload in self.critic_pool._all("critic_payload") if payload is not None)
+        return Manifest.from_json(self._all("save", directory, manifest.to_json(), critic)[0])
 
     def close(self) -> None:
         import ray
 
-        if getattr(self, "ref_pool", None) is not None:
-            self.ref_pool.close()
-            self.ref_pool = None
+        for pool in ("ref_pool", "critic_pool"):
+            if getattr(self, pool, None) is not None:
+                getattr(self, pool).close()
+                setattr(self, pool, None)
         if getattr(self, "log_dir", None) is not None and ray.is_initialized():
             copy_ray_logs(self.log_dir)
         for actor in getattr(self, "actors", []):
@@ -289,7 +310,7 @@ class RayWorkers:
     # -- calling ranks --------------------------------------------------------------------
 
     def _digest(self, name: str) -> str:
-        key = (name, self.trainer.step)
+        key = (name, self.trainer.step if self.trainer is not None else 0)
         if key not in self._digests:
             self._digests = {k: v for k, v in self._digests.items() if k[0] != name}
             self._digests[key] = self._call([self.actors[0].digest.remote(name)])[0]
@@ -342,7 +363,12 @@ class _TrainerProxy:
         import ray
 
         shared = ray.put(batch)  # one copy in the object store, read by every rank
+        critic_pool = self._workers.critic_pool
+        critic_calls = [actor.train.remote(shared) for actor in critic_pool.actors] if critic_pool is not None else []
         metrics = self._workers._all("train", shared)[0]
+        if critic_calls:  # the critic trained on its own ranks meanwhile, on the same mini-batches
+            critic_metrics = critic_pool._call(critic_calls, what="the critic's train")[0]
+            metrics.update({k: v for k, v in critic_metrics.items() if k.startswith("vf_")})
         self.step = int(metrics["step"])
         return metrics
 
@@ -429,7 +455,8 @@ class RankWorker:
             self.train_policy, self.train_critic = self.engine, self.critic_engine
         elif spec["train"]:
             mesh = init_device_mesh(device.type, (world,))
-            self.train_policy = HFPolicy(_sharded(copy.deepcopy(self.engine.model), mesh), self.engine.tokenizer, device)
+            if self.engine is not None:  # None in a critic's own pool
+                self.train_policy = HFPolicy(_sharded(copy.deepcopy(self.engine.model), mesh), self.engine.tokenizer, device)
             if self.critic_engine is not None:
                 self.train_critic = _sharded_critic(copy.deepcopy(self.critic_engine), mesh)
         self.generator = None  # this rank's vLLM engine (rollout.backend = "vllm"), checked against its policy
@@ -439,7 +466,8 @@ class RankWorker:
             self.generator = start_vllm(cfg, spec["policy"], self.engine)
         if spec["train"]:
             self.trainer = Trainer(self.train_policy, cfg.update, critic=self.train_critic, temperature=spec["temperature"], ranks=RankGroup(rank, world))
-            state = load_trainer_state(spec["policy"])
+            source = spec["policy"] or _checkpoint_of(spec["critic"])
+            state = load_trainer_state(source) if source else None
             if state is not None:
                 self._load_trainer_state(state)
         first = self.engine or self.ref or self.ref_shards
@@ -449,6 +477,10 @@ class RankWorker:
 
     def step(self) -> int:
         return self.trainer.step
+
+    def set_pad_id(self, pad_id: int) -> None:
+        if self.trainer is not None:
+            self.trainer.pad_id = pad_id
 
     def _load_reference(self, uri: str, device):
         """The reference replica; for a LoRA policy whose base it is, this rank's plain policy
@@ -509,10 +541,12 @@ class RankWorker:
         table = rollout_table(prompts, self.generator or self.engine, cfg, DataConfig(**data), policy_version=policy_version, on_tokens=lambda _: None, first_row=start * cfg.n)
         return self._write_part(table, "rollouts", uri, name, fmt)
 
-    def score_part(self, rows, start: int, rewards: list, roles: list, score: dict, ref_logprobs: list | None, uri: str, name: str, fmt: str) -> dict | None:
+    def score_part(
+        self, rows, start: int, rewards: list, roles: list, score: dict, ref_logprobs: list | None, values: list | None, uri: str, name: str, fmt: str,
+    ) -> dict | None:
         """This rank's rollouts with their rewards (computed by the controller) and the model
         columns of `roles` (ref, policy, critic), as part `name` of the output at `uri`;
-        `ref_logprobs` when the reference is in a pool of its own."""
+        `ref_logprobs` / `values` when the reference / critic is in a pool of its own."""
         from rlctl.config import section_from_dict
         from rlctl.stages.score import ScoringModels, with_model_columns
 
@@ -520,7 +554,7 @@ class RankWorker:
             if rows.num_rows == 0:
                 return None
             models = ScoringModels(ref=ref, policy=self.engine if "policy" in roles else None, critic=self.critic_engine if "critic" in roles else None)
-            table = with_model_columns(rows, rewards, models, section_from_dict("score", score), ref_logprobs=ref_logprobs)
+            table = with_model_columns(rows, rewards, models, section_from_dict("score", score), ref_logprobs=ref_logprobs, values=values)
         return self._write_part(table, "scores", uri, name, fmt)
 
     def _write_part(self, table, schema: str, uri: str, name: str, fmt: str) -> dict:
@@ -560,7 +594,8 @@ class RankWorker:
         if self.shared:
             return  # the engine is the trained module
         full = StateDictOptions(full_state_dict=True)
-        self.engine.model.load_state_dict(get_model_state_dict(self.train_policy.model, options=full))
+        if self.train_policy is not None:
+            self.engine.model.load_state_dict(get_model_state_dict(self.train_policy.model, options=full))
         if self.train_critic is not None:
             self.critic_engine.load_state_dict(get_model_state_dict(self.train_critic, options=full))
 
@@ -569,24 +604,51 @@ class RankWorker:
 
         return module_digest(self.engine.model if which == "policy" else self.critic_engine)
 
-    def save(self, directory: str, manifest_json: str) -> str:
+    def save(self, directory: str, manifest_json: str, critic: list | None = None) -> str:
         """Gather the trained weights and the full optimizer state (all ranks); rank 0 writes
-        the checkpoint. The gather happens here too, so a save never depends on a hand-over."""
+        the checkpoint. The gather happens here too, so a save never depends on a hand-over.
+        `critic`: [a reference to the critic pool's `critic_payload`], written beside."""
+        import ray
+
         from rlctl.checkpoint import save_checkpoint
 
-        self._gather()
-        if self.shared:
-            state = self.trainer.state_dict()
-        else:
-            state = {
-                "step": self.trainer.step,
-                "optimizer": _full_optimizer_state(self.train_policy.model, self.trainer.optimizer),
-                "critic_optimizer": _full_optimizer_state(self.train_critic, self.trainer.critic_optimizer) if self.train_critic is not None else None,
-            }
+        state = self._full_trainer_state()
         if self.rank != 0:
             return manifest_json
-        manifest = save_checkpoint(directory, policy=self.engine, trainer_state=state, manifest=Manifest.from_json(manifest_json), critic=self.critic_engine)
+        critic_files = None
+        if critic is not None:
+            payload = ray.get(critic[0])
+            state["critic_optimizer"], critic_files = payload["optimizer"], payload["files"]
+        manifest = save_checkpoint(
+            directory, policy=self.engine, trainer_state=state, manifest=Manifest.from_json(manifest_json), critic=self.critic_engine, critic_files=critic_files,
+        )
         return manifest.to_json()
+
+    def critic_payload(self) -> list | None:
+        """In a critic's own pool: gather the critic and its optimizer state (all ranks); rank 0
+        returns [a reference to] its checkpoint files and optimizer state, for the policy's rank 0
+        to write into the checkpoint."""
+        import tempfile
+
+        import ray
+
+        state = self._full_trainer_state()
+        if self.rank != 0:
+            return None
+        with tempfile.TemporaryDirectory() as folder:
+            self.critic_engine.save(folder)
+            files = {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+        return [ray.put({"files": files, "optimizer": state["critic_optimizer"]})]
+
+    def _full_trainer_state(self) -> dict:
+        self._gather()
+        if self.shared:
+            return self.trainer.state_dict()
+        return {
+            "step": self.trainer.step,
+            "optimizer": _full_optimizer_state(self.train_policy.model, self.trainer.optimizer) if self.train_policy is not None else None,
+            "critic_optimizer": _full_optimizer_state(self.train_critic, self.trainer.critic_optimizer) if self.train_critic is not None else None,
+        }
 
     def _load_trainer_state(self, state: dict) -> None:
         import torch
@@ -595,11 +657,22 @@ class RankWorker:
             self.trainer.load_state_dict(state)
         else:
             self.trainer.step = int(state["step"])
-            _set_full_optimizer_state(self.train_policy.model, self.trainer.optimizer, state.get("optimizer"))
+            if self.train_policy is not None:
+                _set_full_optimizer_state(self.train_policy.model, self.trainer.optimizer, state.get("optimizer"))
             if self.train_critic is not None:
                 _set_full_optimizer_state(self.train_critic, self.trainer.critic_optimizer, state.get("critic_optimizer"))
         if state.get("rng") is not None:
             torch.set_rng_state(state["rng"])
+
+
+def _checkpoint_of(critic_uri: str | None) -> str | None:
+    """The checkpoint a critic folder belongs to (CKPT/critic → CKPT), whose trainer state
+    holds the critic's optimizer; None for a critic that is a plain model folder."""
+    from rlctl.checkpoint import CRITIC_DIR
+
+    if critic_uri and Path(critic_uri).name == CRITIC_DIR:
+        return str(Path(critic_uri).parent)
+    return None
 
 
 def _sharded(model, mesh):

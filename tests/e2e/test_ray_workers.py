@@ -244,14 +244,14 @@ def test_every_stage_of_a_two_worker_run_replays_identical(cli, tmp_path, tiny_m
 
 
 @pytest.mark.slow
-def test_a_reference_in_a_pool_of_its_own_gives_the_run_that_colocated_ranks_give(tmp_path, tiny_model):
+def test_a_reference_and_a_critic_in_pools_of_their_own_give_the_run_that_colocated_ranks_give(tmp_path, tiny_model):
     from tests.e2e.test_pipeline import final_weights, metrics_without_timings, rlctl, write_config
 
     config_file = write_config(tmp_path, tiny_model, pipeline={"iterations": 2, "val_every": 0})
     ray1 = ["--quiet", "--set", "workers.backend=ray"]
     rlctl("pipeline", config_file, "--run-dir", tmp_path / "colocate", *ray1)
     split = rlctl("pipeline", config_file, "--run-dir", tmp_path / "split", *ray1, "--set", "workers.placement=split")
-    assert "the reference in a pool of its own" in split.stderr
+    assert "the reference and the critic in pools of their own: 3× the ranks" in split.stderr
     assert metrics_without_timings(tmp_path / "split") == metrics_without_timings(tmp_path / "colocate")  # the same kl, rewards, losses
     expected, got = final_weights(tmp_path / "colocate"), final_weights(tmp_path / "split")
     assert all(torch.equal(expected[k], got[k]) for k in expected)
@@ -280,3 +280,21 @@ def test_two_workers_train_the_lora_adapter_one_process_trains(ray_session, tiny
         worst = max(float((adapters[name][k] - adapters["local"][k]).abs().max()) for k in adapters["local"])
         assert worst < 1e-5, (name, worst)
     assert max(float(v.abs().max()) for k, v in adapters["local"].items() if "lora_B" in k) > 1e-4  # the adapter trained
+
+
+@pytest.mark.slow
+def test_split_pools_of_two_ranks_resume_and_train_what_one_process_trains(tmp_path, tiny_model):
+    """Policy, reference and critic each on 2 FSDP2 ranks (6 processes); the critic's optimizer
+    state goes into the checkpoint from its own pool and comes back on resume."""
+    from tests.e2e.test_pipeline import final_weights, metrics_without_timings, rlctl, write_config
+
+    config_file = write_config(tmp_path, tiny_model, pipeline={"iterations": 2, "val_every": 0})
+    split = ["--quiet", "--workers-backend", "ray", "--workers", "2", "--set", "workers.placement=split"]
+    rlctl("pipeline", config_file, "--run-dir", tmp_path / "split", "--iterations", "1", *split)
+    rlctl("pipeline", config_file, "--run-dir", tmp_path / "split", *split)  # resumed from iteration 1's checkpoint
+    rlctl("pipeline", config_file, "--run-dir", tmp_path / "local", "--quiet")
+    for ours, theirs in zip(metrics_without_timings(tmp_path / "split"), metrics_without_timings(tmp_path / "local"), strict=True):
+        for key in ("reward_mean", "kl", "pg_loss", "vf_loss", "grad_norm"):
+            assert ours[key] == pytest.approx(theirs[key], abs=1e-5), key
+    expected, got = final_weights(tmp_path / "local"), final_weights(tmp_path / "split")
+    assert max(float((expected[k] - got[k]).abs().max()) for k in expected) < 1e-5
