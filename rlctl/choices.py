@@ -11,6 +11,7 @@ TRUNCATE = ("error", "left")
 KL_CONTROLLERS = ("fixed", "adaptive")
 SHARD_FORMATS = ("arrow", "parquet")
 RESHARD_TARGETS = ("hf",)
+OLD_LOGPROBS = ("auto", "recompute", "rollout")
 PIPELINE_STAGES = ("rollout", "score", "advantage", "update")
 
 ESTIMATORS = ("gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo")

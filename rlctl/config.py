@@ -24,6 +24,7 @@ from typing import Any
 from rlctl.choices import (
     COMPUTE_DTYPES,
     KL_CONTROLLERS,
+    OLD_LOGPROBS,
     POLICY_LOSSES,
     RESHARD_DTYPES,
     ROLLOUT_BACKENDS,
@@ -148,14 +149,14 @@ class ScoreConfig:
     http_concurrency: int = 4  # http rewards: requests in flight at once
     http_retries: int = 2  # http rewards: more tries of a request that timed out or got 429/5xx
     dtype: str = "fp32"  # compute dtype of the ref/policy/critic forward passes: fp32 | bf16
-    old_logprobs: bool = True  # in a pipeline: recompute policy log-probs with a forward pass
+    old_logprobs: str = "auto"  # in a pipeline: recompute (a policy forward) | rollout (the engine's own) | auto: rollout when the engine is the trainer in fp32
     overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last N tokens before max_new_tokens; 0 = off
     overlong_penalty: float = 1.0  # the penalty at max_new_tokens (it grows linearly over the buffer)
 
     def __post_init__(self) -> None:
         if self.rewards and self.reward != DEFAULT_REWARD:
             raise ConfigError(f"score.reward ({self.reward}) and score.rewards are both set: list every reward in score.rewards")
-        check_ranges(self, "score", {"http_concurrency": at_least(1), "http_retries": at_least(0), "overlong_buffer": at_least(0), "overlong_penalty": at_least(0.0), "reward_timeout": at_least(0.0), "batch_size": at_least(1), "dtype": one_of(*COMPUTE_DTYPES)})
+        check_ranges(self, "score", {"old_logprobs": one_of(*OLD_LOGPROBS), "http_concurrency": at_least(1), "http_retries": at_least(0), "overlong_buffer": at_least(0), "overlong_penalty": at_least(0.0), "reward_timeout": at_least(0.0), "batch_size": at_least(1), "dtype": one_of(*COMPUTE_DTYPES)})
 
 
 @dataclass(frozen=True)
@@ -426,7 +427,13 @@ def parse_scalar(text: str) -> Any:
         return text
 
 
+# values older rlctl wrote into configs (run folders' config.resolved.toml), read as today's
+LEGACY_VALUES = {"score.old_logprobs": {True: "recompute", False: "rollout"}}
+
+
 def coerce(value: Any, expected: Any, key: str) -> Any:
+    if isinstance(value, bool) and key in LEGACY_VALUES:
+        value = LEGACY_VALUES[key].get(value, value)
     origin = typing.get_origin(expected)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(expected)

@@ -315,7 +315,7 @@ class Pipeline:
         if rollout is None:
             return prompts, None, None
         score = stage(
-            "score" + suffix, {"score": to_dict(cfg.score), "reward": self.reward.spec}, [rollout.ref(), *model_inputs],
+            "score" + suffix, {"score": to_dict(cfg.score), "reward": self.reward.spec, "old_logprobs": old_logprobs_source(cfg)}, [rollout.ref(), *model_inputs],
             lambda: (self._score(rollout.table), {}, {}), "scores",
             write_parts=self._score_parts(rollout.table), kind="score",
         )
@@ -477,7 +477,7 @@ class Pipeline:
         from rlctl.stages.score import ScoringModels
 
         w = self.workers
-        return ScoringModels(ref=w.ref, policy=w.policy if self.cfg.score.old_logprobs else None, critic=w.critic)
+        return ScoringModels(ref=w.ref, policy=w.policy if old_logprobs_source(self.cfg) == "recompute" else None, critic=w.critic)
 
     def _score(self, rollouts: pa.Table) -> pa.Table:
         from rlctl.stages.score import score_table
@@ -633,6 +633,16 @@ def committed_checkpoints(run_dir: Path) -> list[Path]:
     return [p for p in iteration_folders(run_dir / "checkpoints") if (p / MANIFEST_NAME).exists()]
 
 
+def old_logprobs_source(cfg: Config) -> str:
+    """Where the update's old log-probs come from: "rollout" (the engine's own) or "recompute"
+    (score's policy forward). auto: the rollout's when the engine is the training module in fp32
+    (the HF engine, on one process or gathered on Ray ranks): then they are the trainer's to
+    ~3e-7 and the forward is redundant; a vLLM or bf16 engine's can differ, so they are recomputed."""
+    if cfg.score.old_logprobs != "auto":
+        return cfg.score.old_logprobs
+    return "rollout" if cfg.rollout.backend == "hf" and cfg.rollout.dtype == "fp32" else "recompute"
+
+
 def describe_workers(cfg: Config) -> str:
     w = cfg.workers
     if w.backend == "local":
@@ -651,6 +661,7 @@ NOT_TRAINING = {
         "loggers", "wandb_project", "wandb_mode", "mlflow_uri", "mlflow_experiment",
     },
     "model": {"device", "init_preset", "init_seed"}, "data": {"val_prompts"}, "workers": None, "vllm": None,
+    "score": {"old_logprobs"},  # the rollout's own log-probs or a recompute: the same numbers to ~3e-7 where auto picks the former
 }
 
 

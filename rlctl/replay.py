@@ -153,6 +153,7 @@ def _rollout(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> p
 
 
 def _score(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> pa.Table:
+    from rlctl.pipeline import old_logprobs_source
     from rlctl.rewards import load_rewards
     from rlctl.stages.score import ScoringModels, score_table
 
@@ -163,7 +164,7 @@ def _score(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> pa.
         critic = str(critic_dir) if critic_dir.exists() else cfg.model.critic
     reward = load_rewards(cfg.score, device=cfg.model.device)
     with _run_workers(cfg, policy=weights, ref=cfg.model.ref, critic=critic) as workers:
-        models = ScoringModels(ref=workers.ref, policy=workers.policy if cfg.score.old_logprobs else None, critic=workers.critic)
+        models = ScoringModels(ref=workers.ref, policy=workers.policy if old_logprobs_source(cfg) == "recompute" else None, critic=workers.critic)
         table = score_table(read(str(iter_dir / "rollout"), "rollouts").table, reward, models, cfg.score)
     write(table, target, Manifest(stage="score", state={"replay_of": str(iter_dir / "score")}), schema="scores")
     return read(target).table
