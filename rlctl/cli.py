@@ -429,6 +429,9 @@ for _info in [*app.registered_commands, *model_app.registered_commands, *config_
 
 def main() -> None:
     """Console entry point."""
+    from rlctl.threads import configure_openmp
+
+    configure_openmp()  # before any command imports torch
     try:
         app()
     except BrokenPipeError:  # `rlctl ... --out - | head`: the reader left; not an error of ours

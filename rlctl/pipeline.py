@@ -39,6 +39,7 @@ from rlctl.config import Config, apply_overrides, from_dict, load_config, to_dic
 from rlctl.errors import ConfigError, InputError
 from rlctl.lineage import make_manifest, shards_ref
 from rlctl.loggers import Loggers, check_loggers
+from rlctl.threads import ThreadGovernor
 from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest, strict_json_value
 from rlctl.rewards import RewardSet, load_rewards
 from rlctl.runinfo import iteration_folders
@@ -135,6 +136,7 @@ class Pipeline:
         self.val_dataset = read(cfg.data.val_prompts, "prompts").table if cfg.data.val_prompts else None
         self._run_lock = None
         self._loggers: Loggers | None = None
+        self._governor: ThreadGovernor | None = None
         self.view = view
         self._workers = None
         self._stepped = False  # --from/--until shape only the first iteration of this run
@@ -255,7 +257,8 @@ class Pipeline:
         from rlctl.trainer import TrainBatch
 
         workers.pause_engine()
-        train_metrics = workers.trainer.train(TrainBatch.from_table(advantage.table))
+        threads = self._fit_threads()
+        train_metrics = {**workers.trainer.train(TrainBatch.from_table(advantage.table)), "torch_threads": threads}
         timings["update"] = time.perf_counter() - started
         started = time.perf_counter()
         handover = workers.hand_over_weights()
@@ -283,6 +286,15 @@ class Pipeline:
         if self.view:
             self.view.iteration_done(row, total)
         return row
+
+    def _fit_threads(self) -> int | None:
+        """Before a stage: torch's threads = the CPUs other processes left free (local workers;
+        a Ray worker's are its cpus_per_worker)."""
+        if self.cfg.workers.backend != "local":
+            return None
+        if self._governor is None:
+            self._governor = ThreadGovernor()
+        return self._governor.adjust()
 
     def _trackers(self) -> Loggers:
         """The `pipeline.loggers` beyond metrics.jsonl, opened at the first iteration run."""
@@ -425,6 +437,7 @@ class Pipeline:
             return None
         if self.view:
             self.view.stage(name, total=None)
+        self._fit_threads()
         started = time.perf_counter()
         if write_parts is not None:
             manifest.state = dict(base_state)
@@ -546,6 +559,7 @@ class Pipeline:
             **rollout_correction(scores, self.cfg.pipeline.rollout_is_threshold),
             "rollout_tokens_per_s": float(lengths.sum() / timings["rollout"]) if timings.get("rollout") else None,
             "train_tokens_per_s": train.get("tokens_per_s"),
+            "torch_threads": train.get("torch_threads"),
             "seconds/io": io["seconds"],
             **reward_component_means(scores),
         }
