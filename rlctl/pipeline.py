@@ -39,12 +39,12 @@ from rlctl.config import Config, apply_overrides, from_dict, load_config, to_dic
 from rlctl.errors import ConfigError, InputError
 from rlctl.lineage import make_manifest, shards_ref
 from rlctl.loggers import Loggers, check_loggers
-from rlctl.threads import ThreadGovernor
 from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest, strict_json_value
 from rlctl.rewards import RewardSet, load_rewards
 from rlctl.runinfo import iteration_folders
 from rlctl.shards import Shards, commit_empty, filesystem, is_committed, read, read_manifest, write
 from rlctl.stages.rollout import stage_config as rollout_stage_config
+from rlctl.threads import ThreadGovernor
 
 STAGES = ("rollout", "score", "advantage", "update")
 POLICY = "policy"  # model.ref / model.critic value meaning "the initial policy's weights"
