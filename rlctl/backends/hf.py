@@ -141,16 +141,35 @@ def pack(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[in
     )
 
 
-def response_logits(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-    """logits [B, L, V] → the logits predicting each response token [B, T, V]."""
-    index = batch.logit_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+def response_logits(logits: torch.Tensor, batch: PackedBatch, *, offset: int = 0) -> torch.Tensor:
+    """logits [B, L - offset, V] (positions from `offset` on) → the logits predicting each
+    response token [B, T, V]. Padded response slots read position `offset` (masked later)."""
+    index = (batch.logit_index - offset).clamp(min=0).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
     return logits.gather(1, index)
+
+
+def first_response_logit(batch: PackedBatch) -> int:
+    """The first sequence position whose logits predict a response token, over the batch."""
+    if not bool(batch.response_mask.any()):
+        return 0
+    return int(batch.logit_index[batch.response_mask].min())
 
 
 def response_hidden(hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     """hidden [B, L, H] → the hidden state before each response token [B, T, H]."""
     index = batch.logit_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
     return hidden.gather(1, index)
+
+
+def accepts_logits_to_keep(model) -> bool:
+    """Whether the causal LM's forward computes logits for the last N positions only."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model passes it on
+    try:
+        return "logits_to_keep" in inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class HFPolicy:
@@ -166,6 +185,7 @@ class HFPolicy:
             stops.add(tokenizer.eos_token_id)
         self.stop_ids = sorted(stops)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self._keeps_logits = accepts_logits_to_keep(model)
 
     @property
     def context_length(self) -> int | None:
@@ -270,9 +290,13 @@ class HFPolicy:
     # -- scoring and training ---------------------------------------------------------
 
     def forward(self, batch: PackedBatch, *, temperature: float, with_entropy: bool = False):
-        """Differentiable (log-probs [B, T], entropy [B, T] or None) of the response tokens."""
-        out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False)
-        logits = response_logits(out.logits, batch)
+        """Differentiable (log-probs [B, T], entropy [B, T] or None) of the response tokens.
+        The LM head runs only from the first position that predicts a response token on
+        (`logits_to_keep`): never [B, L, V] over the prompts."""
+        start = first_response_logit(batch)
+        kept = {"logits_to_keep": batch.input_ids.shape[1] - start} if start and self._keeps_logits else {}
+        out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False, **kept)
+        logits = response_logits(out.logits, batch, offset=start if kept else 0)
         if with_entropy:
             return logprobs_and_entropy(logits=logits, tokens=batch.response_ids, temperature=temperature)
         return token_logprobs(logits=logits, tokens=batch.response_ids, temperature=temperature), None

@@ -2,6 +2,7 @@
 log-probs match a scoring forward pass, and a seed fixes the output."""
 
 import numpy as np
+import torch
 import pytest
 
 from rlctl.backends.base import SamplingParams
@@ -63,3 +64,18 @@ def test_unknown_compute_dtype_is_an_input_error(policy):
 
     with pytest.raises(InputError, match="compute dtype must be one of fp32, bf16"):
         policy.generate(prompts(policy)[:1], SamplingParams(max_new_tokens=2), compute_dtype="fp8")
+
+
+def test_the_lm_head_runs_only_from_the_first_response_position_with_the_same_result(policy):
+    from rlctl.backends.hf import first_response_logit, pack
+
+    prompt_ids = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18]]
+    response_ids = [[20, 21, 22], [23, 24, 25, 26, 27], []]  # the last row has no response
+    batch = pack(prompt_ids, response_ids, policy.pad_id, policy.device)
+    assert first_response_logit(batch) == 2  # the shortest prompt's last position
+    assert policy._keeps_logits
+    kept_logp, kept_entropy = policy.forward(batch, temperature=0.8, with_entropy=True)
+    policy._keeps_logits = False  # the full [B, L, V] logits, as before
+    full_logp, full_entropy = policy.forward(batch, temperature=0.8, with_entropy=True)
+    mask = batch.response_mask
+    assert torch.equal(kept_logp[mask], full_logp[mask]) and torch.equal(kept_entropy[mask], full_entropy[mask])
