@@ -2,8 +2,8 @@
 log-probs match a scoring forward pass, and a seed fixes the output."""
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from rlctl.backends.base import SamplingParams
 from rlctl.backends.hf import HFPolicy
