@@ -87,7 +87,9 @@ class ThreadGovernor:
     MIN_WINDOW = 0.05  # seconds; shorter windows say nothing
 
     def __init__(self, limit: int | None = None) -> None:
-        self.limit = limit or available_cpus()
+        import torch
+
+        self.limit = limit or min(available_cpus(), torch.get_num_threads())  # never above what the user set
         try:
             self.cpus = os.sched_getaffinity(0)
         except (AttributeError, OSError):
