@@ -32,17 +32,16 @@ def available_cpus() -> int:
 
 
 def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
-    """The CPU quota of this cgroup in CPUs (`cpu.max` "200000 100000" → 2.0), None if unlimited."""
+    """The CPU quota of this cgroup in CPUs (`cpu.max` "200000 100000" → 2.0), None if unlimited
+    or unreadable; cgroup v1's cfs files where there is no v2 `cpu.max`."""
+    v2 = (root / "cpu.max").read_text().split() if (root / "cpu.max").is_file() else None
     try:
-        quota, period = (root / "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:  # cgroup v1
+        if v2 is not None:
+            return None if v2[0] == "max" else int(v2[0]) / int(v2[1])
         quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
         period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
         return quota / period if quota > 0 and period > 0 else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, IndexError):
         return None
 
 
