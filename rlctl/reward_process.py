@@ -215,7 +215,7 @@ def _carried(v: Any) -> Any:
 
 def _scalar(v: Any) -> Any:
     """A one-element tensor or numpy scalar as the Python number it holds."""
-    if hasattr(v, "item") and getattr(v, "ndim", getattr(v, "dim", lambda: 1)) in (0, ()):
+    if hasattr(v, "item") and getattr(v, "ndim", None) == 0:
         return v.item()
     return v
 

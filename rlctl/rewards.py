@@ -32,9 +32,8 @@ from typing import Any
 from rlctl.algos.registry import Registry
 from rlctl.errors import InputError, RewardError
 from rlctl.reward_http import HttpOptions, HttpReward
-from rlctl.reward_styles import ADAPTER_INPUTS, RLCTL_KEYWORDS, batch_adapter, calling_style
+from rlctl.reward_styles import ADAPTER_INPUTS, batch_adapter, calling_style
 
-KEYWORD_ARGS = RLCTL_KEYWORDS
 FLOAT32_MAX = 3.4028234663852886e38
 
 
