@@ -43,11 +43,11 @@ _rlctl() {
         "pipeline --workers-backend") values="local ray" ;;
         "reshard --dtype") values="bf16 fp16 fp32" ;;
         "rollout --backend") values="hf vllm" ;;
-        "rollout --dtype") values="fp32 bf16" ;;
+        "rollout --dtype") values="auto fp32 bf16" ;;
         "rollout --truncate") values="error left" ;;
         "rollout --workers-backend") values="local ray" ;;
         "rollout --format") values="arrow parquet" ;;
-        "score --dtype") values="fp32 bf16" ;;
+        "score --dtype") values="auto fp32 bf16" ;;
         "score --workers-backend") values="local ray" ;;
         "score --format") values="arrow parquet" ;;
         "update --loss-agg-mode") values="token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm" ;;

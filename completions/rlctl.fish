@@ -63,7 +63,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l backend -xa 'hf vl
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l chat-template
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l config
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l device
-complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l dtype -xa 'fp32 bf16'
+complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l dtype -xa 'auto fp32 bf16'
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l force
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l format -xa 'arrow parquet'
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l help
@@ -89,7 +89,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from score' -l batch-size
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l config
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l critic
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l device
-complete -c rlctl -n '__fish_seen_subcommand_from score' -l dtype -xa 'fp32 bf16'
+complete -c rlctl -n '__fish_seen_subcommand_from score' -l dtype -xa 'auto fp32 bf16'
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l force
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l format -xa 'arrow parquet'
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l help

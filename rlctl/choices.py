@@ -3,7 +3,8 @@ completions all read these lists. Kept free of torch so `rlctl --help` starts in
 where a registry is the source (estimators, KL estimators, loss modes, presets, built-in
 rewards), tests/unit/test_config_doc.py checks that the list here is the registry's."""
 
-COMPUTE_DTYPES = ("fp32", "bf16")
+COMPUTE_DTYPES = ("auto", "fp32", "bf16")
+AUTOCAST_CHOICES = ("auto", "true", "false")
 RESHARD_DTYPES = ("bf16", "fp16", "fp32")
 ROLLOUT_BACKENDS = ("hf", "vllm")
 WORKER_BACKENDS = ("local", "ray")
@@ -11,7 +12,7 @@ TRUNCATE = ("error", "left")
 KL_CONTROLLERS = ("fixed", "adaptive")
 SHARD_FORMATS = ("arrow", "parquet")
 RESHARD_TARGETS = ("hf",)
-OLD_LOGPROBS = ("auto", "recompute", "rollout")
+OLD_LOGPROBS = ("auto", "recompute", "rollout", "update")
 PIPELINE_STAGES = ("rollout", "score", "advantage", "update")
 
 ESTIMATORS = ("gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.choices import (
+    AUTOCAST_CHOICES,
     COMPUTE_DTYPES,
     KL_CONTROLLERS,
     OLD_LOGPROBS,
@@ -117,7 +118,7 @@ class RolloutConfig:
     seed: int = 0  # sampling seed; each row is seeded from (seed, row)
     backend: str = "hf"  # hf | vllm
     batch_size: int = 64  # sequences generated together
-    dtype: str = "fp32"  # compute dtype of generation: fp32 | bf16 (bf16 autocast on the HF engine)
+    dtype: str = "auto"  # compute dtype of generation: auto (bf16 where the CPU/GPU has native bf16, else fp32) | fp32 | bf16 (the HF engine generates from a bf16 copy of the weights)
 
     def __post_init__(self) -> None:
         check_ranges(self, "rollout", {
@@ -148,8 +149,8 @@ class ScoreConfig:
     batch_size: int = 16  # sequences per forward pass (and samples per http reward request)
     http_concurrency: int = 4  # http rewards: requests in flight at once
     http_retries: int = 2  # http rewards: more tries of a request that timed out or got 429/5xx
-    dtype: str = "fp32"  # compute dtype of the ref/policy/critic forward passes: fp32 | bf16
-    old_logprobs: str = "auto"  # in a pipeline: recompute (a policy forward) | rollout (the engine's own) | auto: rollout when the engine is the trainer in fp32
+    dtype: str = "auto"  # compute dtype of the ref/policy/critic forward passes: auto (bf16 where native, else fp32) | fp32 | bf16 (autocast)
+    old_logprobs: str = "auto"  # in a pipeline: recompute (a policy forward) | rollout (the engine's own) | update (the update's own forward, one optimizer step per batch) | auto: rollout when engine and trainer are fp32, else update when exact, else recompute
     overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last N tokens before max_new_tokens; 0 = off
     overlong_penalty: float = 1.0  # the penalty at max_new_tokens (it grows linearly over the buffer)
 
@@ -221,19 +222,21 @@ class UpdateConfig:
     max_grad_norm: float = 1.0  # gradient clipping by global norm; 0 = off
     weight_decay: float = 0.0  # AdamW weight decay
     warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
-    bf16: bool = False  # bf16 autocast in training (pays only where the CPU/GPU has native bf16)
+    bf16: str = "auto"  # bf16 autocast in training: auto (where the CPU/GPU has native bf16) | true | false
     seed: int = 0  # seed of mini-batch shuffling and dropout
     allow_skipped_steps: bool = False  # a step whose gradient is not finite is skipped; by default that fails the update
     lora: LoraConfig = field(default_factory=LoraConfig)  # train LoRA adapters instead of every weight (r > 0)
 
     def __post_init__(self) -> None:
+        if isinstance(self.bf16, bool):  # UpdateConfig(bf16=True) from Python, as TOML's `bf16 = true` reads
+            object.__setattr__(self, "bf16", "true" if self.bf16 else "false")
         check_ranges(self, "update", {
             "lr": above(0.0), "critic_lr": above(0.0), "epochs": at_least(1), "mini_batch_size": at_least(0), "micro_batch_size": at_least(1),
             "clip_ratio_low": between(0.0, 1.0), "clip_ratio_high": at_least(0.0),
             "clip_ratio_c": lambda v: None if v == 0 or v > 1 else "must be 0 (off) or > 1", "policy_loss": one_of(*POLICY_LOSSES),
             "rollout_is": one_of("off", "token", "sequence"), "rollout_is_threshold": above(1.0),
             "loss_horizon": at_least(0), "kl_loss_coef": at_least(0.0), "cliprange_value": above(0.0), "vf_coef": at_least(0.0),
-            "max_grad_norm": at_least(0.0), "weight_decay": at_least(0.0), "warmup_steps": at_least(0),
+            "max_grad_norm": at_least(0.0), "weight_decay": at_least(0.0), "warmup_steps": at_least(0), "bf16": one_of(*AUTOCAST_CHOICES),
         })
 
 
@@ -428,7 +431,8 @@ def parse_scalar(text: str) -> Any:
 
 
 # values older rlctl wrote into configs (run folders' config.resolved.toml), read as today's
-LEGACY_VALUES = {"score.old_logprobs": {True: "recompute", False: "rollout"}}
+# and booleans of keys that also take "auto"
+LEGACY_VALUES = {"score.old_logprobs": {True: "recompute", False: "rollout"}, "update.bf16": {True: "true", False: "false"}}
 
 
 def coerce(value: Any, expected: Any, key: str) -> Any:

@@ -36,6 +36,7 @@ from rlctl import faults
 from rlctl.algos.kl import KLControllerState
 from rlctl.algos.sampling import enough, select_groups
 from rlctl.config import Config, apply_overrides, from_dict, load_config, to_dict, to_toml
+from rlctl.dtypes import resolve_dtypes
 from rlctl.errors import ConfigError, InputError
 from rlctl.lineage import make_manifest, shards_ref
 from rlctl.loggers import Loggers, check_loggers
@@ -76,6 +77,10 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
         raise ConfigError("set model.path (a model folder) or model.init_preset (tiny|small|medium) to make one")
     check_config(cfg.advantage)
     check_loggers(cfg.pipeline.loggers)
+    if cfg.score.old_logprobs == "update" and not one_step_on_policy(cfg):
+        raise ConfigError("score.old_logprobs = \"update\" needs one optimizer step per batch (update.epochs = 1, one mini-batch)")
+    if cfg.score.old_logprobs == "update" and kl_in_reward(cfg):
+        raise ConfigError("score.old_logprobs = \"update\" leaves the advantage's KL in the reward without the policy's log-probs: use recompute, or the KL as a loss")
     ESTIMATORS.get(cfg.advantage.estimator)
     if cfg.advantage.kl_coef > 0 and not cfg.model.ref:
         raise ConfigError("advantage.kl_coef > 0 needs a reference model: set model.ref")
@@ -126,6 +131,7 @@ class Pipeline:
     ) -> None:
         self.run_dir = Path(run_dir or cfg.pipeline.run_dir)
         cfg = resolve_model_paths(_resolve_relative(cfg, base_dir), self.run_dir)
+        cfg = resolve_dtypes(cfg, recorded_config(self.run_dir))
         validate(cfg, from_stage=from_stage, until_stage=until_stage)
         self.config_changes = check_resume_config(self.run_dir, cfg, allow=resume_with_changes)
         self.cfg = cfg
@@ -258,7 +264,7 @@ class Pipeline:
 
         workers.pause_engine()
         threads = self._fit_threads()
-        train_metrics = {**workers.trainer.train(TrainBatch.from_table(advantage.table)), "torch_threads": threads}
+        train_metrics = {**workers.trainer.train(TrainBatch.from_table(advantage.table, own_old_logprobs=old_logprobs_source(cfg) == "update")), "torch_threads": threads}
         timings["update"] = time.perf_counter() - started
         started = time.perf_counter()
         handover = workers.hand_over_weights()
@@ -648,13 +654,29 @@ def committed_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def old_logprobs_source(cfg: Config) -> str:
-    """Where the update's old log-probs come from: "rollout" (the engine's own) or "recompute"
-    (score's policy forward). auto: the rollout's when the engine is the training module in fp32
-    (the HF engine, on one process or gathered on Ray ranks): then they are the trainer's to
-    ~3e-7 and the forward is redundant; a vLLM or bf16 engine's can differ, so they are recomputed."""
+    """Where the update's old log-probs come from: "rollout" (the engine's own), "recompute"
+    (score's policy forward) or "update" (the update's own forward, detached, as TRL does).
+    auto picks the cheapest exact one: the rollout's when the engine is the training module in
+    fp32 and training is fp32 too (they are the trainer's to ~3e-7); the update's own when it
+    makes one optimizer step on the batch and the advantage needs no policy log-probs (no KL in
+    the reward): before that step the policy is the old policy; else a recompute. The dtypes
+    must be decided (`resolve_dtypes`) before this is asked."""
     if cfg.score.old_logprobs != "auto":
         return cfg.score.old_logprobs
-    return "rollout" if cfg.rollout.backend == "hf" and cfg.rollout.dtype == "fp32" else "recompute"
+    if cfg.rollout.backend == "hf" and cfg.rollout.dtype == "fp32" and cfg.update.bf16 == "false":
+        return "rollout"
+    return "update" if one_step_on_policy(cfg) and not kl_in_reward(cfg) else "recompute"
+
+
+def one_step_on_policy(cfg: Config) -> bool:
+    """Does the update make exactly one optimizer step on each batch (one epoch, one mini-batch)?"""
+    batch = cfg.data.batch_size * cfg.rollout.n
+    return cfg.update.epochs == 1 and cfg.update.mini_batch_size in (0, batch)
+
+
+def kl_in_reward(cfg: Config) -> bool:
+    """Does the advantage stage put a KL penalty (policy vs reference) into the reward?"""
+    return cfg.advantage.kl_coef > 0
 
 
 def describe_workers(cfg: Config) -> str:
@@ -688,6 +710,12 @@ def training_config(cfg: Config) -> dict[str, Any]:
             continue
         out.update({f"{section}.{key}": value for key, value in values.items() if key not in skip})
     return out
+
+
+def recorded_config(run_dir: Path) -> Config | None:
+    """The config a run folder saved when it started, if any."""
+    saved = run_dir / "config.resolved.toml"
+    return load_config(saved) if saved.exists() else None
 
 
 def check_resume_config(run_dir: Path, cfg: Config, *, allow: bool) -> dict[str, list]:

@@ -197,6 +197,7 @@ def _filter(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> pa
 def _update(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> dict:
     from rlctl.checkpoint import load_trainer_state
     from rlctl.lineage import make_manifest
+    from rlctl.pipeline import old_logprobs_source
     from rlctl.trainer import TrainBatch
     from rlctl.workers.local import checkpoint_sources
 
@@ -204,7 +205,9 @@ def _update(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> di
     checkpoint = weights if load_trainer_state(weights) is not None else None
     policy, critic = checkpoint_sources(checkpoint, cfg)
     with _run_workers(cfg, policy=policy, critic=critic, train=True) as workers:
-        metrics = workers.trainer.train(TrainBatch.from_table(read(str(iter_dir / "advantage"), "batch").table))
+        batch = read(str(iter_dir / "advantage"), "batch").table
+        own = old_logprobs_source(cfg) == "update" and "old_logprobs" not in batch.column_names  # as the run trained
+        metrics = workers.trainer.train(TrainBatch.from_table(batch, own_old_logprobs=own))
         workers.hand_over_weights()
         manifest = make_manifest("update", {"update": dataclasses.asdict(cfg.update)}, [])
         manifest.metrics = metrics

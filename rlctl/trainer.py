@@ -27,6 +27,7 @@ from rlctl.algos.losses import (
 )
 from rlctl.backends.hf import HFPolicy, ValueModel, pack
 from rlctl.config import UpdateConfig
+from rlctl.dtypes import autocast_bf16
 from rlctl.errors import InputError, TrainingError
 from rlctl.tensors import list_lengths, mask_from_lengths, padded
 
@@ -39,7 +40,7 @@ class TrainBatch:
     response_ids: list[list[int]]
     response_mask: torch.Tensor  # [N, T] bool
     advantages: torch.Tensor  # [N, T]
-    old_logprobs: torch.Tensor  # [N, T]
+    old_logprobs: torch.Tensor | None  # [N, T]; None: the update's own first forward, detached (one optimizer step only)
     ref_logprobs: torch.Tensor | None  # [N, T]
     old_values: torch.Tensor | None  # [N, T]
     returns: torch.Tensor | None  # [N, T]
@@ -50,7 +51,9 @@ class TrainBatch:
         return len(self.response_ids)
 
     @classmethod
-    def from_table(cls, table: pa.Table) -> TrainBatch:
+    def from_table(cls, table: pa.Table, *, own_old_logprobs: bool = False) -> TrainBatch:
+        """`own_old_logprobs`: the old policy's log-probs are the update's own forward before
+        its one optimizer step (score.old_logprobs = "update"), not a column of the batch."""
         names = table.column_names
         lengths = list_lengths(table.column("response_ids"))
         width = int(lengths.max(initial=0))
@@ -66,7 +69,7 @@ class TrainBatch:
             response_ids=table.column("response_ids").to_pylist(),
             response_mask=mask_from_lengths(lengths, width),
             advantages=padded(table.column("advantages"), width=width, dtype=torch.float32),
-            old_logprobs=old if old is not None else padded(table.column("rollout_logprobs"), width=width, dtype=torch.float32),
+            old_logprobs=None if own_old_logprobs else old if old is not None else padded(table.column("rollout_logprobs"), width=width, dtype=torch.float32),
             ref_logprobs=optional("ref_logprobs"),
             old_values=optional("values"),
             returns=optional("returns"),
@@ -183,8 +186,13 @@ class Trainer:
             raise InputError("use_kl_loss needs ref_logprobs in the batch: score with --ref")
         if self.critic is not None and (batch.returns is None or batch.old_values is None):
             raise InputError("training a critic needs values and returns in the batch (score with --critic, advantage gae)")
-        started = time.perf_counter()
         mini = cfg.mini_batch_size or batch.size
+        if self.policy is not None and batch.old_logprobs is None and (cfg.epochs > 1 or mini < batch.size):
+            raise InputError(
+                "the update's own log-probs stand for the old policy's only on its first optimizer step: "
+                f"use one epoch and one mini-batch (epochs={cfg.epochs}, {-(-batch.size // mini)} mini-batches), or score's old_logprobs"
+            )
+        started = time.perf_counter()
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
         totals: dict[str, float] = {}
         steps = 0
@@ -227,13 +235,15 @@ class Trainer:
             stats["kl"] = 0.0
         if self.critic is not None:
             stats["vf_loss"] = 0.0
+        if self.policy is not None and batch.old_logprobs is None and batch.rollout_logprobs is not None:
+            stats["logprob_mismatch"] = 0.0  # engine vs trainer, measured where the old log-probs are made
         if self.policy is not None and cfg.rollout_is != "off":
             if batch.rollout_logprobs is None:
                 raise InputError("update.rollout_is needs the engine's rollout_logprobs in the batch")
             stats["rollout_is_weight"] = 0.0
         tokens = max(norms["batch_tokens"], 1)
         device = self.device
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if autocast_bf16(cfg.bf16, device.type) else nullcontext()
         for micro, weight in self.ranks.micro_batches(indices, cfg.micro_batch_size):
             scale = weight * self.ranks.grad_scale
             packed = pack([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro], self.pad_id, device)
@@ -262,14 +272,17 @@ class Trainer:
         cfg, m = self.cfg, packed.response_mask
         with autocast:
             logp, entropy = self.policy.forward(packed, temperature=self.temperature, with_entropy=True)
+        old = take(batch.old_logprobs) if batch.old_logprobs is not None else logp.detach().float()
+        if batch.old_logprobs is None and batch.rollout_logprobs is not None:
+            stats["logprob_mismatch"] += weight * float(torch.where(m, (old - take(batch.rollout_logprobs)).abs(), 0).sum()) / tokens
         pg = POLICY_LOSSES[cfg.policy_loss](
-            logprobs=logp, old_logprobs=take(batch.old_logprobs), advantages=take(batch.advantages), response_mask=m,
+            logprobs=logp, old_logprobs=old, advantages=take(batch.advantages), response_mask=m,
             clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
         )
         token_loss = pg.loss
         if cfg.rollout_is != "off":
             weights = rollout_is_weights(
-                old_logprobs=take(batch.old_logprobs), rollout_logprobs=take(batch.rollout_logprobs), response_mask=m,
+                old_logprobs=old, rollout_logprobs=take(batch.rollout_logprobs), response_mask=m,
                 level=cfg.rollout_is, threshold=cfg.rollout_is_threshold,
             )
             token_loss = pg.loss * weights

@@ -9,12 +9,14 @@ the rollouts schema, one row per (prompt, sample), samples of a prompt adjacent.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from collections.abc import Callable
 
 import pyarrow as pa
 
 from rlctl.backends.base import ROLLOUT_BACKENDS, RolloutEngine, sampling_params
 from rlctl.config import DataConfig, RolloutConfig, VLLMConfig, WorkersConfig, to_dict
+from rlctl.dtypes import compute_dtype, models_device
 from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
 from rlctl.manifest import Manifest
@@ -31,7 +33,9 @@ def run(
 ) -> Manifest:
     """Generate and commit; `workers.backend = "ray"` spreads the rows over a worker group
     (the same rows as one process: each row samples from its own random stream). `engine`
-    holds the vLLM settings when `cfg.backend` is vllm."""
+    holds the vLLM settings when `cfg.backend` is vllm. An "auto" dtype is decided here, for
+    the device the models run on, and the manifest records the decision."""
+    cfg = replace(cfg, dtype=compute_dtype(cfg.dtype, models_device(device, workers)))
     source = read(prompts, "prompts")
     from rlctl.backends.hf import check_model_dir, read_trainer_step
 

@@ -5,11 +5,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pyarrow as pa
 
 from rlctl.config import ScoreConfig, WorkersConfig, to_dict
+from rlctl.dtypes import compute_dtype, models_device
 from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
 from rlctl.manifest import Manifest
@@ -35,6 +36,7 @@ def run(
 ) -> Manifest:
     from rlctl.backends.hf import HFPolicy, ValueModel, check_model_dir, resolve_device
 
+    cfg = replace(cfg, dtype=compute_dtype(cfg.dtype, models_device(device, workers)))  # "auto" decided, and recorded
     source = read(rollouts, "rollouts")
     model_uris = {"ref": ref, "policy": policy, "critic": critic}
     for uri in model_uris.values():

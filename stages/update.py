@@ -9,6 +9,7 @@ OUT/critic.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,6 +22,7 @@ from rlctl.checkpoint import (
     save_checkpoint,
 )
 from rlctl.config import UpdateConfig, WorkersConfig, to_dict
+from rlctl.dtypes import autocast_bf16, models_device
 from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
 from rlctl.lora import prepare_for_training
@@ -39,6 +41,7 @@ def run(
     from rlctl.backends.hf import HFPolicy, ValueModel, check_model_dir, resolve_device
 
     check_update_config(cfg)
+    cfg = replace(cfg, bf16="true" if autocast_bf16(cfg.bf16, models_device(device, workers)) else "false")  # "auto" decided, and recorded
     local_checkpoint_dir(out)
     for name, given in (("--model", model), ("--critic", critic)):
         if given and (same_folder(out, given) or same_folder(out, str(Path(given).parent)) and Path(given).name == CRITIC_DIR):

@@ -12,6 +12,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# "auto" dtypes decide as on a CPU without native bf16 (fp32), whatever CPU runs the suite: the
+# tests' exact comparisons are fp32's. tests/unit/test_dtypes.py checks the decision itself.
+os.environ.setdefault("RLCTL_NATIVE_BF16", "0")
 
 CLI_ENV = {"COLUMNS": "100", "TERMINAL_WIDTH": "100", "NO_COLOR": "1", "_TYPER_FORCE_DISABLE_TERMINAL": "1"}
 

@@ -24,7 +24,7 @@ from rlctl.backends.base import Generation, SamplingParams
 from rlctl.errors import InputError
 
 VALUE_HEAD_FILE = "value_head.safetensors"
-COMPUTE_DTYPES = ("fp32", "bf16")
+COMPUTE_DTYPES = ("fp32", "bf16")  # what "auto" becomes (rlctl.dtypes)
 
 
 def quiet_transformers() -> None:
@@ -47,11 +47,45 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def decide_dtype(device: torch.device, compute_dtype: str) -> str:
+    """fp32 or bf16: "auto" decided for `device` (rlctl.dtypes), anything else checked."""
+    from rlctl.dtypes import AUTO, compute_dtype as decided
+
+    if compute_dtype not in (AUTO, *COMPUTE_DTYPES):
+        raise InputError(f"compute dtype must be one of {AUTO}, {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r}")
+    return decided(compute_dtype, device.type)
+
+
 def compute_context(device: torch.device, compute_dtype: str):
     """bf16 autocast for forward passes (weights stay fp32), or nothing for fp32."""
-    if compute_dtype not in COMPUTE_DTYPES:
-        raise InputError(f"compute dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r}")
-    return torch.autocast(device.type, dtype=torch.bfloat16) if compute_dtype == "bf16" else nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16) if decide_dtype(device, compute_dtype) == "bf16" else nullcontext()
+
+
+class Bf16Copy:
+    """A bf16 copy of a module's parameters for generation, refreshed from the trained fp32
+    module before each use. Autocast would cast every weight at every decode step (slower than
+    fp32 for one token per row); the copy casts once per rollout. Buffers (rotary frequencies)
+    stay fp32."""
+
+    def __init__(self) -> None:
+        self.module = None
+        self._source_id = None
+
+    def of(self, source: torch.nn.Module) -> torch.nn.Module:
+        import copy
+
+        if self.module is None or self._source_id != id(source):
+            self.module = copy.deepcopy(source)
+            for p in self.module.parameters():
+                p.requires_grad_(False)
+                p.data = p.data.to(torch.bfloat16)
+            self._source_id = id(source)
+        else:
+            with torch.no_grad():
+                for mine, theirs in zip(self.module.parameters(), source.parameters()):
+                    mine.copy_(theirs)
+        self.module.eval()
+        return self.module
 
 
 def check_model_dir(uri: str) -> Path:
@@ -186,6 +220,7 @@ class HFPolicy:
         self.stop_ids = sorted(stops)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self._keeps_logits = accepts_logits_to_keep(model)
+        self._bf16 = Bf16Copy()
 
     @property
     def context_length(self) -> int | None:
@@ -219,17 +254,17 @@ class HFPolicy:
         """Sample one response per prompt (repeat a prompt for n samples). Deterministic for a
         seed: row i draws from its own stream (`row_generator(seed, first_row + i)`), so the
         rows do not depend on the batch size or on how rows are split across workers.
-        `compute_dtype="bf16"` runs the forward passes under bf16 autocast (the weights, shared
-        with training, stay fp32)."""
+        `compute_dtype="bf16"` generates with a bf16 copy of the weights (the trained ones,
+        shared with training, stay fp32; "auto": bf16 where the hardware has it natively)."""
+        model = self._bf16.of(self.model) if decide_dtype(self.device, compute_dtype) == "bf16" else self.model
         results: list[Generation] = []
-        with compute_context(self.device, compute_dtype):
-            for start in range(0, len(prompt_ids), batch_size):
-                chunk = prompt_ids[start : start + batch_size]
-                streams = [row_generator(params.seed, first_row + start + i) for i in range(len(chunk))]
-                results.extend(self._generate_batch(chunk, params, streams, on_tokens))
+        for start in range(0, len(prompt_ids), batch_size):
+            chunk = prompt_ids[start : start + batch_size]
+            streams = [row_generator(params.seed, first_row + start + i) for i in range(len(chunk))]
+            results.extend(self._generate_batch(model, chunk, params, streams, on_tokens))
         return results
 
-    def _generate_batch(self, prompt_ids, params: SamplingParams, streams: list[torch.Generator], on_tokens) -> list[Generation]:
+    def _generate_batch(self, model, prompt_ids, params: SamplingParams, streams: list[torch.Generator], on_tokens) -> list[Generation]:
         from transformers import DynamicCache
 
         B = len(prompt_ids)
@@ -249,7 +284,7 @@ class HFPolicy:
         active = torch.arange(B, device=self.device)  # original row of each batch row
         cache = DynamicCache()
         cache_kw = self._cache_keyword()
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **{cache_kw: cache})
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **{cache_kw: cache})
         next_position = position_ids[:, -1] + 1
         for step in range(params.max_new_tokens):
             logits = out.logits[:, -1, :]
@@ -276,7 +311,7 @@ class HFPolicy:
                 active, attention_mask = active[keep_idx], attention_mask[keep_idx]
                 new_tokens, next_position = new_tokens[keep_idx], next_position[keep_idx]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=1)
-            out = self.model(
+            out = model(
                 input_ids=new_tokens.unsqueeze(-1), attention_mask=attention_mask,
                 position_ids=next_position.unsqueeze(-1), use_cache=True, **{cache_kw: cache},
             )

@@ -75,7 +75,7 @@ def test_completion_offers_the_values_of_choice_flags():
 
 def test_help_shows_config_defaults_and_choices(cli):
     text = cli("rollout", "--help").stdout
-    assert "--dtype [fp32|bf16]" in text and "[default: fp32]" in text
+    assert "--dtype [auto|fp32|bf16]" in text and "[default: auto]" in text
     assert "[default: 64]" in text  # --max-new-tokens: rollout.max_new_tokens's default
 
 

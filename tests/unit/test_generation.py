@@ -62,7 +62,7 @@ def test_bf16_generation_is_seeded_and_close_to_the_fp32_definition(policy):
 def test_unknown_compute_dtype_is_an_input_error(policy):
     from rlctl.errors import InputError
 
-    with pytest.raises(InputError, match="compute dtype must be one of fp32, bf16"):
+    with pytest.raises(InputError, match="compute dtype must be one of auto, fp32, bf16"):
         policy.generate(prompts(policy)[:1], SamplingParams(max_new_tokens=2), compute_dtype="fp8")
 
 
@@ -79,3 +79,19 @@ def test_the_lm_head_runs_only_from_the_first_response_position_with_the_same_re
     full_logp, full_entropy = policy.forward(batch, temperature=0.8, with_entropy=True)
     mask = batch.response_mask
     assert torch.equal(kept_logp[mask], full_logp[mask]) and torch.equal(kept_entropy[mask], full_entropy[mask])
+
+
+def test_bf16_generation_follows_the_trained_weights(tiny_model, tmp_path):
+    """The bf16 copy is refreshed from the fp32 module at every call: after the weights change
+    (an update), bf16 generation is the new weights' own."""
+    from rlctl.modelinit import init_model
+
+    policy = HFPolicy.load(tiny_model, "cpu")
+    other = HFPolicy.load(str(init_model(tmp_path / "other", "tiny", seed=1)), "cpu")
+    batch = prompts(policy)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, seed=0)
+    before = policy.generate(batch, greedy, compute_dtype="bf16")
+    policy.model.load_state_dict(other.model.state_dict())  # what an optimizer step does, only more
+    after = policy.generate(batch, greedy, compute_dtype="bf16")
+    assert [g.response_ids for g in after] == [g.response_ids for g in other.generate(batch, greedy, compute_dtype="bf16")]
+    assert [g.response_ids for g in after] != [g.response_ids for g in before]

@@ -118,3 +118,36 @@ def test_bf16_autocast_trains_with_finite_gradients(tiny_model):
     policy, _, metrics = run_update(tiny_model, make_batch(), UpdateConfig(lr=1e-3, micro_batch_size=4, bf16=True))
     assert np.isfinite(metrics["grad_norm"]) and "skipped_steps" not in metrics
     assert any(not torch.equal(before[k], v) for k, v in weights(policy).items())
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_one_step_on_its_own_logprobs_is_the_step_on_recomputed_ones(tiny_model, bf16):
+    """score.old_logprobs = "update": before its one optimizer step the policy is the old
+    policy, so the update's own forward (detached) stands for a recompute, as in TRL."""
+    from dataclasses import replace
+
+    cfg = UpdateConfig(lr=1e-3, micro_batch_size=3, bf16=bf16, use_kl_loss=True, entropy_coef=0.01)
+    batch = make_batch(seed=4)
+    policy = HFPolicy.load(tiny_model, "cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # the recompute score makes in the same dtype
+        recomputed = policy.logprobs(batch.prompt_ids, batch.response_ids, temperature=1.0, batch_size=3)
+    old = torch.zeros_like(batch.advantages)
+    for i, row in enumerate(recomputed):
+        old[i, : len(row)] = torch.tensor(row)
+    a, _, ma = run_update(tiny_model, replace(batch, old_logprobs=old, rollout_logprobs=old - 0.25), cfg)
+    b, _, mb = run_update(tiny_model, replace(batch, old_logprobs=None, rollout_logprobs=old - 0.25), cfg)
+    for key in ("pg_loss", "kl", "entropy", "grad_norm"):
+        assert mb[key] == pytest.approx(ma[key], abs=1e-3 if bf16 else 1e-6)
+    assert mb["logprob_mismatch"] == pytest.approx(0.25, abs=1e-2 if bf16 else 1e-5)  # engine vs trainer, still measured
+    wa, wb = weights(a), weights(b)
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < (1e-3 if bf16 else 1e-6)
+
+
+@pytest.mark.parametrize("cfg", [UpdateConfig(epochs=2), UpdateConfig(mini_batch_size=4)])
+def test_own_logprobs_are_refused_past_the_first_optimizer_step(tiny_model, cfg):
+    from dataclasses import replace
+
+    from rlctl.errors import InputError
+
+    with pytest.raises(InputError, match="only on its first optimizer step"):
+        run_update(tiny_model, replace(make_batch(), old_logprobs=None), cfg)
