@@ -561,7 +561,7 @@ class Pipeline:
             "grad_norm": train.get("grad_norm"),
             "lr": train.get("lr"),
             "response_length": float(lengths.mean()),
-            "logprob_mismatch": _logprob_mismatch(scores),
+            "logprob_mismatch": _logprob_mismatch(scores) if "old_logprobs" in scores.column_names else train.get("logprob_mismatch"),  # "update": measured in the update
             **rollout_correction(scores, self.cfg.pipeline.rollout_is_threshold),
             "rollout_tokens_per_s": float(lengths.sum() / timings["rollout"]) if timings.get("rollout") else None,
             "train_tokens_per_s": train.get("tokens_per_s"),

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlctl import shards
+from rlctl.config import load_config
 from rlctl.pipeline import Pipeline
 from tests.conftest import one_line_error
 
@@ -309,3 +310,35 @@ def test_old_logprobs_come_from_the_rollout_when_the_engine_is_the_trainer(tmp_p
     # Adam normalises each update: a weight whose gradient is ~0 may take a different fraction of
     # one step (lr = 1e-3) on 1e-7 noise; the weights as a whole stay the same
     assert float(diffs.max()) < 1e-3 and float(diffs.mean()) < 1e-6
+
+
+def test_auto_dtypes_where_bf16_is_native_train_in_bf16_on_the_updates_own_logprobs(tmp_path, tiny_model, monkeypatch):
+    """On bf16 hardware (forced here) auto decides bf16 for generation, scoring and training,
+    records it, skips score's policy forward when the update makes one step (its own forward is
+    the old policy's), trains as a recompute would, and a resumed run keeps the decision."""
+    monkeypatch.setenv("RLCTL_NATIVE_BF16", "1")
+    grpo = {
+        "model": {"path": tiny_model, "ref": tiny_model, "critic": ""}, "advantage": {"estimator": "grpo", "kl_coef": 0.0},
+        "update": {"lr": 1e-3, "mini_batch_size": 0, "micro_batch_size": 4, "epochs": 1, "use_kl_loss": True},
+        "pipeline": {"iterations": 2, "val_every": 0},
+    }
+    runs = {}
+    for mode in ("auto", "recompute"):
+        (tmp_path / mode).mkdir()
+        config = write_config(tmp_path / mode, tiny_model, **grpo, score={"reward": "builtin:length", "old_logprobs": mode})
+        Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / mode / 'run'}"]).run()
+        runs[mode] = tmp_path / mode / "run"
+    recorded = load_config(runs["auto"] / "config.resolved.toml")
+    assert (recorded.rollout.dtype, recorded.score.dtype, recorded.update.bf16) == ("bf16", "bf16", "true")
+    score = runs["auto"] / "iter-0002" / "score"
+    assert json.loads((score / "_manifest.json").read_text())["config"]["old_logprobs"] == "update"
+    assert "old_logprobs" not in shards.read(str(score), "scores").table.column_names
+    ours, theirs = metrics_without_timings(runs["auto"]), metrics_without_timings(runs["recompute"])
+    assert ours[0]["reward_mean"] == theirs[0]["reward_mean"]  # the same weights generate the same first batch
+    assert ours[0]["grad_norm"] == pytest.approx(theirs[0]["grad_norm"], rel=0.02)  # bf16 forward vs bf16 recompute
+    assert 0 < ours[0]["logprob_mismatch"] < 0.05  # the bf16 engine against bf16 training, still measured
+    monkeypatch.setenv("RLCTL_NATIVE_BF16", "0")  # resumed where bf16 is not native: the run keeps bf16
+    config = tmp_path / "auto" / "run.toml"
+    Pipeline.from_config(config, [f"pipeline.run_dir={runs['auto']}", "pipeline.iterations=3"]).run()
+    assert len(metrics_without_timings(runs["auto"])) == 3
+    assert json.loads((runs["auto"] / "iter-0003" / "score" / "_manifest.json").read_text())["config"]["score"]["dtype"] == "bf16"

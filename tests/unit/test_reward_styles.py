@@ -158,3 +158,13 @@ def test_rewards_in_toml_and_set(tmp_path):
         load_config(None, ["score.rewards=[{weight = 2}]"])
     with pytest.raises(ConfigError, match="score.reward \\(builtin:gsm8k\\) and score.rewards are both set"):
         load_config(None, ["score.reward=builtin:gsm8k", 'score.rewards=[{fn = "builtin:length"}]'])
+
+
+def test_the_trl_comparisons_reward_runs_unchanged_in_rlctl():
+    """bench/trl_bench.py gives TRL and rlctl the very same function (TRL's calling form)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "addition_reward.py"
+    reward = load_rewards(ScoreConfig(reward=f"{path}:addition_reward")).terms[0].reward
+    s = samples(["19 it is", "twenty", "1 9"], ["19", "19", "19"])
+    assert compute_rewards(reward, s, timeout=10) == pytest.approx([1.0, 0.0, 0.1 * 2 / 3])

@@ -1,0 +1,172 @@
+"""Benchmark: rlctl and TRL's GRPOTrainer side by side on identical work.
+
+The same small-preset model (made here, random weights), the same 256 addition prompts and
+the same reward function (bench/addition_reward.py, TRL's calling form, which rlctl accepts
+as it is), the same shape: 16 prompts × 4 samples × 64 new tokens per step, a reference model
+in the loss (k3, β = 0.04, TRL's estimator), one optimizer step per batch, token-mean loss.
+TRL runs in a virtual environment of its own, made on first use (`--venv`), with the torch
+version this environment has. Rounds alternate TRL and rlctl in fresh processes; each
+round's figure is the median over its steps after the first two (warm-up); the table gives
+the median over rounds, phase by phase.
+
+    python -m bench.trl_bench --rounds 2 --steps 6                # dtype: what rlctl's auto decides here
+    python -m bench.trl_bench --rounds 2 --steps 6 --dtype fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TRL_VERSION = "1.16.0"
+PROMPTS_PER_STEP, SAMPLES, NEW_TOKENS, LR, KL = 16, 4, 64, 1e-5, 0.04
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run; the first two are warm-up")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"))
+    parser.add_argument("--venv", type=Path, default=Path.home() / ".cache" / "rlctl-bench" / f"trl-{TRL_VERSION}")
+    parser.add_argument("--append", type=Path, help="append the Markdown result to this file")
+    args = parser.parse_args()
+    if args.steps < 3:
+        parser.error("--steps must be at least 3 (two warm-up steps, then the timed ones)")
+
+    from rlctl.dtypes import compute_dtype
+
+    dtype = compute_dtype(args.dtype, "cpu")
+    python = ensure_trl_venv(args.venv)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model = work / "small"
+        subprocess.run([sys.executable, "-m", "rlctl", "model", "init", str(model), "--preset", "small"], check=True, stdout=subprocess.DEVNULL)
+        prompts = write_prompts(work / "addition.jsonl")
+        rounds: dict[str, list[dict[str, float]]] = {"trl": [], "rlctl": []}
+        for r in range(args.rounds):
+            rounds["trl"].append(run_trl(python, work / f"trl{r}", model, prompts, args.steps, dtype))
+            rounds["rlctl"].append(run_rlctl(work / f"rlctl{r}", model, prompts, args.steps, dtype, args.dtype))
+    text = report(rounds, args, dtype)
+    print(text)
+    if args.append:
+        with open(args.append, "a") as f:
+            f.write(text + "\n")
+
+
+def ensure_trl_venv(venv: Path) -> Path:
+    """The TRL venv's Python, made (torch first, our version, then TRL) when it is missing."""
+    import torch
+
+    python = venv / "bin" / "python"
+    if python.exists() and subprocess.run([str(python), "-c", "import trl, datasets"], capture_output=True).returncode == 0:
+        return python
+    print(f"making TRL's venv at {venv} (torch {torch.__version__}, trl {TRL_VERSION}) ...", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, f"torch=={torch.__version__.split('+')[0]}"], check=True)
+    subprocess.run([*pip, f"trl=={TRL_VERSION}", "datasets"], check=True)
+    return python
+
+
+def write_prompts(path: Path, count: int = 256, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(count):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        rows.append({"id": f"add{i:03d}", "prompt": f"What is {a} + {b}? Answer:", "ground_truth": str(a + b), "data_source": "addition"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_trl(python: Path, work: Path, model: Path, prompts: Path, steps: int, dtype: str) -> dict[str, float]:
+    work.mkdir()
+    spec = {
+        "model": str(model), "prompts": str(prompts), "reward_file": str(HERE / "addition_reward.py"), "reward_function": "addition_reward",
+        "prompts_per_step": PROMPTS_PER_STEP, "samples": SAMPLES, "max_new_tokens": NEW_TOKENS, "lr": LR, "kl_coef": KL,
+        "steps": steps, "dtype": dtype, "seed": 0,
+    }
+    (work / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    subprocess.run([str(python), str(HERE / "trl_runner.py"), str(work / "spec.json"), str(work / "out.json")], check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    timed = json.loads((work / "out.json").read_text())["steps"][2:]
+
+    def median(key: str) -> float:
+        return statistics.median(s.get(key, 0.0) for s in timed)
+
+    phases = {"generation": median("generate"), "reference forward": median("reference"), "reward": median("reward")}
+    step = median("step_s")
+    phases["policy forward + backward + AdamW"] = statistics.median(
+        s["step_s"] - s.get("generate", 0.0) - s.get("reference", 0.0) - s.get("reward", 0.0) for s in timed
+    )
+    return {**phases, "step": step}
+
+
+def run_rlctl(work: Path, model: Path, prompts: Path, steps: int, dtype: str, asked: str) -> dict[str, float]:
+    work.mkdir()
+    config = work / "bench.toml"
+    config.write_text(
+        f'[model]\npath = "{model}"\nref = "{model}"\n'
+        f'[data]\nprompts = "{prompts}"\nbatch_size = {PROMPTS_PER_STEP}\n'
+        f'[rollout]\nn = {SAMPLES}\nmax_new_tokens = {NEW_TOKENS}\n'
+        f'[score]\nreward = "{HERE / "addition_reward.py"}:addition_reward"\n'
+        '[advantage]\nestimator = "grpo"\nkl_coef = 0.0\n'
+        f'[update]\nlr = {LR}\nuse_kl_loss = true\nkl_loss_coef = {KL}\nkl_loss_estimator = "k3"\n'
+        f'micro_batch_size = {PROMPTS_PER_STEP * SAMPLES}\nloss_agg_mode = "token-mean"\n'
+        f'[pipeline]\niterations = {steps}\nsave_every = {steps}\nkeep_checkpoints = 1\n'
+    )
+    sets = [] if asked == "auto" else ["--set", f"rollout.dtype={dtype}", "--set", f"score.dtype={dtype}", "--set", f"update.bf16={str(dtype == 'bf16').lower()}"]
+    run = work / "run"
+    subprocess.run(
+        [sys.executable, "-m", "rlctl", "pipeline", str(config), "--run-dir", str(run), "--quiet", *sets],
+        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][2:]
+
+    def median(key: str) -> float:
+        return statistics.median(r.get(key, 0.0) for r in rows)
+
+    phases = {"generation": median("seconds/rollout"), "reference forward": median("seconds/score"), "reward": 0.0}
+    phases["policy forward + backward + AdamW"] = median("seconds/update")
+    return {**phases, "step": median("seconds/total")}
+
+
+def report(rounds: dict[str, list[dict[str, float]]], args, dtype: str) -> str:
+    from bench.pipeline_bench import _cpu_name
+    from rlctl.dtypes import native_bf16
+
+    def med(side: str, key: str) -> float:
+        return statistics.median(r[key] for r in rounds[side])
+
+    keys = ["generation", "reference forward", "reward", "policy forward + backward + AdamW", "step"]
+    flags = "native bf16 (avx512_bf16/amx_bf16)" if native_bf16("cpu") else "no native bf16"
+    lines = [
+        f"- machine: {_cpu_name()}, {os.cpu_count()} cores, {flags}, Python {platform.python_version()}",
+        f"- command: `python -m bench.trl_bench --rounds {args.rounds} --steps {args.steps} --dtype {args.dtype}` (decided: {dtype}); TRL {TRL_VERSION} in its own venv",
+        f"- workload: small preset, {PROMPTS_PER_STEP} prompts × {SAMPLES} samples × {NEW_TOKENS} new tokens, GRPO, k3 KL loss β = {KL} to a reference, one optimizer step per batch",
+        f"- figures: seconds per step, median over steps 3–{args.steps} of each run, then over {args.rounds} alternating rounds",
+        "",
+        "| phase | TRL | rlctl | rlctl / TRL |",
+        "|---|---|---|---|",
+    ]
+    for key in keys:
+        trl, ours = med("trl", key), med("rlctl", key)
+        ratio = f"{ours / trl:.2f}" if trl > 0.005 else "—"
+        name = "**iteration (whole step)**" if key == "step" else key
+        lines.append(f"| {name} | {trl:.2f} | {ours:.2f} | {ratio} |")
+    lines.append("")
+    lines.append("rlctl's reward time is inside its reference-forward column (the score stage does both); "
+                 "its step also holds the advantage stage and the shard writes.")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
