@@ -160,8 +160,8 @@ class AdapterDisabledReference:
         self.policy = policy
 
     def logprobs(self, *args, **kwargs):
-        with adapters_disabled(self.policy.model):
-            return self.policy.logprobs(*args, **kwargs)
+        with adapters_disabled(self.policy.model):  # on the module itself: never a copy, which keeps its adapters
+            return self.policy.logprobs(*args, **{**kwargs, "as_trained": True})
 
     def __getattr__(self, name: str):
         return getattr(self.policy, name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +30,26 @@ from rlctl.config import UpdateConfig
 from rlctl.dtypes import autocast_bf16
 from rlctl.errors import InputError, TrainingError
 from rlctl.tensors import list_lengths, mask_from_lengths, padded
+
+
+# the largest [rows, heads, L, L] attention score tensor the math kernel is used for (see training_forward)
+MATH_ATTENTION_MAX_SCORES = 1 << 25
+
+
+@contextmanager
+def training_forward(device: torch.device, bf16: bool, *, rows: int, length: int, heads: int):
+    """bf16 autocast when training in bf16. On the CPU under it, short sequences use the math
+    attention kernel: the CPU flash-attention backward in bf16 is slower there (an update on the
+    small preset, 64 × 76 tokens: 1.64 → 1.51 s, bench/RESULTS.md), and the math kernel's score
+    tensor stays small (≤ MATH_ATTENTION_MAX_SCORES elements; longer sequences keep flash)."""
+    with ExitStack() as stack:
+        if bf16:
+            stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
+            if device.type == "cpu" and rows * heads * length * length <= MATH_ATTENTION_MAX_SCORES:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+        yield
 
 
 @dataclass(frozen=True)
@@ -243,10 +263,13 @@ class Trainer:
             stats["rollout_is_weight"] = 0.0
         tokens = max(norms["batch_tokens"], 1)
         device = self.device
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if autocast_bf16(cfg.bf16, device.type) else nullcontext()
+        bf16 = autocast_bf16(cfg.bf16, device.type)
+        model = self.policy.model if self.policy is not None else self.critic.lm
+        heads = int(getattr(model.config, "num_attention_heads", 1))
         for micro, weight in self.ranks.micro_batches(indices, cfg.micro_batch_size):
             scale = weight * self.ranks.grad_scale
             packed = pack([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro], self.pad_id, device)
+            autocast = training_forward(device, bf16, rows=len(micro), length=packed.input_ids.shape[1], heads=heads)
             width = packed.response_mask.shape[1]
             m = packed.response_mask
 
@@ -254,9 +277,10 @@ class Trainer:
                 return t[rows, :width].to(device)
 
             if self.policy is not None:
-                self._policy_backward(batch, packed, take, norms, weight, scale, tokens, autocast, stats)
-            if self.critic is not None:
                 with autocast:
+                    self._policy_backward(batch, packed, take, norms, weight, scale, tokens, stats)
+            if self.critic is not None:
+                with training_forward(device, bf16, rows=len(micro), length=packed.input_ids.shape[1], heads=heads):
                     values = self.critic(packed)
                 vf, _ = clipped_value_loss(
                     values=values.float(), old_values=take(batch.old_values), returns=take(batch.returns), response_mask=m,
@@ -267,11 +291,11 @@ class Trainer:
                 stats["vf_loss"] += weight * float(vf_loss.detach())
         return self.ranks.sum(stats)
 
-    def _policy_backward(self, batch: TrainBatch, packed, take, norms: dict, weight: float, scale: float, tokens: int, autocast, stats: dict) -> None:
-        """One micro-batch's policy loss, its backward, and its share of the statistics."""
+    def _policy_backward(self, batch: TrainBatch, packed, take, norms: dict, weight: float, scale: float, tokens: int, stats: dict) -> None:
+        """One micro-batch's policy loss, its backward, and its share of the statistics (in
+        the caller's `training_forward` context)."""
         cfg, m = self.cfg, packed.response_mask
-        with autocast:
-            logp, entropy = self.policy.forward(packed, temperature=self.temperature, with_entropy=True)
+        logp, entropy = self.policy.forward(packed, temperature=self.temperature, with_entropy=True)
         old = take(batch.old_logprobs) if batch.old_logprobs is not None else logp.detach().float()
         if batch.old_logprobs is None and batch.rollout_logprobs is not None:
             stats["logprob_mismatch"] += weight * float(torch.where(m, (old - take(batch.rollout_logprobs)).abs(), 0).sum()) / tokens

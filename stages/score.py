@@ -134,7 +134,7 @@ def with_model_columns(
     if ref_logprobs is not None:
         new["ref_logprobs"] = list_column(ref_logprobs, pa.float32())
     if models.policy is not None:
-        new["old_logprobs"] = list_column(models.policy.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size, compute_dtype=cfg.dtype), pa.float32())
+        new["old_logprobs"] = list_column(models.policy.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size, compute_dtype=cfg.dtype, as_trained=True), pa.float32())
     if models.critic is not None:
         pad_id = models.policy.pad_id if models.policy is not None else 0
         values = models.critic.values(prompt_ids, response_ids, pad_id=pad_id, batch_size=cfg.batch_size, compute_dtype=cfg.dtype)

