@@ -8,6 +8,7 @@ token/sequence counts of its whole mini-batch, not its own, so accumulation is a
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -128,17 +129,23 @@ class RankGroup:
     def grad_scale(self) -> float:
         return float(self.size)
 
-    def micro_batches(self, indices: torch.Tensor, micro_batch_size: int) -> list[tuple[list[int], float]]:
+    def micro_batches(self, indices: torch.Tensor, micro_batch_size: int, lengths: Sequence[int] | None = None) -> list[tuple[list[int], float]]:
         """(rows, weight) of each forward/backward pass this rank makes on a mini-batch.
 
-        The rank's share is its contiguous slice of `indices`. Every rank makes the same number
-        of passes (FSDP's collectives run in lockstep), so a rank with fewer rows adds passes
-        over one row with weight 0, which change neither gradients nor statistics."""
+        The rank's share is its contiguous slice of `indices`; with `lengths` (each row's
+        sequence length) the share is ordered by length before it is cut into passes, so a pass
+        pads its rows to a similar length instead of the longest of a random draw. The loss
+        normalisers are the mini-batch's, so the order changes no gradient (beyond float
+        rounding). Every rank makes the same number of passes (FSDP's collectives run in
+        lockstep), so a rank with fewer rows adds passes over one row with weight 0, which
+        change neither gradients nor statistics."""
         from rlctl.dispatch import row_slices
 
         slices = row_slices(len(indices), self.size)
         passes = max(1, max(-(-(s.stop - s.start) // micro_batch_size) for s in slices))
         mine = indices[slices[self.rank]].tolist()
+        if lengths is not None:
+            mine.sort(key=lambda row: lengths[row])
         batches = [(mine[i * micro_batch_size : (i + 1) * micro_batch_size], 1.0) for i in range(passes)]
         return [(rows, weight) if rows else (indices[:1].tolist(), 0.0) for rows, weight in batches]
 
@@ -266,7 +273,8 @@ class Trainer:
         bf16 = autocast_bf16(cfg.bf16, device.type)
         model = self.policy.model if self.policy is not None else self.critic.lm
         heads = int(getattr(model.config, "num_attention_heads", 1))
-        for micro, weight in self.ranks.micro_batches(indices, cfg.micro_batch_size):
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        for micro, weight in self.ranks.micro_batches(indices, cfg.micro_batch_size, lengths):
             scale = weight * self.ranks.grad_scale
             packed = pack([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro], self.pad_id, device)
             autocast = training_forward(device, bf16, rows=len(micro), length=packed.input_ids.shape[1], heads=heads)
