@@ -177,6 +177,25 @@ def pack(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[in
     )
 
 
+def batches_by_length(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
+    """Row indices in batches of `batch_size`, the rows ordered by sequence length, so that a
+    batch pads to similar lengths (a row's results do not depend on its batch)."""
+    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]) + len(response_ids[i]))
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+def scored_rows(prompt_ids, response_ids, batch_size: int, pad_id: int, device, score) -> list[list[float]]:
+    """`score(packed batch)` → [B, T] over length-ordered batches, each row cut to its response
+    length and put back in the caller's order."""
+    results: list[list[float]] = [[] for _ in prompt_ids]
+    for rows in batches_by_length(prompt_ids, response_ids, batch_size):
+        batch = pack([prompt_ids[i] for i in rows], [response_ids[i] for i in rows], pad_id, device)
+        lengths = batch.response_mask.sum(-1).tolist()
+        for i, row, n in zip(rows, score(batch).float().cpu().tolist(), lengths):
+            results[i] = row[:n]
+    return results
+
+
 def response_logits(logits: torch.Tensor, batch: PackedBatch, *, offset: int = 0) -> torch.Tensor:
     """logits [B, L - offset, V] (positions from `offset` on) → the logits predicting each
     response token [B, T, V]. Padded response slots read position `offset` (masked later)."""
@@ -352,14 +371,11 @@ class HFPolicy:
         ratio divides by; a LoRA reference, the policy's module with its adapters disabled)."""
         bf16 = decide_dtype(self.device, compute_dtype) == "bf16"
         model = self._bf16.of(self.model) if bf16 and not as_trained and self._scores_from_copy else None
-        results = []
         with compute_context(self.device, compute_dtype) if model is None else nullcontext():
-            for start in range(0, len(prompt_ids), batch_size):
-                batch = pack(prompt_ids[start : start + batch_size], response_ids[start : start + batch_size], self.pad_id, self.device)
-                logp, _ = self.forward(batch, temperature=temperature, model=model)
-                lengths = batch.response_mask.sum(-1).tolist()
-                results.extend(row[:n] for row, n in zip(logp.float().cpu().tolist(), lengths))
-        return results
+            return scored_rows(
+                prompt_ids, response_ids, batch_size, self.pad_id, self.device,
+                lambda batch: self.forward(batch, temperature=temperature, model=model)[0],
+            )
 
 
 class ValueModel(torch.nn.Module):
@@ -404,14 +420,8 @@ class ValueModel(torch.nn.Module):
     @torch.no_grad()
     def values(self, prompt_ids, response_ids, *, pad_id: int, batch_size: int = 16, compute_dtype: str = "fp32") -> list[list[float]]:
         device = self.value_head.weight.device
-        results = []
         with compute_context(device, compute_dtype):
-            for start in range(0, len(prompt_ids), batch_size):
-                batch = pack(prompt_ids[start : start + batch_size], response_ids[start : start + batch_size], pad_id, device)
-                v = self.forward(batch)
-                lengths = batch.response_mask.sum(-1).tolist()
-                results.extend(row[:n] for row, n in zip(v.float().cpu().tolist(), lengths))
-        return results
+            return scored_rows(prompt_ids, response_ids, batch_size, pad_id, device, self.forward)
 
 
 def read_trainer_step(uri: str) -> int:

@@ -95,3 +95,22 @@ def test_bf16_generation_follows_the_trained_weights(tiny_model, tmp_path):
     after = policy.generate(batch, greedy, compute_dtype="bf16")
     assert [g.response_ids for g in after] == [g.response_ids for g in other.generate(batch, greedy, compute_dtype="bf16")]
     assert [g.response_ids for g in after] != [g.response_ids for g in before]
+
+
+def test_scoring_in_length_ordered_batches_gives_each_row_its_own_logprobs(policy):
+    """Rows are batched by length (less padding) and come back in the caller's order, each
+    as scoring it alone gives it."""
+    from rlctl.backends.hf import batches_by_length
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [9, 2, 14, 5, 11, 3, 7]
+    prompt_ids = [torch.randint(3, 500, (2 + i % 3,), generator=g).tolist() for i in range(len(lengths))]
+    response_ids = [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
+    batches = batches_by_length(prompt_ids, response_ids, 3)
+    assert sorted(i for rows in batches for i in rows) == list(range(len(lengths)))
+    assert [len(prompt_ids[i]) + lengths[i] for rows in batches for i in rows] == sorted(len(p) + n for p, n in zip(prompt_ids, lengths))
+    together = policy.logprobs(prompt_ids, response_ids, temperature=1.0, batch_size=3)
+    for p, r, got in zip(prompt_ids, response_ids, together):
+        alone = policy.logprobs([p], [r], temperature=1.0)[0]
+        assert len(got) == len(r)
+        np.testing.assert_allclose(got, alone, atol=1e-5)
