@@ -281,11 +281,11 @@ class HFPolicy:
         `compute_dtype="bf16"` generates with a bf16 copy of the weights (the trained ones,
         shared with training, stay fp32; "auto": bf16 where the hardware has it natively)."""
         model = self._bf16.of(self.model) if decide_dtype(self.device, compute_dtype) == "bf16" else self.model
-        results: list[Generation] = []
-        for start in range(0, len(prompt_ids), batch_size):
-            chunk = prompt_ids[start : start + batch_size]
-            streams = [row_generator(params.seed, first_row + start + i) for i in range(len(chunk))]
-            results.extend(self._generate_batch(model, chunk, params, streams, on_tokens))
+        results: list[Generation | None] = [None] * len(prompt_ids)
+        for rows in batches_by_length(prompt_ids, [()] * len(prompt_ids), batch_size):  # prompts of similar length pad less
+            streams = [row_generator(params.seed, first_row + i) for i in rows]
+            for i, generation in zip(rows, self._generate_batch(model, [prompt_ids[i] for i in rows], params, streams, on_tokens)):
+                results[i] = generation
         return results
 
     def _generate_batch(self, model, prompt_ids, params: SamplingParams, streams: list[torch.Generator], on_tokens) -> list[Generation]:

@@ -114,3 +114,16 @@ def test_scoring_in_length_ordered_batches_gives_each_row_its_own_logprobs(polic
         alone = policy.logprobs([p], [r], temperature=1.0)[0]
         assert len(got) == len(r)
         np.testing.assert_allclose(got, alone, atol=1e-5)
+
+
+def test_prompts_are_generated_in_length_ordered_batches_and_come_back_in_order(policy):
+    """A rollout batches prompts of similar length (less left padding); each row keeps its own
+    random stream, so its tokens are those of generating it alone."""
+    texts = ["a", "12 + 3 = and then some more words here", "hello", "The answer is, after a long think,", "b c"]
+    batch = [policy.tokenizer(t)["input_ids"] for t in texts]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=5)
+    together = policy.generate(batch, params, batch_size=2)
+    for i, prompt in enumerate(batch):
+        alone = policy.generate([prompt], params, first_row=i)[0]
+        assert together[i].response_ids == alone.response_ids
+        np.testing.assert_allclose(together[i].logprobs, alone.logprobs, atol=1e-5)
