@@ -8,8 +8,8 @@ token/sequence counts of its whole mini-batch, not its own, so accumulation is a
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -277,7 +277,10 @@ class Trainer:
         for micro, weight in self.ranks.micro_batches(indices, cfg.micro_batch_size, lengths):
             scale = weight * self.ranks.grad_scale
             packed = pack([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro], self.pad_id, device)
-            autocast = training_forward(device, bf16, rows=len(micro), length=packed.input_ids.shape[1], heads=heads)
+
+            def forward_context(rows=len(micro), length=packed.input_ids.shape[1]):
+                return training_forward(device, bf16, rows=rows, length=length, heads=heads)
+
             width = packed.response_mask.shape[1]
             m = packed.response_mask
 
@@ -285,10 +288,9 @@ class Trainer:
                 return t[rows, :width].to(device)
 
             if self.policy is not None:
-                with autocast:
-                    self._policy_backward(batch, packed, take, norms, weight, scale, tokens, stats)
+                self._policy_backward(batch, packed, take, norms, weight, scale, tokens, forward_context, stats)
             if self.critic is not None:
-                with training_forward(device, bf16, rows=len(micro), length=packed.input_ids.shape[1], heads=heads):
+                with forward_context():
                     values = self.critic(packed)
                 vf, _ = clipped_value_loss(
                     values=values.float(), old_values=take(batch.old_values), returns=take(batch.returns), response_mask=m,
@@ -299,11 +301,14 @@ class Trainer:
                 stats["vf_loss"] += weight * float(vf_loss.detach())
         return self.ranks.sum(stats)
 
-    def _policy_backward(self, batch: TrainBatch, packed, take, norms: dict, weight: float, scale: float, tokens: int, stats: dict) -> None:
-        """One micro-batch's policy loss, its backward, and its share of the statistics (in
-        the caller's `training_forward` context)."""
+    def _policy_backward(
+        self, batch: TrainBatch, packed, take, norms: dict, weight: float, scale: float, tokens: int, forward_context, stats: dict,
+    ) -> None:
+        """One micro-batch's policy loss, its backward, and its share of the statistics; the
+        forward runs in `forward_context()` (`training_forward`), the loss and backward outside."""
         cfg, m = self.cfg, packed.response_mask
-        logp, entropy = self.policy.forward(packed, temperature=self.temperature, with_entropy=True)
+        with forward_context():
+            logp, entropy = self.policy.forward(packed, temperature=self.temperature, with_entropy=True)
         old = take(batch.old_logprobs) if batch.old_logprobs is not None else logp.detach().float()
         if batch.old_logprobs is None and batch.rollout_logprobs is not None:
             stats["logprob_mismatch"] += weight * float(torch.where(m, (old - take(batch.rollout_logprobs)).abs(), 0).sum()) / tokens
