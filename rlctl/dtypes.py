@@ -69,6 +69,11 @@ def autocast_bf16(value: str, device: str) -> bool:
     return value == "true"
 
 
+def decided_bf16(value: str, device: str) -> str:
+    """`update.bf16` with "auto" decided, as the config spells it ("true" | "false")."""
+    return "true" if autocast_bf16(value, device) else "false"
+
+
 def models_device(device: str, workers=None) -> str:
     """Where a command's models compute: the Ray workers' GPUs or CPUs when it has workers,
     else `device` ("auto": CUDA when this process sees a GPU)."""
@@ -100,5 +105,5 @@ def resolve_dtypes(cfg, recorded=None):
         cfg,
         rollout=replace(cfg.rollout, dtype=decided("rollout", "dtype", compute_dtype)),
         score=replace(cfg.score, dtype=decided("score", "dtype", compute_dtype)),
-        update=replace(cfg.update, bf16=decided("update", "bf16", lambda v, d: "true" if autocast_bf16(v, d) else "false")),
+        update=replace(cfg.update, bf16=decided("update", "bf16", decided_bf16)),
     )

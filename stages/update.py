@@ -22,7 +22,7 @@ from rlctl.checkpoint import (
     save_checkpoint,
 )
 from rlctl.config import UpdateConfig, WorkersConfig, to_dict
-from rlctl.dtypes import autocast_bf16, models_device
+from rlctl.dtypes import decided_bf16, models_device
 from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
 from rlctl.lora import prepare_for_training
@@ -41,7 +41,7 @@ def run(
     from rlctl.backends.hf import HFPolicy, ValueModel, check_model_dir, resolve_device
 
     check_update_config(cfg)
-    cfg = replace(cfg, bf16="true" if autocast_bf16(cfg.bf16, models_device(device, workers)) else "false")  # "auto" decided, and recorded
+    cfg = replace(cfg, bf16=decided_bf16(cfg.bf16, models_device(device, workers)))  # "auto" decided, and recorded
     local_checkpoint_dir(out)
     for name, given in (("--model", model), ("--critic", critic)):
         if given and (same_folder(out, given) or same_folder(out, str(Path(given).parent)) and Path(given).name == CRITIC_DIR):

@@ -371,7 +371,7 @@ class HFPolicy:
         ratio divides by; a LoRA reference, the policy's module with its adapters disabled)."""
         bf16 = decide_dtype(self.device, compute_dtype) == "bf16"
         model = self._bf16.of(self.model) if bf16 and not as_trained and self._scores_from_copy else None
-        with compute_context(self.device, compute_dtype) if model is None else nullcontext():
+        with torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 and model is None else nullcontext():
             return scored_rows(
                 prompt_ids, response_ids, batch_size, self.pad_id, self.device,
                 lambda batch: self.forward(batch, temperature=temperature, model=model)[0],
