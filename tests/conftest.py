@@ -28,6 +28,16 @@ def tiny_model(tmp_path_factory) -> str:
     return str(init_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=0))
 
 
+@pytest.fixture(scope="module")
+def ray_session():
+    """One embedded Ray for the module; each worker group (and each in-process command) joins
+    it instead of starting Ray of its own."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture
 def cli():
     """Run `rlctl ARGS` in-process; returns the result (exit_code, stdout, stderr)."""

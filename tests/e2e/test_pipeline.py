@@ -81,12 +81,12 @@ KILL_POINTS = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("point", KILL_POINTS)
-def test_sigkill_then_resume_is_bit_identical(tmp_path, reference_run, point):
+def test_sigkill_then_resume_is_bit_identical(cli, tmp_path, reference_run, point):
     config, reference = reference_run
     run = tmp_path / "run"
     killed = rlctl("pipeline", config, "--run-dir", run, "--quiet", env={"RLCTL_FAULT_KILL_AT": point}, check=False)
     assert killed.returncode == -9, killed.stderr[-2000:]
-    rlctl("pipeline", config, "--run-dir", run, "--quiet")
+    assert cli("pipeline", config, "--run-dir", run, "--quiet").exit_code == 0  # in-process: no second start-up
     expected, got = final_weights(reference), final_weights(run)
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
@@ -94,13 +94,13 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, reference_run, point):
 
 
 @pytest.mark.slow
-def test_killed_twice_with_sparse_checkpoints_still_bit_identical(tmp_path, tiny_model):
+def test_killed_twice_with_sparse_checkpoints_still_bit_identical(cli, tmp_path, tiny_model):
     config = write_config(tmp_path, tiny_model, pipeline={"save_every": 3})
     rlctl("pipeline", config, "--run-dir", tmp_path / "ref", "--quiet")
     run = tmp_path / "run"
     for point in ("iter-0002/advantage:before-commit", "iter-0004/rollout:before-commit"):
         assert rlctl("pipeline", config, "--run-dir", run, "--quiet", env={"RLCTL_FAULT_KILL_AT": point}, check=False).returncode == -9
-    rlctl("pipeline", config, "--run-dir", run, "--quiet")
+    assert cli("pipeline", config, "--run-dir", run, "--quiet").exit_code == 0
     expected, got = final_weights(tmp_path / "ref"), final_weights(run)
     assert all(torch.equal(expected[k], got[k]) for k in expected)
 
@@ -112,12 +112,13 @@ def flip_a_byte(path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_resume_skips_a_damaged_checkpoint_and_says_so(tmp_path, reference_run):
+def test_resume_skips_a_damaged_checkpoint_and_says_so(cli, tmp_path, reference_run):
     config, reference = reference_run
     run = tmp_path / "run"
     assert rlctl("pipeline", config, "--run-dir", run, "--quiet", env={"RLCTL_FAULT_KILL_AT": "iter-0003:after-checkpoint"}, check=False).returncode == -9
     flip_a_byte(run / "checkpoints" / "iter-0003" / "model.safetensors")
-    resumed = rlctl("pipeline", config, "--run-dir", run, "--quiet")
+    resumed = cli("pipeline", config, "--run-dir", run, "--quiet")
+    assert resumed.exit_code == 0, resumed.stderr
     assert "checkpoint" in resumed.stderr and "iter-0003 is damaged" in resumed.stderr
     assert "resuming from iter-0002: iter-0003 did not verify" in resumed.stderr
     expected, got = final_weights(reference), final_weights(run)
@@ -126,14 +127,15 @@ def test_resume_skips_a_damaged_checkpoint_and_says_so(tmp_path, reference_run):
 
 
 @pytest.mark.slow
-def test_resume_recomputes_a_damaged_committed_stage_instead_of_training_on_it(tmp_path, reference_run):
+def test_resume_recomputes_a_damaged_committed_stage_instead_of_training_on_it(cli, tmp_path, reference_run):
     config, reference = reference_run
     run = tmp_path / "run"
     assert rlctl("pipeline", config, "--run-dir", run, "--quiet", env={"RLCTL_FAULT_KILL_AT": "iter-0002/advantage:before-commit"}, check=False).returncode == -9
     manifest = json.loads((run / "iter-0002" / "score" / "_manifest.json").read_text())
     part = run / "iter-0002" / "score" / manifest["files"][0]["path"]
     part.write_bytes(part.read_bytes().replace(b"Question", b"Questi0n", 1))
-    resumed = rlctl("pipeline", config, "--run-dir", run, "--quiet")
+    resumed = cli("pipeline", config, "--run-dir", run, "--quiet")
+    assert resumed.exit_code == 0, resumed.stderr
     assert "iter-0002/score is committed but damaged" in resumed.stderr and "recomputing it" in resumed.stderr
     expected, got = final_weights(reference), final_weights(run)
     assert all(torch.equal(expected[k], got[k]) for k in expected)
@@ -187,12 +189,12 @@ def test_python_api_steps_and_takes_a_callable_reward(tmp_path, tiny_model):
     assert replayed.exit_code == 2 and "Pipeline(reward_fn=...) (<lambda>)" in replayed.stderr and "pass --reward" in replayed.stderr
 
 
-def test_until_then_from_continues_to_the_same_weights(tmp_path, tiny_model, reference_run):
+def test_until_then_from_continues_to_the_same_weights(cli, tmp_path, tiny_model, reference_run):
     config, reference = reference_run
     run = tmp_path / "run"
-    rlctl("pipeline", config, "--run-dir", run, "--until", "score", "--quiet")
+    assert cli("pipeline", config, "--run-dir", run, "--until", "score", "--quiet").exit_code == 0
     assert (run / "iter-0001" / "score" / "_manifest.json").exists() and not (run / "iter-0001" / "advantage").exists()
-    rlctl("pipeline", config, "--run-dir", run, "--from", "advantage", "--quiet")
+    assert cli("pipeline", config, "--run-dir", run, "--from", "advantage", "--quiet").exit_code == 0
     assert all(torch.equal(a, b) for a, b in zip(final_weights(reference).values(), final_weights(run).values()))
 
 
@@ -245,18 +247,19 @@ def test_bad_configs_fail_before_any_work(cli, tmp_path, tiny_model, args, fragm
     assert not (tmp_path / "run").exists()
 
 
-def test_a_run_resumes_only_with_the_training_config_it_started_with(tmp_path, tiny_model):
+def test_a_run_resumes_only_with_the_training_config_it_started_with(cli, tmp_path, tiny_model):
     config = write_config(tmp_path, tiny_model, pipeline={"iterations": 1, "val_every": 0})
     run = tmp_path / "run"
-    rlctl("pipeline", config, "--run-dir", run, "--quiet")
+    assert cli("pipeline", config, "--run-dir", run, "--quiet").exit_code == 0
     # more iterations, another worker layout: the same training, it goes on
-    rlctl("pipeline", config, "--run-dir", run, "--quiet", "--iterations", "2")
-    changed = rlctl("pipeline", config, "--run-dir", run, "--quiet", "--iterations", "3", "--set", "update.lr=0.5", check=False)
-    assert changed.returncode == 2
-    line = changed.stderr.strip().splitlines()[-1]
+    assert cli("pipeline", config, "--run-dir", run, "--quiet", "--iterations", "2").exit_code == 0
+    changed = cli("pipeline", config, "--run-dir", run, "--quiet", "--iterations", "3", "--set", "update.lr=0.5")
+    assert changed.exit_code == 2
+    line = one_line_error(changed)
     assert "was started with another config (update.lr: 0.001 → 0.5)" in line and "--resume-with-changes" in line
     assert not (run / "iter-0003").exists()
-    rlctl("pipeline", config, "--run-dir", run, "--quiet", "--iterations", "3", "--set", "update.lr=0.5", "--resume-with-changes")
+    resumed = cli("pipeline", config, "--run-dir", run, "--quiet", "--iterations", "3", "--set", "update.lr=0.5", "--resume-with-changes")
+    assert resumed.exit_code == 0, resumed.stderr
     state = json.loads((run / "checkpoints" / "iter-0003" / "_manifest.json").read_text())["state"]["pipeline"]
     assert state["config_changes"] == [{"from_iteration": 3, "changes": {"update.lr": [0.001, 0.5]}}]
 

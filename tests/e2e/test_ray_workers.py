@@ -24,16 +24,6 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    """One embedded Ray for the module; each worker group joins it."""
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def gae_batch(tmp_path_factory, tiny_model) -> str:
     """A batch with values and returns (critic) and reference log-probs."""
     from typer.testing import CliRunner
@@ -135,7 +125,7 @@ def test_an_unreachable_address_is_bad_input_not_a_hang(cli, tmp_path, tiny_mode
 def test_a_worker_killed_mid_update_stops_the_run_and_a_rerun_resumes(tmp_path, tiny_model):
     from tests.e2e.test_pipeline import final_weights, metrics_without_timings, rlctl, write_config
 
-    config_file = write_config(tmp_path, tiny_model, pipeline={"iterations": 3, "val_every": 0})
+    config_file = write_config(tmp_path, tiny_model, pipeline={"iterations": 2, "val_every": 0})
     ray2 = ["--set", "workers.backend=ray", "--set", "workers.num_workers=2"]
     rlctl("pipeline", config_file, "--run-dir", tmp_path / "reference", "--quiet", *ray2)
     run = tmp_path / "run"
@@ -155,7 +145,7 @@ def test_a_worker_killed_mid_update_stops_the_run_and_a_rerun_resumes(tmp_path, 
 
 
 @pytest.mark.slow
-def test_a_two_worker_run_resumes_on_one_worker_and_locally(tmp_path, tiny_model):
+def test_a_two_worker_run_replays_identical_and_resumes_on_one_worker_and_locally(cli, tmp_path, tiny_model):
     from tests.e2e.test_pipeline import final_weights, rlctl, write_config
 
     config_file = write_config(tmp_path, tiny_model, pipeline={"iterations": 2, "val_every": 0})
@@ -163,6 +153,12 @@ def test_a_two_worker_run_resumes_on_one_worker_and_locally(tmp_path, tiny_model
     first = rlctl("--verbose", "pipeline", config_file, "--run-dir", run, "--quiet", "--set", "workers.backend=ray", "--set", "workers.num_workers=2")
     assert f"Ray's logs are copied to {run / 'logs' / 'ray'}" in first.stderr and "Ray's logs (worker output, errors) are in" in first.stderr
     assert (run / "logs" / "ray").is_dir()
+    for stage in ("rollout", "score"):  # written by the two ranks
+        assert len(shards.read_manifest(str(run / "iter-0002" / stage))[0].files) == 2
+    for stage in ("prompts", "rollout", "score", "advantage", "update"):
+        result = cli("replay", run / "iter-0002" / stage, "--check")
+        assert result.exit_code == 0, (stage, result.stderr)
+        assert result.stdout.strip() == "identical", (stage, result.stdout)
     at_two = final_weights(run)
     rlctl("pipeline", config_file, "--run-dir", run, "--quiet", "--iterations", "3", "--set", "workers.backend=ray", "--set", "workers.num_workers=1")
     rlctl("pipeline", config_file, "--run-dir", run, "--quiet", "--iterations", "4")
@@ -232,20 +228,6 @@ def test_a_part_written_by_a_worker_that_then_died_is_never_committed(tmp_path, 
     assert not out.exists() or not any(out.iterdir())  # its part, and rank 0's, went with the uncommitted write
     rlctl(*args)
     assert shards.read(str(out), "rollouts").table.num_rows == 6
-
-
-@pytest.mark.slow
-def test_every_stage_of_a_two_worker_run_replays_identical(cli, tmp_path, tiny_model):
-    from tests.e2e.test_pipeline import rlctl, write_config
-
-    config_file = write_config(tmp_path, tiny_model, pipeline={"iterations": 2, "val_every": 0})
-    rlctl("pipeline", config_file, "--run-dir", tmp_path / "run", "--quiet", "--workers-backend", "ray", "--workers", "2")
-    for stage in ("rollout", "score"):  # written by the two ranks
-        assert len(shards.read_manifest(str(tmp_path / "run" / "iter-0002" / stage))[0].files) == 2
-    for stage in ("prompts", "rollout", "score", "advantage", "update"):
-        result = cli("replay", tmp_path / "run" / "iter-0002" / stage, "--check")
-        assert result.exit_code == 0, (stage, result.stderr)
-        assert result.stdout.strip() == "identical", (stage, result.stdout)
 
 
 def test_two_workers_train_the_lora_adapter_one_process_trains(ray_session, tiny_model, gae_batch, tmp_path):

@@ -117,8 +117,7 @@ def test_the_grpo_example_learns_with_the_vllm_engine(cli, tmp_path):
 
 
 @pytest.mark.slow
-def test_vllm_engines_on_two_ray_workers_write_the_rows_of_one_and_stay_in_sync(cli, tmp_path, tiny_model, six_prompts):
-    pytest.importorskip("ray")
+def test_vllm_engines_on_two_ray_workers_write_the_rows_of_one_and_stay_in_sync(ray_session, cli, tmp_path, tiny_model, six_prompts):
     common = ["--prompts", six_prompts, "--model", tiny_model, "--n", "2", "--max-new-tokens", "8", "--backend", "vllm"]
     assert cli("rollout", *common, "--out", tmp_path / "local").exit_code == 0
     result = cli("rollout", *common, "--out", tmp_path / "ray", "--workers-backend", "ray", "--workers", "2")
