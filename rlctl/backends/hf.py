@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from rlctl import cpu_linear
 from rlctl.algos.logprobs import logprobs_and_entropy, row_generator, sample_next, token_logprobs
 from rlctl.backends.base import Generation, SamplingParams
 from rlctl.errors import InputError
@@ -233,7 +234,7 @@ class HFPolicy:
     def __init__(self, model, tokenizer, device: torch.device, *, bf16_copy: bool = True) -> None:
         """`bf16_copy=False`: bf16 scoring under autocast on this module, for a module that
         lives for one call (a reference gathered from shards), where a copy would not pay."""
-        self.model = model
+        self.model = cpu_linear.install(model)
         self.tokenizer = tokenizer
         self.device = device
         gen_eos = getattr(model.generation_config, "eos_token_id", None)
@@ -387,6 +388,7 @@ class ValueModel(torch.nn.Module):
         self.value_head = torch.nn.Linear(lm.config.hidden_size, 1)
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
+        cpu_linear.install(self)
 
     @classmethod
     def load(cls, uri: str, device: torch.device) -> ValueModel:

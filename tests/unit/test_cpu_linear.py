@@ -1,0 +1,99 @@
+"""fp32 linear layers in oneDNN where MKL leaves AVX-512 unused (non-Intel x86): the same
+forward and gradients as nn.Linear to fp32 rounding, chosen from the CPU, and nothing changes
+under autocast, in bf16, or where the choice is BLAS."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rlctl import cpu_linear
+from rlctl.cpu_linear import OneDNNLinear, install, prefers_onednn
+
+AMD_ZEN5 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n"
+AMD_ZEN3 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 fma\n"
+INTEL_XEON = "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n"
+GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+
+needs_onednn = pytest.mark.skipif(not cpu_linear._available(), reason="this torch build has no oneDNN linear")
+
+
+def test_onednn_is_chosen_only_for_non_intel_x86_with_avx512():
+    assert prefers_onednn(AMD_ZEN5)
+    assert not prefers_onednn(AMD_ZEN3)  # AVX2 only: MKL's path is the same width
+    assert not prefers_onednn(INTEL_XEON)  # MKL already runs AVX-512 there
+    assert not prefers_onednn(GRAVITON3) and not prefers_onednn("")
+
+
+@pytest.fixture
+def choice(monkeypatch):
+    """Set RLCTL_CPU_LINEAR for one test (the choice is cached per process)."""
+
+    def choose(value: str) -> None:
+        monkeypatch.setenv("RLCTL_CPU_LINEAR", value)
+        cpu_linear.uses_onednn.cache_clear()
+
+    yield choose
+    cpu_linear.uses_onednn.cache_clear()
+
+
+def pair(bias: bool) -> tuple[torch.nn.Linear, OneDNNLinear]:
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(96, 160, bias=bias)
+    fast = copy.deepcopy(plain)
+    fast.__class__ = OneDNNLinear
+    return plain, fast
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_forward_and_both_gradients_match_nn_linear(bias):
+    plain, fast = pair(bias)
+    x = torch.randn(3, 17, 96)
+    grad_out = torch.randn(3, 17, 160)
+    results = []
+    for layer in (plain, fast):
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi)
+        y.backward(grad_out)
+        results.append((y.detach(), xi.grad, layer.weight.grad, layer.bias.grad if bias else None))
+    for ours, theirs in zip(results[1], results[0]):
+        if theirs is not None:
+            assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_a_frozen_layer_passes_the_input_gradient_only():
+    """LoRA's base layers: weights frozen, the gradient still flows to the input."""
+    plain, fast = pair(True)
+    for layer in (plain, fast):
+        layer.requires_grad_(False)
+    x = torch.randn(5, 96, requires_grad=True)
+    fast(x).sum().backward()
+    expected = plain.weight.sum(0).expand(5, -1)
+    assert fast.weight.grad is None and torch.allclose(x.grad, expected, atol=1e-5)
+
+
+@needs_onednn
+def test_inference_bf16_autocast_and_empty_inputs_behave_as_nn_linear():
+    plain, fast = pair(True)
+    with torch.no_grad():
+        x = torch.randn(4, 96)
+        assert torch.allclose(fast(x), plain(x), atol=1e-5)
+        assert fast(torch.randn(0, 96)).shape == (0, 160)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert fast(x).dtype == torch.bfloat16
+        assert fast.to(torch.bfloat16)(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_install_swaps_plain_linear_layers_only_where_chosen(choice):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    choice("blas")
+    assert all(type(m) is torch.nn.Linear for m in install(model) if isinstance(m, torch.nn.Linear))
+    choice("onednn")
+    install(model)
+    layers = [m for m in model if isinstance(m, torch.nn.Linear)]
+    assert all(type(m) is OneDNNLinear for m in layers) is cpu_linear._available()
+    assert list(model.state_dict()) == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
