@@ -275,6 +275,7 @@ class RewardModel:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        from rlctl import cpu_linear
         from rlctl.backends.hf import check_model_dir, quiet_transformers, resolve_device
 
         quiet_transformers()
@@ -288,7 +289,7 @@ class RewardModel:
                 f"rm:{uri}: not a trained reward model: its classification head or weights ({', '.join(untrained[:2])}) are not in the "
                 "checkpoint, so its scores would be random; use a sequence-classification model with one label"
             )
-        self.model = model.to(self.device).eval()
+        self.model = cpu_linear.install(model.to(self.device).eval())
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.batch_size = batch_size
