@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,31 +25,11 @@ from rlctl.algos.losses import (
     clipped_value_loss,
     rollout_is_weights,
 )
-from rlctl.backends.hf import HFPolicy, ValueModel, pack
+from rlctl.backends.hf import HFPolicy, ValueModel, pack, training_forward
 from rlctl.config import UpdateConfig
 from rlctl.dtypes import autocast_bf16
 from rlctl.errors import InputError, TrainingError
 from rlctl.tensors import list_lengths, mask_from_lengths, padded
-
-
-# the largest [rows, heads, L, L] attention score tensor the math kernel is used for (see training_forward)
-MATH_ATTENTION_MAX_SCORES = 1 << 25
-
-
-@contextmanager
-def training_forward(device: torch.device, bf16: bool, *, rows: int, length: int, heads: int):
-    """bf16 autocast when training in bf16. On the CPU under it, short sequences use the math
-    attention kernel: the CPU flash-attention backward in bf16 is slower there (an update on the
-    small preset, 64 × 76 tokens: 1.64 → 1.51 s, bench/RESULTS.md), and the math kernel's score
-    tensor stays small (≤ MATH_ATTENTION_MAX_SCORES elements; longer sequences keep flash)."""
-    with ExitStack() as stack:
-        if bf16:
-            stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
-            if device.type == "cpu" and rows * heads * length * length <= MATH_ATTENTION_MAX_SCORES:
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-
-                stack.enter_context(sdpa_kernel(SDPBackend.MATH))
-        yield
 
 
 @dataclass(frozen=True)
@@ -278,8 +257,8 @@ class Trainer:
             scale = weight * self.ranks.grad_scale
             packed = pack([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro], self.pad_id, device)
 
-            def forward_context(rows=len(micro), length=packed.input_ids.shape[1]):
-                return training_forward(device, bf16, rows=rows, length=length, heads=heads)
+            def forward_context(module, rows=len(micro), length=packed.input_ids.shape[1]):
+                return training_forward(module, device, bf16, rows=rows, length=length, heads=heads)
 
             width = packed.response_mask.shape[1]
             m = packed.response_mask
@@ -290,7 +269,7 @@ class Trainer:
             if self.policy is not None:
                 self._policy_backward(batch, packed, take, norms, weight, scale, tokens, forward_context, stats)
             if self.critic is not None:
-                with forward_context():
+                with forward_context(self.critic.lm):
                     values = self.critic(packed)
                 vf, _ = clipped_value_loss(
                     values=values.float(), old_values=take(batch.old_values), returns=take(batch.returns), response_mask=m,
@@ -305,9 +284,9 @@ class Trainer:
         self, batch: TrainBatch, packed, take, norms: dict, weight: float, scale: float, tokens: int, forward_context, stats: dict,
     ) -> None:
         """One micro-batch's policy loss, its backward, and its share of the statistics; the
-        forward runs in `forward_context()` (`training_forward`), the loss and backward outside."""
+        forward runs in `forward_context(module)` (`training_forward`), the loss and backward outside."""
         cfg, m = self.cfg, packed.response_mask
-        with forward_context():
+        with forward_context(self.policy.model):
             logp, entropy = self.policy.forward(packed, temperature=self.temperature, with_entropy=True)
         old = take(batch.old_logprobs) if batch.old_logprobs is not None else logp.detach().float()
         if batch.old_logprobs is None and batch.rollout_logprobs is not None:

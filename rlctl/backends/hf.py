@@ -13,7 +13,7 @@ import inspect
 import json
 import os
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +55,38 @@ def decide_dtype(device: torch.device, compute_dtype: str) -> str:
     if compute_dtype not in (AUTO, *COMPUTE_DTYPES):
         raise InputError(f"compute dtype must be one of {AUTO}, {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r}")
     return decided(compute_dtype, device.type)
+
+
+# the largest [rows, heads, L, L] attention score tensor the eager attention is used for (see training_forward)
+MATH_ATTENTION_MAX_SCORES = 1 << 25
+
+
+@contextmanager
+def training_forward(model, device: torch.device, bf16: bool, *, rows: int, length: int, heads: int):
+    """A forward of `model` as the update computes it: bf16 autocast when training in bf16, and
+    on the CPU under it, for short sequences, transformers' eager attention (bf16 matmuls,
+    fp32 softmax, as autocast's math attention on a GPU): torch's CPU math kernel upcasts to
+    fp32 (MKL) and the CPU flash-attention backward in bf16 is slower still (small preset,
+    64 × 76 tokens: flash 1.64 s, math 1.51 s, eager 1.33–1.46 s per update; bench/RESULTS.md).
+    The score tensor stays small (≤ MATH_ATTENTION_MAX_SCORES elements; longer sequences keep SDPA)."""
+    with ExitStack() as stack:
+        if bf16:
+            stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
+            if device.type == "cpu" and rows * heads * length * length <= MATH_ATTENTION_MAX_SCORES:
+                stack.enter_context(attention_implementation(model, "eager"))
+        yield
+
+
+@contextmanager
+def attention_implementation(model, name: str):
+    """Run `model`'s attention layers with transformers' `name` implementation for a while."""
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 def compute_context(device: torch.device, compute_dtype: str):
@@ -372,11 +404,14 @@ class HFPolicy:
         ratio divides by; a LoRA reference, the policy's module with its adapters disabled)."""
         bf16 = decide_dtype(self.device, compute_dtype) == "bf16"
         model = self._bf16.of(self.model) if bf16 and not as_trained and self._scores_from_copy else None
-        with torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 and model is None else nullcontext():
-            return scored_rows(
-                prompt_ids, response_ids, batch_size, self.pad_id, self.device,
-                lambda batch: self.forward(batch, temperature=temperature, model=model)[0],
-            )
+        heads = int(getattr(self.model.config, "num_attention_heads", 1))
+
+        def score(batch: PackedBatch) -> torch.Tensor:
+            rows, length = batch.input_ids.shape
+            with training_forward(self.model, self.device, bf16 and model is None, rows=rows, length=length, heads=heads):
+                return self.forward(batch, temperature=temperature, model=model)[0]
+
+        return scored_rows(prompt_ids, response_ids, batch_size, self.pad_id, self.device, score)
 
 
 class ValueModel(torch.nn.Module):

@@ -157,19 +157,36 @@ def test_own_logprobs_are_refused_past_the_first_optimizer_step(tiny_model, cfg)
         run_update(tiny_model, replace(make_batch(), old_logprobs=None), cfg)
 
 
-def test_bf16_training_on_the_cpu_takes_the_math_attention_kernel_only_for_short_sequences():
-    from rlctl.trainer import MATH_ATTENTION_MAX_SCORES, training_forward
+def test_bf16_training_on_the_cpu_takes_eager_attention_only_for_short_sequences(tiny_model):
+    from rlctl.backends.hf import MATH_ATTENTION_MAX_SCORES, HFPolicy, training_forward
 
-    cpu = torch.device("cpu")
+    cpu, model = torch.device("cpu"), HFPolicy.load(tiny_model, "cpu").model
+    before = model.config._attn_implementation
 
-    def flash_allowed(**kw) -> bool:
-        with training_forward(cpu, **kw):
-            return torch.backends.cuda.flash_sdp_enabled()
+    def attention(**kw) -> str:
+        with training_forward(model, cpu, **kw):
+            assert torch.is_autocast_enabled("cpu") is kw["bf16"]
+            return model.config._attn_implementation
 
-    assert not flash_allowed(bf16=True, rows=64, length=76, heads=8)
-    assert flash_allowed(bf16=True, rows=64, length=int((MATH_ATTENTION_MAX_SCORES / 512) ** 0.5) + 1, heads=8)  # long: scores too big
-    assert flash_allowed(bf16=False, rows=64, length=76, heads=8)  # fp32: flash's backward is not the slow one
-    assert torch.is_autocast_enabled("cpu") is False  # nothing leaks out of the context
+    assert attention(bf16=True, rows=64, length=76, heads=8) == "eager"  # bf16 matmuls, not the math kernel's fp32 ones
+    assert attention(bf16=True, rows=64, length=int((MATH_ATTENTION_MAX_SCORES / 512) ** 0.5) + 1, heads=8) == before  # long: scores too big
+    assert attention(bf16=False, rows=64, length=76, heads=8) == before  # fp32: SDPA as always
+    assert model.config._attn_implementation == before and torch.is_autocast_enabled("cpu") is False  # nothing leaks out
+
+
+def test_the_policys_recompute_in_bf16_is_the_updates_own_forward(tiny_model):
+    """`logprobs(as_trained=True)` computes what the update's first forward computes (the same
+    autocast and attention), so a one-step PPO ratio starts at 1 in bf16 as in fp32."""
+    from rlctl.backends.hf import HFPolicy, pack, training_forward
+
+    policy = HFPolicy.load(tiny_model, "cpu")
+    prompts, responses = [[5, 6, 7], [8, 9]], [[10, 11, 12, 13], [14, 15]]
+    recomputed = policy.logprobs(prompts, responses, temperature=1.0, batch_size=2, compute_dtype="bf16", as_trained=True)
+    packed = pack(prompts, responses, policy.pad_id, policy.device)
+    with torch.no_grad(), training_forward(policy.model, policy.device, True, rows=2, length=packed.input_ids.shape[1], heads=4):
+        trained = policy.forward(packed, temperature=1.0)[0]
+    for row, values in enumerate(recomputed):
+        assert values == pytest.approx(trained[row, : len(values)].tolist(), abs=1e-6)
 
 
 def test_each_ranks_share_is_cut_into_passes_of_similar_lengths():
