@@ -14,32 +14,20 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 
 import torch
+
+from rlctl.dtypes import cpu_flags, cpuinfo_text
 
 OVERRIDE_ENV = "RLCTL_CPU_LINEAR"
 CHOICES = ("onednn", "blas")
 
 
-def _cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
 def prefers_onednn(cpuinfo: str) -> bool:
     """Does this CPU (the text of /proc/cpuinfo) run fp32 GEMMs faster in oneDNN than in MKL?
     Yes for x86 CPUs of another vendor than Intel that have AVX-512."""
-    vendor, flags = "", set()
-    for line in cpuinfo.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() == "vendor_id" and not vendor:
-            vendor = value.strip()
-        elif name.strip() == "flags" and not flags:
-            flags = set(value.split())
-    return bool(vendor) and vendor != "GenuineIntel" and "avx512f" in flags
+    vendors = {value.strip() for name, _, value in (line.partition(":") for line in cpuinfo.splitlines()) if name.strip() == "vendor_id"}
+    return bool(vendors) and "GenuineIntel" not in vendors and "avx512f" in cpu_flags(cpuinfo)
 
 
 @functools.cache
@@ -48,7 +36,7 @@ def uses_onednn() -> bool:
     override = os.environ.get(OVERRIDE_ENV, "").strip().lower()
     if override in CHOICES:
         return override == "onednn" and _available()
-    return _available() and prefers_onednn(_cpuinfo())
+    return _available() and prefers_onednn(cpuinfo_text())
 
 
 def _available() -> bool:

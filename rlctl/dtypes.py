@@ -31,12 +31,16 @@ def cpu_flags(cpuinfo: str) -> set[str]:
 
 
 @functools.cache
-def _cpu_has_native_bf16() -> bool:
+def cpuinfo_text() -> str:
+    """/proc/cpuinfo, or "" where there is none."""
     try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return False
-    return bool(cpu_flags(text) & NATIVE_BF16_CPU_FLAGS)
+        return ""
+
+
+def _cpu_has_native_bf16() -> bool:
+    return bool(cpu_flags(cpuinfo_text()) & NATIVE_BF16_CPU_FLAGS)
 
 
 def native_bf16(device: str) -> bool:

@@ -58,7 +58,7 @@ def decide_dtype(device: torch.device, compute_dtype: str) -> str:
 
 
 # the largest [rows, heads, L, L] attention score tensor the eager attention is used for (see training_forward)
-MATH_ATTENTION_MAX_SCORES = 1 << 25
+EAGER_ATTENTION_MAX_SCORES = 1 << 25
 
 
 @contextmanager
@@ -68,11 +68,11 @@ def training_forward(model, device: torch.device, bf16: bool, *, rows: int, leng
     fp32 softmax, as autocast's math attention on a GPU): torch's CPU math kernel upcasts to
     fp32 (MKL) and the CPU flash-attention backward in bf16 is slower still (small preset,
     64 × 76 tokens: flash 1.64 s, math 1.51 s, eager 1.33–1.46 s per update; bench/RESULTS.md).
-    The score tensor stays small (≤ MATH_ATTENTION_MAX_SCORES elements; longer sequences keep SDPA)."""
+    The score tensor stays small (≤ EAGER_ATTENTION_MAX_SCORES elements; longer sequences keep SDPA)."""
     with ExitStack() as stack:
         if bf16:
             stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
-            if device.type == "cpu" and rows * heads * length * length <= MATH_ATTENTION_MAX_SCORES:
+            if device.type == "cpu" and rows * heads * length * length <= EAGER_ATTENTION_MAX_SCORES:
                 stack.enter_context(attention_implementation(model, "eager"))
         yield
 

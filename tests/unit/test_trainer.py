@@ -158,7 +158,7 @@ def test_own_logprobs_are_refused_past_the_first_optimizer_step(tiny_model, cfg)
 
 
 def test_bf16_training_on_the_cpu_takes_eager_attention_only_for_short_sequences(tiny_model):
-    from rlctl.backends.hf import MATH_ATTENTION_MAX_SCORES, HFPolicy, training_forward
+    from rlctl.backends.hf import EAGER_ATTENTION_MAX_SCORES, HFPolicy, training_forward
 
     cpu, model = torch.device("cpu"), HFPolicy.load(tiny_model, "cpu").model
     before = model.config._attn_implementation
@@ -169,7 +169,7 @@ def test_bf16_training_on_the_cpu_takes_eager_attention_only_for_short_sequences
             return model.config._attn_implementation
 
     assert attention(bf16=True, rows=64, length=76, heads=8) == "eager"  # bf16 matmuls, not the math kernel's fp32 ones
-    assert attention(bf16=True, rows=64, length=int((MATH_ATTENTION_MAX_SCORES / 512) ** 0.5) + 1, heads=8) == before  # long: scores too big
+    assert attention(bf16=True, rows=64, length=int((EAGER_ATTENTION_MAX_SCORES / 512) ** 0.5) + 1, heads=8) == before  # long: scores too big
     assert attention(bf16=False, rows=64, length=76, heads=8) == before  # fp32: SDPA as always
     assert model.config._attn_implementation == before and torch.is_autocast_enabled("cpu") is False  # nothing leaks out
 
