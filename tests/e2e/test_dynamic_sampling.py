@@ -64,6 +64,6 @@ def test_a_pipeline_with_dynamic_sampling_trains_only_on_groups_with_signal(cli,
     assert cli("pipeline", config, "--run-dir", resumed, "--quiet").exit_code == 0
     again = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     drop = ("seconds", "tokens_per_s")
-    assert [{k: v for k, v in r.items() if not any(d in k for d in drop)} for r in again] == [
-        {k: v for k, v in r.items() if not any(d in k for d in drop)} for r in rows
-    ]
+    ours, theirs = ([{k: v for k, v in r.items() if not any(d in k for d in drop)} for r in run_rows] for run_rows in (again, rows))
+    differing = [(i, k, a.get(k), b.get(k)) for i, (a, b) in enumerate(zip(ours, theirs)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+    assert len(ours) == len(theirs) and not differing, differing
