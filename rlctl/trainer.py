@@ -250,15 +250,13 @@ class Trainer:
         tokens = max(norms["batch_tokens"], 1)
         device = self.device
         bf16 = autocast_bf16(cfg.bf16, device.type)
-        model = self.policy.model if self.policy is not None else self.critic.lm
-        heads = int(getattr(model.config, "num_attention_heads", 1))
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         for micro, weight in self.ranks.micro_batches(indices, cfg.micro_batch_size, lengths):
             scale = weight * self.ranks.grad_scale
             packed = pack([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro], self.pad_id, device)
 
             def forward_context(module, rows=len(micro), length=packed.input_ids.shape[1]):
-                return training_forward(module, device, bf16, rows=rows, length=length, heads=heads)
+                return training_forward(module, device, bf16, rows=rows, length=length)
 
             width = packed.response_mask.shape[1]
             m = packed.response_mask

@@ -13,7 +13,7 @@ import inspect
 import json
 import os
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,7 +62,7 @@ EAGER_ATTENTION_MAX_SCORES = 1 << 25
 
 
 @contextmanager
-def training_forward(model, device: torch.device, bf16: bool, *, rows: int, length: int, heads: int):
+def training_forward(model, device: torch.device, bf16: bool, *, rows: int, length: int):
     """A forward of `model` as the update computes it: bf16 autocast when training in bf16, and
     on the CPU under it, for short sequences, transformers' eager attention (bf16 matmuls,
     fp32 softmax, as autocast's math attention on a GPU): torch's CPU math kernel upcasts to
@@ -72,6 +72,7 @@ def training_forward(model, device: torch.device, bf16: bool, *, rows: int, leng
     with ExitStack() as stack:
         if bf16:
             stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
+            heads = int(getattr(model.config, "num_attention_heads", 1))
             if device.type == "cpu" and rows * heads * length * length <= EAGER_ATTENTION_MAX_SCORES:
                 stack.enter_context(attention_implementation(model, "eager"))
         yield
@@ -87,11 +88,6 @@ def attention_implementation(model, name: str):
         yield
     finally:
         config._attn_implementation = before
-
-
-def compute_context(device: torch.device, compute_dtype: str):
-    """bf16 autocast for forward passes (weights stay fp32), or nothing for fp32."""
-    return torch.autocast(device.type, dtype=torch.bfloat16) if decide_dtype(device, compute_dtype) == "bf16" else nullcontext()
 
 
 class Bf16Copy:
@@ -404,11 +400,10 @@ class HFPolicy:
         ratio divides by; a LoRA reference, the policy's module with its adapters disabled)."""
         bf16 = decide_dtype(self.device, compute_dtype) == "bf16"
         model = self._bf16.of(self.model) if bf16 and not as_trained and self._scores_from_copy else None
-        heads = int(getattr(self.model.config, "num_attention_heads", 1))
 
         def score(batch: PackedBatch) -> torch.Tensor:
             rows, length = batch.input_ids.shape
-            with training_forward(self.model, self.device, bf16 and model is None, rows=rows, length=length, heads=heads):
+            with training_forward(self.model, self.device, bf16 and model is None, rows=rows, length=length):
                 return self.forward(batch, temperature=temperature, model=model)[0]
 
         return scored_rows(prompt_ids, response_ids, batch_size, self.pad_id, self.device, score)
@@ -456,9 +451,16 @@ class ValueModel(torch.nn.Module):
 
     @torch.no_grad()
     def values(self, prompt_ids, response_ids, *, pad_id: int, batch_size: int = 16, compute_dtype: str = "fp32") -> list[list[float]]:
+        """Values as the update computes them (its forward context: the old values it clips to)."""
         device = self.value_head.weight.device
-        with compute_context(device, compute_dtype):
-            return scored_rows(prompt_ids, response_ids, batch_size, pad_id, device, self.forward)
+        bf16 = decide_dtype(device, compute_dtype) == "bf16"
+
+        def score(batch: PackedBatch) -> torch.Tensor:
+            rows, length = batch.input_ids.shape
+            with training_forward(self.lm, device, bf16, rows=rows, length=length):
+                return self.forward(batch)
+
+        return scored_rows(prompt_ids, response_ids, batch_size, pad_id, device, score)
 
 
 def read_trainer_step(uri: str) -> int:

@@ -168,9 +168,10 @@ def test_bf16_training_on_the_cpu_takes_eager_attention_only_for_short_sequences
             assert torch.is_autocast_enabled("cpu") is kw["bf16"]
             return model.config._attn_implementation
 
-    assert attention(bf16=True, rows=64, length=76, heads=8) == "eager"  # bf16 matmuls, not the math kernel's fp32 ones
-    assert attention(bf16=True, rows=64, length=int((EAGER_ATTENTION_MAX_SCORES / 512) ** 0.5) + 1, heads=8) == before  # long: scores too big
-    assert attention(bf16=False, rows=64, length=76, heads=8) == before  # fp32: SDPA as always
+    heads = model.config.num_attention_heads
+    assert attention(bf16=True, rows=64, length=76) == "eager"  # bf16 matmuls, not the math kernel's fp32 ones
+    assert attention(bf16=True, rows=64, length=int((EAGER_ATTENTION_MAX_SCORES / (64 * heads)) ** 0.5) + 1) == before  # long: scores too big
+    assert attention(bf16=False, rows=64, length=76) == before  # fp32: SDPA as always
     assert model.config._attn_implementation == before and torch.is_autocast_enabled("cpu") is False  # nothing leaks out
 
 
@@ -183,7 +184,7 @@ def test_the_policys_recompute_in_bf16_is_the_updates_own_forward(tiny_model):
     prompts, responses = [[5, 6, 7], [8, 9]], [[10, 11, 12, 13], [14, 15]]
     recomputed = policy.logprobs(prompts, responses, temperature=1.0, batch_size=2, compute_dtype="bf16", as_trained=True)
     packed = pack(prompts, responses, policy.pad_id, policy.device)
-    with torch.no_grad(), training_forward(policy.model, policy.device, True, rows=2, length=packed.input_ids.shape[1], heads=4):
+    with torch.no_grad(), training_forward(policy.model, policy.device, True, rows=2, length=packed.input_ids.shape[1]):
         trained = policy.forward(packed, temperature=1.0)[0]
     for row, values in enumerate(recomputed):
         assert values == pytest.approx(trained[row, : len(values)].tolist(), abs=1e-6)
