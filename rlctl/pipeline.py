@@ -294,12 +294,12 @@ class Pipeline:
         return row
 
     def _fit_threads(self) -> int | None:
-        """Before a stage: torch's threads = the CPUs other processes left free (local workers;
-        a Ray worker's are its cpus_per_worker)."""
+        """Before a stage: torch's threads = `workers.threads`, or (0) the CPUs other processes
+        left free (local workers; a Ray worker's are its cpus_per_worker)."""
         if self.cfg.workers.backend != "local":
             return None
         if self._governor is None:
-            self._governor = ThreadGovernor()
+            self._governor = ThreadGovernor(self.cfg.workers.threads)
         return self._governor.adjust()
 
     def _trackers(self) -> Loggers:
@@ -357,6 +357,9 @@ class Pipeline:
         if getattr(self, "_loggers", None) is not None:
             self._loggers.close()
             self._loggers = None
+        if getattr(self, "_governor", None) is not None:
+            self._governor.restore()
+            self._governor = None
         self._release_lock()
 
     def _release_lock(self) -> None:

@@ -10,6 +10,13 @@ the cores, torch's threads spin at every barrier waiting for the one that was de
 program). `ThreadGovernor` measures, between stages, how much of our CPUs other processes used
 (/proc/stat minus our own CPU time) and sets torch's thread count to what they leave free.
 OMP_WAIT_POLICY=PASSIVE, the other cure, was measured too: it makes the quiet case 1.8× slower.
+
+The thread count is an input of the numbers: reductions and GEMMs split their work by thread,
+so a run at 1 thread and one at 2 differ in the last bits. A governor therefore starts every
+run at one well-defined count (`configured_threads`, never what an earlier run in the same
+process left behind), gives the process its thread count back when the run ends, and holds a
+fixed count when asked (`[workers] threads = N`): then a run killed and resumed on a busy
+machine still ends bit-identical to one that never stopped.
 """
 
 from __future__ import annotations
@@ -55,6 +62,16 @@ def configure_openmp(environ: dict | None = None) -> dict[str, str]:
     return {"OMP_NUM_THREADS": env["OMP_NUM_THREADS"]}
 
 
+def configured_threads(environ: dict | None = None) -> int:
+    """The thread count a run starts from: OMP_NUM_THREADS where it is set (by the user, or by
+    the CLI from the CPUs available), else the CPUs available."""
+    env = os.environ if environ is None else environ
+    try:
+        return max(1, int(env["OMP_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        return available_cpus()
+
+
 def busy_seconds(stat_text: str, cpus: set[int], ticks_per_second: float) -> float:
     """CPU seconds the listed CPUs spent busy since boot, from /proc/stat's `cpuN` lines
     (user, nice, system, irq, softirq, steal; not idle or iowait)."""
@@ -73,22 +90,27 @@ def threads_for(limit: int, others_busy: float) -> int:
 
 
 @dataclass(frozen=True)
-class _Sample:
+class CpuSample:
     wall: float
     busy: float  # our CPUs' busy seconds, all processes
     own: float  # this process's CPU seconds
 
 
 class ThreadGovernor:
-    """Between stages: `adjust()` sets torch's thread count from how busy other processes kept
-    our CPUs since the last call. Does nothing where /proc/stat is not readable."""
+    """torch's thread count for one run of local workers. `threads = 0`: before each stage,
+    `adjust()` sets it from how busy other processes kept our CPUs since the last call (at most
+    `configured_threads()`); `threads = N`: N throughout. `restore()` gives the process back the
+    count it had. /proc/stat unreadable: the starting count throughout."""
 
     MIN_WINDOW = 0.05  # seconds; shorter windows say nothing
 
-    def __init__(self, limit: int | None = None) -> None:
+    def __init__(self, threads: int = 0) -> None:
         import torch
 
-        self.limit = limit or min(available_cpus(), torch.get_num_threads())  # never above what the user set
+        self.adaptive = threads == 0
+        self.limit = threads or configured_threads()
+        self.previous = torch.get_num_threads()
+        torch.set_num_threads(self.limit)
         try:
             self.cpus = os.sched_getaffinity(0)
         except (AttributeError, OSError):
@@ -96,19 +118,21 @@ class ThreadGovernor:
         self.ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self._last = self._sample()
 
-    def _sample(self) -> _Sample | None:
+    def _sample(self) -> CpuSample | None:
         try:
             stat = Path("/proc/stat").read_text()
         except OSError:
             return None
-        return _Sample(time.monotonic(), busy_seconds(stat, self.cpus, self.ticks), time.process_time())
+        return CpuSample(time.monotonic(), busy_seconds(stat, self.cpus, self.ticks), time.process_time())
 
     def adjust(self) -> int:
         """Set and return torch's thread count for the next stage."""
         import torch
 
-        now = self._sample()
-        last, current = self._last, torch.get_num_threads()
+        current = torch.get_num_threads()
+        if not self.adaptive:
+            return current
+        now, last = self._sample(), self._last
         if now is None or last is None or now.wall - last.wall < self.MIN_WINDOW:
             return current
         others = ((now.busy - last.busy) - (now.own - last.own)) / (now.wall - last.wall)
@@ -117,3 +141,9 @@ class ThreadGovernor:
         if threads != current:
             torch.set_num_threads(threads)
         return threads
+
+    def restore(self) -> None:
+        """Give the process back the thread count it had before this run."""
+        import torch
+
+        torch.set_num_threads(self.previous)

@@ -42,11 +42,20 @@ def worker_group(
         from rlctl.workers.ray import RayWorkers
 
         group = RayWorkers(cfg, policy_source=policy, critic_source=critic, train=update is not None, temperature=cfg.rollout.temperature)
-    else:
-        from rlctl.workers.local import LocalWorkers
+        try:
+            yield group
+        finally:
+            group.close()
+        return
+    from rlctl.threads import ThreadGovernor
+    from rlctl.workers.local import LocalWorkers
 
-        group = LocalWorkers(cfg, policy_source=policy, critic_source=critic)
+    threads = ThreadGovernor(workers.threads)  # the count a pipeline's stage would run at
     try:
-        yield group
+        group = LocalWorkers(cfg, policy_source=policy, critic_source=critic)
+        try:
+            yield group
+        finally:
+            group.close()
     finally:
-        group.close()
+        threads.restore()

@@ -8,6 +8,7 @@ import pytest
 
 from rlctl import shards
 from rlctl.algos.sampling import groups_with_signal, select_groups
+from rlctl.threads import available_cpus
 
 REWARD = '''
 def reward(prompts, responses):
@@ -38,6 +39,7 @@ def config(tmp_path):
         '[advantage]\nestimator = "grpo"\n'
         '[update]\nlr = 1e-3\nmicro_batch_size = 6\n'
         '[pipeline]\niterations = 2\ndynamic_sampling = true\nmax_sampling_rounds = 3\n'
+        f'[workers]\nthreads = {available_cpus()}\n'  # the resume below is compared bit for bit: a fixed thread count
     )
     return tmp_path / "ds.toml"
 

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from rlctl import shards
 from rlctl.config import load_config
 from rlctl.pipeline import Pipeline
+from rlctl.threads import available_cpus
 from tests.conftest import one_line_error
 
 PROMPTS = [{"id": f"p{i}", "prompt": f"Question {i}: what is {i} + {i}?", "data_source": "even" if i % 2 else "odd"} for i in range(5)]
@@ -31,6 +32,7 @@ def write_config(tmp_path, tiny_model, **sections) -> Path:
         "advantage": {"estimator": "gae", "gamma": 0.99, "lam": 0.95, "kl_coef": 0.05, "kl_controller": "adaptive", "kl_target": 0.01, "kl_horizon": 50},
         "update": {"lr": 1e-3, "critic_lr": 1e-3, "mini_batch_size": 3, "micro_batch_size": 2, "epochs": 2},
         "pipeline": {"iterations": 4, "save_every": 1, "keep_checkpoints": 0, "val_every": 2},
+        "workers": {"threads": available_cpus()},  # runs are compared bit for bit: one thread count, however busy the machine
     }
     for name, values in sections.items():
         base[name] = {**base.get(name, {}), **values}
@@ -86,7 +88,13 @@ def test_sigkill_then_resume_is_bit_identical(cli, tmp_path, reference_run, poin
     run = tmp_path / "run"
     killed = rlctl("pipeline", config, "--run-dir", run, "--quiet", env={"RLCTL_FAULT_KILL_AT": point}, check=False)
     assert killed.returncode == -9, killed.stderr[-2000:]
-    assert cli("pipeline", config, "--run-dir", run, "--quiet").exit_code == 0  # in-process: no second start-up
+    before = torch.get_num_threads()
+    torch.set_num_threads(1 if before > 1 else 2)  # what an earlier run in this process could have left behind
+    try:
+        assert cli("pipeline", config, "--run-dir", run, "--quiet").exit_code == 0  # in-process: no second start-up
+        assert torch.get_num_threads() == (1 if before > 1 else 2)  # the run gave the process its count back
+    finally:
+        torch.set_num_threads(before)
     expected, got = final_weights(reference), final_weights(run)
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected)

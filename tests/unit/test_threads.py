@@ -1,6 +1,17 @@
 """Thread counts: the CPUs a process may really use, and what other processes leave free."""
 
-from rlctl.threads import busy_seconds, cgroup_cpu_quota, configure_openmp, threads_for
+import torch
+
+from rlctl.threads import (
+    CpuSample,
+    ThreadGovernor,
+    available_cpus,
+    busy_seconds,
+    cgroup_cpu_quota,
+    configure_openmp,
+    configured_threads,
+    threads_for,
+)
 
 STAT = """cpu  900 0 300 5000 10 0 0 0 0 0
 cpu0 400 0 100 2500 5 0 0 0 0 0
@@ -36,3 +47,42 @@ def test_configure_openmp_leaves_a_users_setting_alone():
     assert configure_openmp(env) == {} and env == {"OMP_NUM_THREADS": "3"}
     fresh: dict = {}
     assert set(configure_openmp(fresh)) == {"OMP_NUM_THREADS"} and int(fresh["OMP_NUM_THREADS"]) >= 1
+
+
+def test_a_run_starts_from_omp_num_threads_or_the_cpus_available():
+    assert configured_threads({"OMP_NUM_THREADS": "3"}) == 3
+    assert configured_threads({}) == available_cpus()
+    assert configured_threads({"OMP_NUM_THREADS": "many"}) == available_cpus()
+
+
+def test_a_governor_starts_at_the_configured_count_whatever_the_process_had_and_gives_it_back(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)  # what an earlier run in this process might have left
+    try:
+        governor = ThreadGovernor()
+        assert torch.get_num_threads() == 2 and governor.limit == 2
+        governor.restore()
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def others_keep_both_cpus_busy(governor: ThreadGovernor, monkeypatch) -> None:
+    """The next sample: a second later, two CPU-seconds busy that were not ours."""
+    last = governor._last
+    monkeypatch.setattr(governor, "_sample", lambda: CpuSample(last.wall + 1.0, last.busy + 2.0, last.own))
+
+
+def test_a_fixed_thread_count_holds_however_busy_the_machine_is(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    before = torch.get_num_threads()
+    try:
+        adaptive = ThreadGovernor()
+        others_keep_both_cpus_busy(adaptive, monkeypatch)
+        assert adaptive.adjust() == 1 and torch.get_num_threads() == 1
+        fixed = ThreadGovernor(threads=2)
+        others_keep_both_cpus_busy(fixed, monkeypatch)
+        assert fixed.adjust() == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
