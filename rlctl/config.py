@@ -287,7 +287,7 @@ class WorkersConfig:
     num_workers: int = 1  # data-parallel ranks of the policy group (ray)
     address: str = ""  # "" = an embedded Ray for this command; auto or HOST:PORT joins a cluster
     cpus_per_worker: int = 1  # Ray CPUs of a worker, and its torch/OpenMP threads
-    threads: int = 0  # local: torch threads; 0 = the CPUs available, fewer while other processes keep some busy (N: fixed, so results repeat bit for bit beside other load too)
+    threads: int = 0  # local workers' torch threads (a Ray worker's: cpus_per_worker); 0 = the CPUs available, fewer while other processes keep some busy (N: fixed, so results repeat bit for bit beside other load too)
     gpus_per_worker: float = 0.0  # 1 on a GPU machine: NCCL instead of gloo
     placement: str = "colocate"  # colocate: a rank holds policy, reference, critic | split: the reference and the critic each in a pool of their own
     reference: str = "replicated"  # replicated: a full copy per rank | sharded: FSDP2 shards at rest, gathered to score
@@ -296,8 +296,6 @@ class WorkersConfig:
         check_ranges(self, "workers", {
             "reference": one_of("replicated", "sharded"), "placement": one_of("colocate", "split"), "backend": one_of(*WORKER_BACKENDS), "num_workers": at_least(1), "cpus_per_worker": at_least(1), "threads": at_least(0), "gpus_per_worker": at_least(0.0),
         })
-        if self.backend == "ray" and self.threads:
-            raise ConfigError("workers.threads is for local workers; a Ray worker's threads are its workers.cpus_per_worker")
 
 
 @dataclass(frozen=True)

@@ -446,7 +446,9 @@ class Pipeline:
             return None
         if self.view:
             self.view.stage(name, total=None)
-        self._fit_threads()
+        threads = self._fit_threads()
+        if threads is not None:  # replay runs the stage at the same count: it is an input of the last bits
+            base_state = {**base_state, "torch_threads": threads}
         started = time.perf_counter()
         if write_parts is not None:
             manifest.state = dict(base_state)

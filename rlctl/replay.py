@@ -100,7 +100,11 @@ def _recorded_config(run_cfg: Config, recorded: Manifest, overrides: list[str]) 
     """The run's config with the stage's recorded sections in place, then the overrides."""
     known = {f.name for f in dataclasses.fields(Config)}
     sections = {k: section_from_dict(k, v) for k, v in recorded.config.items() if k in known}
-    return apply_overrides(dataclasses.replace(run_cfg, **sections), overrides)
+    cfg = apply_overrides(dataclasses.replace(run_cfg, **sections), overrides)
+    threads = recorded.state.get("torch_threads") or recorded.state.get("train_metrics", {}).get("torch_threads")
+    if threads and cfg.workers.backend == "local" and not cfg.workers.threads:
+        cfg = dataclasses.replace(cfg, workers=dataclasses.replace(cfg.workers, threads=int(threads)))  # as the stage ran
+    return cfg
 
 
 def _weights(recorded: Manifest) -> str:

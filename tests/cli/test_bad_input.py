@@ -147,7 +147,6 @@ RANGE_CASES = [
     (["score", "--set", "workers.cpus_per_worker=0"], "workers.cpus_per_worker must be ≥ 1"),
     (["update", "--set", "workers.gpus_per_worker=-1"], "workers.gpus_per_worker must be ≥ 0.0"),
     (["rollout", "--set", "workers.threads=-1"], "workers.threads must be ≥ 0"),
-    (["score", "--workers-backend", "ray", "--set", "workers.threads=2"], "workers.threads is for local workers; a Ray worker's threads are its workers.cpus_per_worker"),
 ]
 REQUIRED = {
     "rollout": ["--prompts", "p.jsonl", "--model", "no-model"],

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from rlctl import shards
 from rlctl.config import load_config
 from rlctl.pipeline import Pipeline
-from rlctl.threads import available_cpus
+from rlctl.threads import ThreadGovernor, available_cpus
 from tests.conftest import one_line_error
 
 PROMPTS = [{"id": f"p{i}", "prompt": f"Question {i}: what is {i} + {i}?", "data_source": "even" if i % 2 else "odd"} for i in range(5)]
@@ -149,9 +149,14 @@ def test_resume_recomputes_a_damaged_committed_stage_instead_of_training_on_it(c
     assert all(torch.equal(expected[k], got[k]) for k in expected)
 
 
-def test_replay_check_is_identical_for_every_stage(cli, tmp_path, tiny_model):
-    config = write_config(tmp_path, tiny_model, pipeline={"iterations": 2})
-    Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"]).run()
+def test_replay_check_is_identical_for_every_stage_at_the_thread_count_it_ran_at(cli, tmp_path, tiny_model, monkeypatch):
+    config = write_config(tmp_path, tiny_model, pipeline={"iterations": 2}, workers={"threads": 0})
+    monkeypatch.setattr(ThreadGovernor, "MIN_WINDOW", 0.0)
+    monkeypatch.setattr("rlctl.threads.threads_for", lambda limit, others_busy: 1)  # other processes left one CPU free
+    with Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"]) as pipeline:
+        pipeline.run()
+    monkeypatch.undo()  # the replays run on a quiet machine
+    assert {shards.read_manifest(str(tmp_path / "run" / "iter-0002" / s))[0].state["torch_threads"] for s in ("rollout", "score", "advantage")} == {1}
     for i in (1, 2):
         for stage in ("prompts", "rollout", "score", "advantage", "update"):
             result = cli("replay", tmp_path / "run" / f"iter-{i:04d}" / stage, "--check")
