@@ -50,7 +50,8 @@ def resolve_device(device: str) -> torch.device:
 
 def decide_dtype(device: torch.device, compute_dtype: str) -> str:
     """fp32 or bf16: "auto" decided for `device` (rlctl.dtypes), anything else checked."""
-    from rlctl.dtypes import AUTO, compute_dtype as decided
+    from rlctl.dtypes import AUTO
+    from rlctl.dtypes import compute_dtype as decided
 
     if compute_dtype not in (AUTO, *COMPUTE_DTYPES):
         raise InputError(f"compute dtype must be one of {AUTO}, {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r}")

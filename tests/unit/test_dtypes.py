@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from rlctl.config import Config, load_config
-from rlctl.dtypes import autocast_bf16, compute_dtype, cpu_flags, models_device, native_bf16, resolve_dtypes
+from rlctl.dtypes import (
+    autocast_bf16,
+    compute_dtype,
+    cpu_flags,
+    models_device,
+    native_bf16,
+    resolve_dtypes,
+)
 
 ZEN5 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
 XEON = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n"
