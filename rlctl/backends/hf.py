@@ -13,7 +13,7 @@ import inspect
 import json
 import os
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +89,18 @@ def attention_implementation(model, name: str):
         yield
     finally:
         config._attn_implementation = before
+
+
+def decoding_attention(model, device: torch.device):
+    """The attention `generate` runs: on the CPU, for a model that attends with SDPA, rlctl's
+    single-token decode attention (rlctl.backends.decode_attention; RLCTL_DECODE_ATTENTION=sdpa
+    keeps SDPA); otherwise the model's own."""
+    uses_sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
+    if device.type != "cpu" or not uses_sdpa or os.environ.get("RLCTL_DECODE_ATTENTION") == "sdpa":
+        return nullcontext()
+    from rlctl.backends import decode_attention
+
+    return attention_implementation(model, decode_attention.register())
 
 
 class Bf16Copy:
@@ -312,10 +324,11 @@ class HFPolicy:
         shared with training, stay fp32; "auto": bf16 where the hardware has it natively)."""
         model = self._bf16.of(self.model) if decide_dtype(self.device, compute_dtype) == "bf16" else self.model
         results: list[Generation | None] = [None] * len(prompt_ids)
-        for rows in batches_by_length(prompt_ids, [()] * len(prompt_ids), batch_size):  # prompts of similar length pad less
-            streams = [row_generator(params.seed, first_row + i) for i in rows]
-            for i, generation in zip(rows, self._generate_batch(model, [prompt_ids[i] for i in rows], params, streams, on_tokens)):
-                results[i] = generation
+        with decoding_attention(model, self.device):
+            for rows in batches_by_length(prompt_ids, [()] * len(prompt_ids), batch_size):  # prompts of similar length pad less
+                streams = [row_generator(params.seed, first_row + i) for i in rows]
+                for i, generation in zip(rows, self._generate_batch(model, [prompt_ids[i] for i in rows], params, streams, on_tokens)):
+                    results[i] = generation
         return results
 
     def _generate_batch(self, model, prompt_ids, params: SamplingParams, streams: list[torch.Generator], on_tokens) -> list[Generation]:
