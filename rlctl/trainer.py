@@ -142,6 +142,15 @@ class RankGroup:
 ALONE = RankGroup()
 
 
+def adamw(params, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW, fused where torch has the kernel for the parameters' device: on the CPU torch's
+    default is a loop over the parameters, 5× slower (small preset: 39–45 ms against 8 ms a
+    step; bench/RESULTS.md)."""
+    params = list(params)
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
+
+
 class Trainer:
     """Holds the policy (and critic) optimizers; `train(batch)` runs one update."""
 
@@ -154,12 +163,8 @@ class Trainer:
         self.step = 0
         self.pad_id = policy.pad_id if policy is not None else 0  # padding sits past each row's end: any id gives the same values
         self.device = policy.device if policy is not None else next(critic.parameters()).device
-        self.optimizer = (  # LoRA: the adapters only
-            torch.optim.AdamW(trainable(policy.model), lr=cfg.lr, weight_decay=cfg.weight_decay) if policy is not None else None
-        )
-        self.critic_optimizer = (
-            torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay) if critic is not None else None
-        )
+        self.optimizer = adamw(trainable(policy.model), lr=cfg.lr, weight_decay=cfg.weight_decay) if policy is not None else None  # LoRA: the adapters only
+        self.critic_optimizer = adamw(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay) if critic is not None else None
 
     # -- state ------------------------------------------------------------------------
 
