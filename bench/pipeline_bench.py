@@ -1,10 +1,11 @@
-"""Benchmark: the pipeline on the `small` preset (≈24M parameters) for a few iterations.
+"""Benchmark: the pipeline on a preset model (`small`, ≈24M parameters, by default) for a few iterations.
 
 Reports, as the median over several runs: seconds per stage per iteration, rollout and
 training tokens/s, and the share of wall time spent on shard I/O and manifests.
 
     python bench/pipeline_bench.py --runs 3 --iterations 3          # prints a Markdown table
     python bench/pipeline_bench.py --runs 3 --append bench/RESULTS.md
+    python bench/pipeline_bench.py --preset medium --set model.device=cuda --runs 1   # a GPU machine
 """
 
 from __future__ import annotations
@@ -60,12 +61,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--preset", default="small", help="the model: a `rlctl model init` preset")
+    parser.add_argument("--model", type=Path, help="an HF folder to use instead of a fresh preset")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="config override, e.g. update.bf16=true")
     parser.add_argument("--append", type=Path, help="append the Markdown result to this file")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = Path(tmp) / "small"
-        subprocess.run([sys.executable, "-m", "rlctl", "model", "init", str(model), "--preset", "small"], check=True, stdout=subprocess.DEVNULL)
+        model = args.model or Path(tmp) / args.preset
+        if args.model is None:
+            subprocess.run([sys.executable, "-m", "rlctl", "model", "init", str(model), "--preset", args.preset], check=True, stdout=subprocess.DEVNULL)
         results = []
         for r in range(args.runs):
             workdir = Path(tmp) / f"run{r}"
@@ -74,11 +78,11 @@ def main() -> None:
     medians = {k: statistics.median(r[k] for r in results) for k in results[0]}
     cpu = _cpu_name()
     sets = "".join(f" --set {o}" for o in args.overrides)
-    command = f"python bench/pipeline_bench.py --runs {args.runs} --iterations {args.iterations} --batch {args.batch} --n {args.n} --tokens {args.tokens}{sets}"
+    command = f"python bench/pipeline_bench.py {f'--model {args.model} ' if args.model else ''}--preset {args.preset} --runs {args.runs} --iterations {args.iterations} --batch {args.batch} --n {args.n} --tokens {args.tokens}{sets}"
     lines = [
-        f"### pipeline, `small` preset — {time.strftime('%Y-%m-%d')}",
+        f"### pipeline, `{args.preset}` preset — {time.strftime('%Y-%m-%d')}",
         "",
-        f"- machine: {cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch threads default, no GPU",
+        f"- machine: {cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch threads default, {_gpu_name()}",
         f"- command: `{command}`",
         f"- workload: {args.batch} prompts × {args.n} samples × {args.tokens} new tokens per iteration, GRPO with a reference model, fp32 weights{' (' + ', '.join(args.overrides) + ')' if args.overrides else ''}",
         f"- median of {args.runs} runs (each the mean over its {args.iterations} iterations)",
@@ -93,6 +97,14 @@ def main() -> None:
     if args.append:
         with open(args.append, "a") as f:
             f.write(text + "\n")
+
+
+def _gpu_name() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no GPU"
+    return f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
 
 
 def _cpu_name() -> str:
