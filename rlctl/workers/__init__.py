@@ -7,7 +7,7 @@ weights_digest, critic_digest, save, close); `make_workers` picks one from `[wor
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from rlctl.config import Config, ModelConfig, RolloutConfig, UpdateConfig, VLLMConfig, WorkersConfig
@@ -38,24 +38,16 @@ def worker_group(
         model=ModelConfig(path=policy or "", ref=ref or "", critic=critic or "", device=device),
         rollout=rollout or RolloutConfig(temperature=temperature), workers=workers, update=update or UpdateConfig(), vllm=engine,
     )
-    if workers.backend == "ray":
-        from rlctl.workers.ray import RayWorkers
+    with ExitStack() as stack:  # on the way out: the group stops, then the thread count is given back
+        if workers.backend == "ray":
+            from rlctl.workers.ray import RayWorkers
 
-        group = RayWorkers(cfg, policy_source=policy, critic_source=critic, train=update is not None, temperature=cfg.rollout.temperature)
-        try:
-            yield group
-        finally:
-            group.close()
-        return
-    from rlctl.threads import ThreadGovernor
-    from rlctl.workers.local import LocalWorkers
+            group = RayWorkers(cfg, policy_source=policy, critic_source=critic, train=update is not None, temperature=cfg.rollout.temperature)
+        else:
+            from rlctl.threads import ThreadGovernor
+            from rlctl.workers.local import LocalWorkers
 
-    threads = ThreadGovernor(workers.threads)  # the count a pipeline's stage would run at
-    try:
-        group = LocalWorkers(cfg, policy_source=policy, critic_source=critic)
-        try:
-            yield group
-        finally:
-            group.close()
-    finally:
-        threads.restore()
+            stack.callback(ThreadGovernor(workers.threads).restore)  # the count a pipeline's stage would run at
+            group = LocalWorkers(cfg, policy_source=policy, critic_source=critic)
+        stack.callback(group.close)
+        yield group
