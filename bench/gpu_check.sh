@@ -1,28 +1,70 @@
 #!/usr/bin/env bash
 # The GPU checks of issues 7 and 12 as one run on a lent CUDA machine (the device tool), from
 # the repository root; it prints Markdown for bench/RESULTS.md:
-#   bash bench/gpu_check.sh                        # medium preset (Qwen2.5-0.5B's shape) on cuda
-#   DEVICE=cpu PRESET=tiny bash bench/gpu_check.sh # the same steps on a CPU, to try the script
-# Needs torch, transformers, pyarrow, fsspec, typer and rich; vLLM and Ray are measured where
-# they are installed. Each step has its own time limit (600 s in all: one device call) and a
-# failed step does not stop the rest.
+#   bash bench/device_wheels.sh                    # here, first: Ray, TRL and their needs in .whl/
+#   bash bench/gpu_check.sh                        # there (device run, carry [".whl"], timeout_s 600)
+#   DEVICE=cpu PRESET=tiny TOKENS=16 bash bench/gpu_check.sh   # the same steps on a CPU, to try it
+# Needs torch, transformers, pyarrow, fsspec, typer and rich (the device's image has them);
+# wheels in .whl/ are installed first, then rlctl itself (no index needed), all under $SITE.
+# Ray, vLLM and TRL are measured where they import. The steps run in order of what matters most,
+# each under its own time limit and all within $BUDGET seconds (one device call); a failed step
+# does not stop the rest.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+export HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 DEVICE=${DEVICE:-cuda}
 PRESET=${PRESET:-medium}
 TOKENS=${TOKENS:-128}
-MODEL=$(mktemp -d)/$PRESET
+BUDGET=${BUDGET:-570}
+PY=${PY:-$(command -v python3 || command -v python)}
+WHEELS=${WHEELS:-$REPO/.whl}
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+SITE=${SITE:-$WORK/site}
+MODEL=$WORK/$PRESET
+DEADLINE=$((SECONDS + BUDGET))
 
 step() { echo; echo "## $1"; echo; }
+# run a step for at most $1 seconds, less when the budget is nearly spent
+within() {
+  local limit=$1 left=$((DEADLINE - SECONDS - 5))
+  shift
+  [ "$left" -lt 20 ] && { echo "(skipped: the time budget is spent)"; return 1; }
+  [ "$limit" -gt "$left" ] && limit=$left
+  timeout "$limit" "$@"
+  local rc=$?
+  [ "$rc" -ne 0 ] && echo "(step ended with exit $rc; its limit was ${limit} s)"
+  return "$rc"
+}
+imports() { "$PY" -c "import $1" 2>/dev/null; }
+
+step "setup"
+mkdir -p "$SITE"
+wheels=()
+compgen -G "$WHEELS/*.whl" >/dev/null && wheels=("$WHEELS"/*.whl)
+"$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --target "$SITE" "$REPO" "${wheels[@]}" \
+  || { echo "rlctl (and the wheels in $WHEELS) did not install"; exit 1; }
+# out of the source tree, so that `import rlctl` finds the installed package (its stages and schemas)
+export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+cd "$WORK"
+"$PY" - <<'PY'
+import importlib, platform
+import torch, transformers
+print("Python", platform.python_version(), "| torch", torch.__version__, "CUDA", torch.version.cuda, "| transformers", transformers.__version__)
+for name in ("ray", "vllm", "trl"):
+    try:
+        print(f"{name}:", importlib.import_module(name).__version__)
+    except Exception as exc:  # absent, or broken by the image's versions
+        print(f"{name}: not importable ({type(exc).__name__}: {str(exc)[:120]})")
+PY
 
 step "machine"
 if [ "$DEVICE" = cuda ]; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; fi
-python -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda, '| transformers', transformers.__version__)"
+echo "$(nproc) CPUs"
 
 if [ "$DEVICE" = cuda ]; then
   step "NCCL (one rank: the backend initialises and reduces)"
-  timeout 60 python - <<'PY'
+  within 60 "$PY" - <<'PY'
 import os, torch, torch.distributed as dist
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
 dist.init_process_group("nccl", rank=0, world_size=1)
@@ -35,18 +77,25 @@ PY
 fi
 
 step "model: rlctl model init --preset $PRESET"
-timeout 90 python -m rlctl model init "$MODEL" --preset "$PRESET" || exit 1
+within 90 "$PY" -m rlctl model init "$MODEL" --preset "$PRESET" || exit 1
+
+step "pipeline, local workers (16 prompts × 4 samples × $TOKENS tokens, GRPO + reference, dtype auto)"
+within 150 "$PY" "$REPO/bench/pipeline_bench.py" --model "$MODEL" --preset "$PRESET" --set model.device="$DEVICE" --runs 1 --iterations 3 --batch 16 --n 4 --tokens "$TOKENS"
+
+if imports ray; then
+  gpus=$([ "$DEVICE" = cuda ] && echo 1 || echo 0)
+  step "pipeline, one Ray worker (gpus_per_worker = $gpus; NCCL on a GPU)"
+  within 150 "$PY" "$REPO/bench/pipeline_bench.py" --model "$MODEL" --preset "$PRESET" --set model.device="$DEVICE" --set workers.backend=ray --set workers.gpus_per_worker="$gpus" --runs 1 --iterations 3 --batch 16 --n 4 --tokens "$TOKENS"
+fi
 
 step "generation tokens/s (64 sequences × $TOKENS new tokens, bf16)"
 engines=hf
-python -c "import vllm" 2>/dev/null && engines=hf,vllm
-timeout 150 python -m bench.engines_bench --device "$DEVICE" --model "$MODEL" --dtype bf16 --engines "$engines" --rounds 3 --sequences 64 --tokens "$TOKENS"
+imports vllm && engines=hf,vllm
+within 120 "$PY" -m bench.engines_bench --device "$DEVICE" --model "$MODEL" --dtype bf16 --engines "$engines" --rounds 3 --sequences 64 --tokens "$TOKENS"
 
-step "pipeline, local workers (16 prompts × 4 samples × $TOKENS tokens, GRPO + reference, dtype auto)"
-timeout 150 python bench/pipeline_bench.py --model "$MODEL" --preset "$PRESET" --set model.device="$DEVICE" --runs 1 --iterations 3 --batch 16 --n 4 --tokens "$TOKENS"
-
-if python -c "import ray" 2>/dev/null; then
-  step "pipeline, one Ray worker$([ "$DEVICE" = cuda ] && echo ' with gpus_per_worker = 1')"
-  gpus=$([ "$DEVICE" = cuda ] && echo 1 || echo 0)
-  timeout 150 python bench/pipeline_bench.py --model "$MODEL" --preset "$PRESET" --set model.device="$DEVICE" --set workers.backend=ray --set workers.gpus_per_worker="$gpus" --runs 1 --iterations 3 --batch 16 --n 4 --tokens "$TOKENS"
+if imports "trl, datasets"; then
+  step "side by side with TRL's GRPOTrainer ($PRESET preset, $TOKENS tokens, dtype auto)"
+  within 240 "$PY" -m bench.trl_bench --device "$DEVICE" --preset "$PRESET" --tokens "$TOKENS" --rounds 1 --steps 4 --python "$PY"
 fi
+echo
+echo "(gpu_check: $SECONDS s)"

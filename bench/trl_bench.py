@@ -11,6 +11,7 @@ the median over rounds, phase by phase.
 
     python -m bench.trl_bench --rounds 2 --steps 6                # dtype: what rlctl's auto decides here
     python -m bench.trl_bench --rounds 2 --steps 6 --dtype fp32
+    python -m bench.trl_bench --device cuda --preset medium --tokens 128 --python python3  # a GPU, TRL installed there
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -37,6 +39,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run; the first two are warm-up")
     parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"))
     parser.add_argument("--venv", type=Path, default=Path.home() / ".cache" / "rlctl-bench" / f"trl-{TRL_VERSION}")
+    parser.add_argument("--python", help="a Python that imports trl and datasets already (no venv is made)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--preset", default="small", help="the model preset both sides train (rlctl model init --preset)")
+    parser.add_argument("--tokens", type=int, default=NEW_TOKENS, help="new tokens per sample")
     parser.add_argument("--append", type=Path, help="append the Markdown result to this file")
     args = parser.parse_args()
     if args.steps < 3:
@@ -44,22 +50,31 @@ def main() -> None:
 
     from rlctl.dtypes import compute_dtype
 
-    dtype = compute_dtype(args.dtype, "cpu")
-    python = ensure_trl_venv(args.venv)
+    dtype = compute_dtype(args.dtype, args.device)
+    python = Path(args.python) if args.python else ensure_trl_venv(args.venv)
+    shape = Shape(args.device, args.tokens)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model = work / "small"
-        subprocess.run([sys.executable, "-m", "rlctl", "model", "init", str(model), "--preset", "small"], check=True, stdout=subprocess.DEVNULL)
+        model = work / args.preset
+        subprocess.run([sys.executable, "-m", "rlctl", "model", "init", str(model), "--preset", args.preset], check=True, stdout=subprocess.DEVNULL)
         prompts = write_prompts(work / "addition.jsonl")
         rounds: dict[str, list[dict[str, float]]] = {"trl": [], "rlctl": []}
         for r in range(args.rounds):
-            rounds["trl"].append(run_trl(python, work / f"trl{r}", model, prompts, args.steps, dtype))
-            rounds["rlctl"].append(run_rlctl(work / f"rlctl{r}", model, prompts, args.steps, dtype, args.dtype))
+            rounds["trl"].append(run_trl(python, work / f"trl{r}", model, prompts, args.steps, dtype, shape))
+            rounds["rlctl"].append(run_rlctl(work / f"rlctl{r}", model, prompts, args.steps, dtype, args.dtype, shape))
     text = report(rounds, args, dtype)
     print(text)
     if args.append:
         with open(args.append, "a") as f:
             f.write(text + "\n")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Where both sides run, and how long the responses are."""
+
+    device: str = "cpu"
+    new_tokens: int = NEW_TOKENS
 
 
 def ensure_trl_venv(venv: Path) -> Path:
@@ -87,16 +102,16 @@ def write_prompts(path: Path, count: int = 256, seed: int = 0) -> Path:
     return path
 
 
-def run_trl(python: Path, work: Path, model: Path, prompts: Path, steps: int, dtype: str) -> dict[str, float]:
+def run_trl(python: Path, work: Path, model: Path, prompts: Path, steps: int, dtype: str, shape: Shape) -> dict[str, float]:
     work.mkdir()
     spec = {
         "model": str(model), "prompts": str(prompts), "reward_file": str(HERE / "addition_reward.py"), "reward_function": "addition_reward",
-        "prompts_per_step": PROMPTS_PER_STEP, "samples": SAMPLES, "max_new_tokens": NEW_TOKENS, "lr": LR, "kl_coef": KL,
-        "steps": steps, "dtype": dtype, "seed": 0,
+        "prompts_per_step": PROMPTS_PER_STEP, "samples": SAMPLES, "max_new_tokens": shape.new_tokens, "lr": LR, "kl_coef": KL,
+        "steps": steps, "dtype": dtype, "seed": 0, "device": shape.device,
     }
     (work / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    subprocess.run([str(python), str(HERE / "trl_runner.py"), str(work / "spec.json"), str(work / "out.json")], check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _run([str(python), str(HERE / "trl_runner.py"), str(work / "spec.json"), str(work / "out.json")], env=env)
     timed = json.loads((work / "out.json").read_text())["steps"][2:]
 
     def median(key: str) -> float:
@@ -110,13 +125,13 @@ def run_trl(python: Path, work: Path, model: Path, prompts: Path, steps: int, dt
     return {**phases, "step": step}
 
 
-def run_rlctl(work: Path, model: Path, prompts: Path, steps: int, dtype: str, asked: str) -> dict[str, float]:
+def run_rlctl(work: Path, model: Path, prompts: Path, steps: int, dtype: str, asked: str, shape: Shape) -> dict[str, float]:
     work.mkdir()
     config = work / "bench.toml"
     config.write_text(
-        f'[model]\npath = "{model}"\nref = "{model}"\n'
+        f'[model]\npath = "{model}"\nref = "{model}"\ndevice = "{shape.device}"\n'
         f'[data]\nprompts = "{prompts}"\nbatch_size = {PROMPTS_PER_STEP}\n'
-        f'[rollout]\nn = {SAMPLES}\nmax_new_tokens = {NEW_TOKENS}\n'
+        f'[rollout]\nn = {SAMPLES}\nmax_new_tokens = {shape.new_tokens}\n'
         f'[score]\nreward = "{HERE / "addition_reward.py"}:addition_reward"\n'
         '[advantage]\nestimator = "grpo"\nkl_coef = 0.0\n'
         f'[update]\nlr = {LR}\nuse_kl_loss = true\nkl_loss_coef = {KL}\nkl_loss_estimator = "k3"\n'
@@ -125,10 +140,7 @@ def run_rlctl(work: Path, model: Path, prompts: Path, steps: int, dtype: str, as
     )
     sets = [] if asked == "auto" else ["--set", f"rollout.dtype={dtype}", "--set", f"score.dtype={dtype}", "--set", f"update.bf16={str(dtype == 'bf16').lower()}"]
     run = work / "run"
-    subprocess.run(
-        [sys.executable, "-m", "rlctl", "pipeline", str(config), "--run-dir", str(run), "--quiet", *sets],
-        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    _run([sys.executable, "-m", "rlctl", "pipeline", str(config), "--run-dir", str(run), "--quiet", *sets])
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][2:]
 
     def median(key: str) -> float:
@@ -139,8 +151,15 @@ def run_rlctl(work: Path, model: Path, prompts: Path, steps: int, dtype: str, as
     return {**phases, "step": median("seconds/total")}
 
 
+def _run(command: list[str], env: dict[str, str] | None = None) -> None:
+    """Run one side; if it fails, stop with the end of what it printed."""
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(command[:4])} ... failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
+
+
 def report(rounds: dict[str, list[dict[str, float]]], args, dtype: str) -> str:
-    from bench.pipeline_bench import _cpu_name
+    from bench.pipeline_bench import _cpu_name, _gpu_name
     from rlctl.dtypes import native_bf16
 
     def med(side: str, key: str) -> float:
@@ -148,10 +167,12 @@ def report(rounds: dict[str, list[dict[str, float]]], args, dtype: str) -> str:
 
     keys = ["generation", "reference forward", "reward", "policy forward + backward + AdamW", "step"]
     flags = "native bf16 (avx512_bf16/amx_bf16)" if native_bf16("cpu") else "no native bf16"
+    machine = f"{_cpu_name()}, {os.cpu_count()} cores, {flags}" if args.device == "cpu" else _gpu_name()
+    trl_from = f"`{args.python}`" if args.python else "its own venv"
     lines = [
-        f"- machine: {_cpu_name()}, {os.cpu_count()} cores, {flags}, Python {platform.python_version()}",
-        f"- command: `python -m bench.trl_bench --rounds {args.rounds} --steps {args.steps} --dtype {args.dtype}` (decided: {dtype}); TRL {TRL_VERSION} in its own venv",
-        f"- workload: small preset, {PROMPTS_PER_STEP} prompts × {SAMPLES} samples × {NEW_TOKENS} new tokens, GRPO, k3 KL loss β = {KL} to a reference, one optimizer step per batch",
+        f"- machine: {machine}, Python {platform.python_version()}",
+        f"- command: `python -m bench.trl_bench --rounds {args.rounds} --steps {args.steps} --dtype {args.dtype} --device {args.device} --preset {args.preset} --tokens {args.tokens}` (decided: {dtype}); TRL {TRL_VERSION} in {trl_from}",
+        f"- workload: {args.preset} preset, {PROMPTS_PER_STEP} prompts × {SAMPLES} samples × {args.tokens} new tokens, GRPO, k3 KL loss β = {KL} to a reference, one optimizer step per batch",
         f"- figures: seconds per step, median over steps 3–{args.steps} of each run, then over {args.rounds} alternating rounds",
         "",
         "| phase | TRL | rlctl | rlctl / TRL |",
@@ -162,6 +183,11 @@ def report(rounds: dict[str, list[dict[str, float]]], args, dtype: str) -> str:
         ratio = f"{ours / trl:.2f}" if trl > 0.005 else "—"
         name = "**iteration (whole step)**" if key == "step" else key
         lines.append(f"| {name} | {trl:.2f} | {ours:.2f} | {ratio} |")
+    tokens = PROMPTS_PER_STEP * SAMPLES * args.tokens
+    trl_gen, our_gen = med("trl", "generation"), med("rlctl", "generation")
+    if trl_gen > 0 and our_gen > 0:
+        per = "GPU" if args.device == "cuda" else "process"
+        lines.append(f"| generation tokens/s per {per} (at full length, {tokens:,} tokens) | {tokens / trl_gen:,.0f} | {tokens / our_gen:,.0f} | — |")
     lines.append("")
     lines.append("rlctl's reward time is inside its reference-forward column (the score stage does both); "
                  "its step also holds the advantage stage and the shard writes.")

@@ -66,7 +66,7 @@ def main(spec_path: str, out_path: str) -> None:
         logging_steps=1,
         save_strategy="no",
         report_to=[],
-        use_cpu=True,
+        use_cpu=spec.get("device", "cpu") == "cpu",
         bf16=spec["dtype"] == "bf16",
         seed=spec["seed"],
         disable_tqdm=True,
