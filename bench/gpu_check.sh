@@ -76,6 +76,18 @@ dist.destroy_process_group()
 PY
 fi
 
+step "the GRPO example on $DEVICE (does it learn; engine vs trainer log-probs)"
+within 120 "$PY" -m rlctl pipeline "$REPO/examples/grpo.toml" --run-dir "$WORK/grpo" --set model.device="$DEVICE" --quiet >"$WORK/grpo.log" 2>&1 \
+  || tail -n 5 "$WORK/grpo.log"
+"$PY" - "$WORK/grpo/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+first, last = rows[:3], rows[-3:]
+mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)
+print(f"{len(rows)} iterations; reward, first three {mean(first, 'reward_mean'):.3f} → last three {mean(last, 'reward_mean'):.3f} (the example states a margin of 0.5)")
+print("logprob_mismatch (engine vs trainer, mean |Δ| per token):", ", ".join(f"{r['logprob_mismatch']:.2e}" for r in rows[:: max(1, len(rows) // 6)] if r.get("logprob_mismatch") is not None))
+PY
+
 step "model: rlctl model init --preset $PRESET"
 within 90 "$PY" -m rlctl model init "$MODEL" --preset "$PRESET" || exit 1
 
