@@ -233,6 +233,21 @@ def batches_by_length(prompt_ids: Sequence[Sequence[int]], response_ids: Sequenc
     return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
 
 
+def distinct_prompts(prompt_ids: Sequence[Sequence[int]]) -> tuple[list[Sequence[int]], list[int]]:
+    """The distinct prompts of a batch in first-seen order, and for each row the index of its
+    prompt among them: a prompt sampled n times (GRPO's groups) needs its forward pass once."""
+    index: dict[tuple[int, ...], int] = {}
+    distinct: list[Sequence[int]] = []
+    source = []
+    for prompt in prompt_ids:
+        key = tuple(prompt)
+        if key not in index:
+            index[key] = len(distinct)
+            distinct.append(prompt)
+        source.append(index[key])
+    return distinct, source
+
+
 def scored_rows(prompt_ids, response_ids, batch_size: int, pad_id: int, device, score) -> list[list[float]]:
     """`score(packed batch)` → [B, T] over length-ordered batches, each row cut to its response
     length and put back in the caller's order."""
@@ -342,10 +357,11 @@ class HFPolicy:
         from transformers import DynamicCache
 
         B = len(prompt_ids)
-        L = max(len(p) for p in prompt_ids)
-        input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((B, L), dtype=torch.long)
-        for i, p in enumerate(prompt_ids):
+        distinct, source = distinct_prompts(prompt_ids)
+        L = max(len(p) for p in distinct)
+        input_ids = torch.full((len(distinct), L), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(distinct), L), dtype=torch.long)
+        for i, p in enumerate(distinct):
             input_ids[i, L - len(p) :] = torch.tensor(list(p), dtype=torch.long)
             attention_mask[i, L - len(p) :] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
@@ -358,10 +374,15 @@ class HFPolicy:
         active = torch.arange(B, device=self.device)  # original row of each batch row
         cache = DynamicCache()
         cache_kw = self._cache_keyword()
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **{cache_kw: cache})
+        last_only = {"logits_to_keep": 1} if self._keeps_logits else {}  # never [B, L, V] over the prompts
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **{cache_kw: cache}, **last_only)
+        logits = out.logits[:, -1, :]
+        if len(distinct) < B:  # each distinct prompt ran once; its rows continue from copies of its cache
+            rows_of = torch.tensor(source, device=self.device)
+            cache.batch_select_indices(rows_of)
+            logits, attention_mask, position_ids = logits[rows_of], attention_mask[rows_of], position_ids[rows_of]
         next_position = position_ids[:, -1] + 1
         for step in range(params.max_new_tokens):
-            logits = out.logits[:, -1, :]
             uniform = torch.stack([torch.rand((), generator=streams[row]) for row in active.tolist()])
             new_tokens, new_logprobs = sample_next(
                 logits=logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, uniform=uniform
@@ -389,6 +410,7 @@ class HFPolicy:
                 input_ids=new_tokens.unsqueeze(-1), attention_mask=attention_mask,
                 position_ids=next_position.unsqueeze(-1), use_cache=True, **{cache_kw: cache},
             )
+            logits = out.logits[:, -1, :]
             next_position = next_position + 1
         return [Generation(tokens[i], logprobs[i], finish[i]) for i in range(B)]
 

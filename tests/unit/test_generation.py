@@ -1,12 +1,14 @@
 """The HF backend's sampling loop: stop tokens end rows early (and drop them from the batch),
 log-probs match a scoring forward pass, and a seed fixes the output."""
 
+import functools
+
 import numpy as np
 import pytest
 import torch
 
 from rlctl.backends.base import SamplingParams
-from rlctl.backends.hf import HFPolicy
+from rlctl.backends.hf import HFPolicy, distinct_prompts
 
 
 @pytest.fixture
@@ -127,3 +129,37 @@ def test_prompts_are_generated_in_length_ordered_batches_and_come_back_in_order(
         alone = policy.generate([prompt], params, first_row=i)[0]
         assert together[i].response_ids == alone.response_ids
         np.testing.assert_allclose(together[i].logprobs, alone.logprobs, atol=1e-5)
+
+
+def test_distinct_prompts_keep_first_seen_order_and_map_every_row():
+    distinct, source = distinct_prompts([[1, 2], [3], [1, 2], [1, 2], [3], [4, 5, 6]])
+    assert distinct == [[1, 2], [3], [4, 5, 6]]
+    assert source == [0, 1, 0, 0, 1, 2]
+
+
+def test_a_prompt_sampled_n_times_runs_its_forward_once_and_each_row_samples_as_if_alone(policy):
+    """GRPO's groups: the prompt's pass runs once per distinct prompt, computing the last
+    position's logits only; its rows continue from copies of that cache, and each still samples
+    what generating it alone samples."""
+    texts = ["hello there", "12 + 3 =", "The answer is"]
+    group = [policy.tokenizer(t)["input_ids"] for t in texts for _ in range(4)]
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=11)
+    seen = []
+    forward = policy.model.forward
+
+    @functools.wraps(forward)
+    def recording(*args, **kwargs):
+        seen.append((tuple(kwargs["input_ids"].shape), kwargs.get("logits_to_keep")))
+        return forward(*args, **kwargs)
+
+    policy.model.forward = recording
+    together = policy.generate(group, params)
+    del policy.model.forward
+    prompt_rows, prompt_length = seen[0][0]
+    assert prompt_rows == len(texts) and seen[0][1] == 1
+    assert all(shape == (len(group), 1) for shape, _ in seen[1:2])  # the first decode step: every row
+    for i, prompt in enumerate(group):
+        alone = policy.generate([prompt], params, first_row=i)[0]
+        assert together[i].response_ids == alone.response_ids
+        np.testing.assert_allclose(together[i].logprobs, alone.logprobs, atol=1e-5)
+    assert len({tuple(g.response_ids) for g in together}) > len(texts)  # the copies sample apart
