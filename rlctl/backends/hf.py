@@ -248,6 +248,25 @@ def distinct_prompts(prompt_ids: Sequence[Sequence[int]]) -> tuple[list[Sequence
     return distinct, source
 
 
+def batches_by_prompt(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
+    """Row indices in batches of at most `batch_size` that keep the rows of one prompt together
+    (a group larger than a batch is split), the groups ordered by their longest sequence."""
+    _, source = distinct_prompts(prompt_ids)
+    groups: dict[int, list[int]] = {}
+    for row, prompt in enumerate(source):
+        groups.setdefault(prompt, []).append(row)
+    ordered = sorted(groups.values(), key=lambda rows: len(prompt_ids[rows[0]]) + max(len(response_ids[r]) for r in rows))
+    batches: list[list[int]] = []
+    for rows in ordered:
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
+            if batches and len(batches[-1]) + len(chunk) <= batch_size:
+                batches[-1].extend(chunk)
+            else:
+                batches.append(list(chunk))
+    return batches
+
+
 def scored_rows(prompt_ids, response_ids, batch_size: int, pad_id: int, device, score) -> list[list[float]]:
     """`score(packed batch)` → [B, T] over length-ordered batches, each row cut to its response
     length and put back in the caller's order."""
@@ -453,7 +472,62 @@ class HFPolicy:
             with training_forward(self.model, self.device, bf16, rows=rows, length=length):
                 return self.forward(batch, temperature=temperature)[0]
 
+        def score_sharing_prompts(prompts, responses) -> torch.Tensor:
+            rows, length = len(prompts), max(len(p) + len(r) for p, r in zip(prompts, responses))
+            if model is not None:
+                with bf16_attention(model, self.device, rows=rows, length=length):
+                    return self._shared_prompt_logprobs(model, prompts, responses, temperature)
+            with training_forward(self.model, self.device, bf16, rows=rows, length=length):
+                return self._shared_prompt_logprobs(self.model, prompts, responses, temperature)
+
+        if not as_trained and len(distinct_prompts(prompt_ids)[0]) < len(prompt_ids):
+            results: list[list[float]] = [[] for _ in prompt_ids]
+            for rows in batches_by_prompt(prompt_ids, response_ids, batch_size):
+                scores = score_sharing_prompts([prompt_ids[i] for i in rows], [response_ids[i] for i in rows])
+                for i, row in zip(rows, scores.float().cpu().tolist()):
+                    results[i] = row[: len(response_ids[i])]
+            return results
         return scored_rows(prompt_ids, response_ids, batch_size, self.pad_id, self.device, score)
+
+    def _shared_prompt_logprobs(self, model, prompt_ids, response_ids, temperature: float) -> torch.Tensor:
+        """Log-probs [B, T] of the responses, each distinct prompt's forward run once: the
+        prompts' pass fills a KV cache (and gives the logits of each first response token), its
+        rows are copied to the prompt's responses, and the responses run on top of them. Not for
+        log-probs that must equal the trainer's bit for bit (`as_trained`): other kernels than
+        one full-sequence forward (fp32: within ~2e-6)."""
+        from transformers import DynamicCache
+
+        length = max(len(r) for r in response_ids)
+        if length == 0:
+            return torch.zeros((len(prompt_ids), 0))
+        distinct, source = distinct_prompts(prompt_ids)
+        span = max(len(p) for p in distinct)
+        prompts = torch.full((len(distinct), span), self.pad_id, dtype=torch.long)
+        prompt_mask = torch.zeros((len(distinct), span), dtype=torch.long)
+        for i, p in enumerate(distinct):
+            prompts[i, span - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+            prompt_mask[i, span - len(p) :] = 1
+        prompts, prompt_mask = prompts.to(self.device), prompt_mask.to(self.device)
+        prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        cache, cache_kw = DynamicCache(), self._cache_keyword()
+        last_only = {"logits_to_keep": 1} if self._keeps_logits else {}
+        out = model(input_ids=prompts, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True, **{cache_kw: cache}, **last_only)
+        rows_of = torch.tensor(source, device=self.device)
+        first = out.logits[:, -1][rows_of]
+        cache.batch_select_indices(rows_of)
+        responses = torch.full((len(prompt_ids), length), self.pad_id, dtype=torch.long)
+        response_mask = torch.zeros((len(prompt_ids), length), dtype=torch.long)
+        for i, r in enumerate(response_ids):
+            responses[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+            response_mask[i, : len(r)] = 1
+        responses, response_mask = responses.to(self.device), response_mask.to(self.device)
+        positions = prompt_positions[rows_of][:, -1:] + 1 + torch.arange(length, device=self.device)
+        out = model(
+            input_ids=responses, attention_mask=torch.cat([prompt_mask[rows_of], response_mask], dim=1),
+            position_ids=positions, use_cache=True, **{cache_kw: cache},
+        )
+        logits = torch.cat([first.unsqueeze(1), out.logits[:, :-1]], dim=1)  # position t predicts token t + 1
+        return token_logprobs(logits=logits, tokens=responses, temperature=temperature)
 
 
 class ValueModel(torch.nn.Module):

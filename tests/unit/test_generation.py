@@ -163,3 +163,46 @@ def test_a_prompt_sampled_n_times_runs_its_forward_once_and_each_row_samples_as_
         assert together[i].response_ids == alone.response_ids
         np.testing.assert_allclose(together[i].logprobs, alone.logprobs, atol=1e-5)
     assert len({tuple(g.response_ids) for g in together}) > len(texts)  # the copies sample apart
+
+
+def test_batches_by_prompt_keep_a_prompts_rows_together_within_the_batch_size():
+    from rlctl.backends.hf import batches_by_prompt
+
+    prompt_ids = [[1], [2, 2], [1], [3, 3, 3], [2, 2], [1], [3, 3, 3], [1]]
+    response_ids = [[9] * n for n in (4, 1, 2, 6, 1, 3, 2, 5)]
+    batches = batches_by_prompt(prompt_ids, response_ids, 3)
+    assert sorted(i for rows in batches for i in rows) == list(range(len(prompt_ids)))
+    assert all(len(rows) <= 3 for rows in batches)
+    assert batches == [[1, 4], [0, 2, 5], [7, 3, 6]]  # [2, 2] (longest 3), then [1] (longest 6, split 3 + 1), then [3, 3, 3] (9)
+
+
+def test_scoring_rows_that_share_prompts_runs_each_prompt_once_and_gives_the_full_forwards_logprobs(policy):
+    """A group's prompt runs once (its KV cache copied to its rows), the responses on top: the
+    log-probs of one full-sequence forward per row, to fp32 rounding, in the caller's order,
+    also with empty responses and groups split across batches."""
+    g = torch.Generator().manual_seed(1)
+    distinct = [torch.randint(3, 500, (2 + i % 4,), generator=g).tolist() for i in range(5)]
+    prompt_ids = [distinct[i % 5] for i in range(15)]
+    response_ids = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (7, 0, 3, 9, 1, 4, 6, 2, 8, 5, 3, 0, 7, 2, 6)]
+    seen = []
+    forward = policy.model.forward
+
+    @functools.wraps(forward)
+    def recording(*args, **kwargs):
+        seen.append(tuple(kwargs["input_ids"].shape))
+        return forward(*args, **kwargs)
+
+    policy.model.forward = recording
+    shared = policy.logprobs(prompt_ids, response_ids, temperature=0.7, batch_size=15)
+    del policy.model.forward
+    assert seen[0][0] == len(distinct) and seen[1][0] == len(prompt_ids)  # prompts once, then every row
+    full = policy.logprobs(prompt_ids, response_ids, temperature=0.7, batch_size=4, as_trained=True)  # one forward per row
+    for got, want, r in zip(shared, full, response_ids):
+        assert len(got) == len(r)
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    split = policy.logprobs(prompt_ids, response_ids, temperature=0.7, batch_size=4)
+    for got, want in zip(split, full):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    bf16 = policy.logprobs(prompt_ids, response_ids, temperature=0.7, batch_size=15, compute_dtype="bf16")
+    for got, want in zip(bf16, full):
+        np.testing.assert_allclose(got, want, atol=0.1)
