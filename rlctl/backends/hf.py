@@ -248,6 +248,19 @@ def distinct_prompts(prompt_ids: Sequence[Sequence[int]]) -> tuple[list[Sequence
     return distinct, source
 
 
+def left_padded(prompt_ids: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts as (ids, attention mask, positions) [B, L], padded on the left so that every
+    prompt ends at the last column (where the next token's logits are)."""
+    length = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompt_ids), length), dtype=torch.long)
+    for i, p in enumerate(prompt_ids):
+        ids[i, length - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        mask[i, length - len(p) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def batches_by_prompt(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
     """Row indices in batches of at most `batch_size` that keep the rows of one prompt together
     (a group larger than a batch is split), the groups ordered by their longest sequence."""
@@ -377,14 +390,7 @@ class HFPolicy:
 
         B = len(prompt_ids)
         distinct, source = distinct_prompts(prompt_ids)
-        L = max(len(p) for p in distinct)
-        input_ids = torch.full((len(distinct), L), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(distinct), L), dtype=torch.long)
-        for i, p in enumerate(distinct):
-            input_ids[i, L - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-            attention_mask[i, L - len(p) :] = 1
-        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        input_ids, attention_mask, position_ids = left_padded(distinct, self.pad_id, self.device)
         stop = torch.tensor(self.stop_ids, device=self.device)
 
         tokens: list[list[int]] = [[] for _ in range(B)]
@@ -501,14 +507,7 @@ class HFPolicy:
         if length == 0:
             return torch.zeros((len(prompt_ids), 0))
         distinct, source = distinct_prompts(prompt_ids)
-        span = max(len(p) for p in distinct)
-        prompts = torch.full((len(distinct), span), self.pad_id, dtype=torch.long)
-        prompt_mask = torch.zeros((len(distinct), span), dtype=torch.long)
-        for i, p in enumerate(distinct):
-            prompts[i, span - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-            prompt_mask[i, span - len(p) :] = 1
-        prompts, prompt_mask = prompts.to(self.device), prompt_mask.to(self.device)
-        prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        prompts, prompt_mask, prompt_positions = left_padded(distinct, self.pad_id, self.device)
         cache, cache_kw = DynamicCache(), self._cache_keyword()
         last_only = {"logits_to_keep": 1} if self._keeps_logits else {}
         out = model(input_ids=prompts, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True, **{cache_kw: cache}, **last_only)
