@@ -386,26 +386,15 @@ class HFPolicy:
         return results
 
     def _generate_batch(self, model, prompt_ids, params: SamplingParams, streams: list[torch.Generator], on_tokens) -> list[Generation]:
-        from transformers import DynamicCache
-
         B = len(prompt_ids)
-        distinct, source = distinct_prompts(prompt_ids)
-        input_ids, attention_mask, position_ids = left_padded(distinct, self.pad_id, self.device)
         stop = torch.tensor(self.stop_ids, device=self.device)
 
         tokens: list[list[int]] = [[] for _ in range(B)]
         logprobs: list[list[float]] = [[] for _ in range(B)]
         finish = ["length"] * B
         active = torch.arange(B, device=self.device)  # original row of each batch row
-        cache = DynamicCache()
         cache_kw = self._cache_keyword()
-        last_only = {"logits_to_keep": 1} if self._keeps_logits else {}  # never [B, L, V] over the prompts
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **{cache_kw: cache}, **last_only)
-        logits = out.logits[:, -1, :]
-        if len(distinct) < B:  # each distinct prompt ran once; its rows continue from copies of its cache
-            rows_of = torch.tensor(source, device=self.device)
-            cache.batch_select_indices(rows_of)
-            logits, attention_mask, position_ids = logits[rows_of], attention_mask[rows_of], position_ids[rows_of]
+        logits, cache, attention_mask, position_ids = self._prompt_pass(model, prompt_ids)
         next_position = position_ids[:, -1] + 1
         for step in range(params.max_new_tokens):
             uniform = torch.stack([torch.rand((), generator=streams[row]) for row in active.tolist()])
@@ -438,6 +427,24 @@ class HFPolicy:
             logits = out.logits[:, -1, :]
             next_position = next_position + 1
         return [Generation(tokens[i], logprobs[i], finish[i]) for i in range(B)]
+
+    def _prompt_pass(self, model, prompt_ids):
+        """Each distinct prompt's forward once, left-padded, logits at the last position only
+        (never [B, L, V] over the prompts); its rows continue from copies of its KV cache.
+        Returns per row: (next-token logits [B, V], the cache, attention mask [B, L], positions [B, L])."""
+        from transformers import DynamicCache
+
+        distinct, source = distinct_prompts(prompt_ids)
+        ids, mask, positions = left_padded(distinct, self.pad_id, self.device)
+        cache = DynamicCache()
+        last_only = {"logits_to_keep": 1} if self._keeps_logits else {}
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self._cache_keyword(): cache}, **last_only)
+        logits = out.logits[:, -1, :]
+        if len(distinct) < len(prompt_ids):
+            rows_of = torch.tensor(source, device=self.device)
+            cache.batch_select_indices(rows_of)
+            logits, mask, positions = logits[rows_of], mask[rows_of], positions[rows_of]
+        return logits, cache, mask, positions
 
     def _cache_keyword(self) -> str:
         """transformers renamed `past_key_values` to `cache`; use whichever forward takes."""
@@ -501,29 +508,20 @@ class HFPolicy:
         rows are copied to the prompt's responses, and the responses run on top of them. Not for
         log-probs that must equal the trainer's bit for bit (`as_trained`): other kernels than
         one full-sequence forward (fp32: within ~2e-6)."""
-        from transformers import DynamicCache
-
         length = max(len(r) for r in response_ids)
         if length == 0:
             return torch.zeros((len(prompt_ids), 0))
-        distinct, source = distinct_prompts(prompt_ids)
-        prompts, prompt_mask, prompt_positions = left_padded(distinct, self.pad_id, self.device)
-        cache, cache_kw = DynamicCache(), self._cache_keyword()
-        last_only = {"logits_to_keep": 1} if self._keeps_logits else {}
-        out = model(input_ids=prompts, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True, **{cache_kw: cache}, **last_only)
-        rows_of = torch.tensor(source, device=self.device)
-        first = out.logits[:, -1][rows_of]
-        cache.batch_select_indices(rows_of)
+        first, cache, prompt_mask, prompt_positions = self._prompt_pass(model, prompt_ids)
         responses = torch.full((len(prompt_ids), length), self.pad_id, dtype=torch.long)
         response_mask = torch.zeros((len(prompt_ids), length), dtype=torch.long)
         for i, r in enumerate(response_ids):
             responses[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
             response_mask[i, : len(r)] = 1
         responses, response_mask = responses.to(self.device), response_mask.to(self.device)
-        positions = prompt_positions[rows_of][:, -1:] + 1 + torch.arange(length, device=self.device)
+        positions = prompt_positions[:, -1:] + 1 + torch.arange(length, device=self.device)
         out = model(
-            input_ids=responses, attention_mask=torch.cat([prompt_mask[rows_of], response_mask], dim=1),
-            position_ids=positions, use_cache=True, **{cache_kw: cache},
+            input_ids=responses, attention_mask=torch.cat([prompt_mask, response_mask], dim=1),
+            position_ids=positions, use_cache=True, **{self._cache_keyword(): cache},
         )
         logits = torch.cat([first.unsqueeze(1), out.logits[:, :-1]], dim=1)  # position t predicts token t + 1
         return token_logprobs(logits=logits, tokens=responses, temperature=temperature)
