@@ -25,7 +25,7 @@ from rlctl.algos.losses import (
     clipped_value_loss,
     rollout_is_weights,
 )
-from rlctl.backends.hf import HFPolicy, ValueModel, pack, training_forward
+from rlctl.backends.hf import HFPolicy, ValueModel, distinct_prompts, pack, training_forward
 from rlctl.config import UpdateConfig
 from rlctl.dtypes import autocast_bf16
 from rlctl.errors import InputError, TrainingError
@@ -108,22 +108,38 @@ class RankGroup:
     def grad_scale(self) -> float:
         return float(self.size)
 
-    def micro_batches(self, indices: torch.Tensor, micro_batch_size: int, lengths: Sequence[int] | None = None) -> list[tuple[list[int], float]]:
+    def micro_batches(
+        self, indices: torch.Tensor, micro_batch_size: int, lengths: Sequence[int] | None = None, groups: Sequence[int] | None = None,
+    ) -> list[tuple[list[int], float]]:
         """(rows, weight) of each forward/backward pass this rank makes on a mini-batch.
 
         The rank's share is its contiguous slice of `indices`; with `lengths` (each row's
         sequence length) the share is ordered by length before it is cut into passes, so a pass
-        pads its rows to a similar length instead of the longest of a random draw. The loss
-        normalisers are the mini-batch's, so the order changes no gradient (beyond float
-        rounding). Every rank makes the same number of passes (FSDP's collectives run in
-        lockstep), so a rank with fewer rows adds passes over one row with weight 0, which
-        change neither gradients nor statistics."""
+        pads its rows to a similar length instead of the longest of a random draw. With
+        `groups` (each row's prompt, `distinct_prompts`) the rows of one prompt are kept
+        together, in the mini-batch before it is shared out and in the passes (groups ordered
+        by their longest row), so that a pass runs each prompt once. The loss normalisers are
+        the mini-batch's, so no order changes a gradient (beyond float rounding). Every rank
+        makes the same number of passes (FSDP's collectives run in lockstep), so a rank with
+        fewer rows adds passes over one row with weight 0, which change neither gradients nor
+        statistics."""
         from rlctl.dispatch import row_slices
 
-        slices = row_slices(len(indices), self.size)
+        rows = indices.tolist()
+        if groups is not None:  # a group's rows side by side, groups in order of first appearance
+            first = {}
+            for row in rows:
+                first.setdefault(groups[row], len(first))
+            rows.sort(key=lambda row: first[groups[row]])
+        slices = row_slices(len(rows), self.size)
         passes = max(1, max(-(-(s.stop - s.start) // micro_batch_size) for s in slices))
-        mine = indices[slices[self.rank]].tolist()
-        if lengths is not None:
+        mine = rows[slices[self.rank]]
+        if groups is not None and lengths is not None:
+            longest: dict[int, int] = {}
+            for row in mine:
+                longest[groups[row]] = max(longest.get(groups[row], 0), lengths[row])
+            mine.sort(key=lambda row: (longest[groups[row]], groups[row], lengths[row]))
+        elif lengths is not None:
             mine.sort(key=lambda row: lengths[row])
         batches = [(mine[i * micro_batch_size : (i + 1) * micro_batch_size], 1.0) for i in range(passes)]
         return [(rows, weight) if rows else (indices[:1].tolist(), 0.0) for rows, weight in batches]
@@ -256,7 +272,10 @@ class Trainer:
         device = self.device
         bf16 = autocast_bf16(cfg.bf16, device.type)
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-        for micro, weight in self.ranks.micro_batches(indices, cfg.micro_batch_size, lengths):
+        groups = distinct_prompts(batch.prompt_ids)[1]
+        # decided from the whole mini-batch, so every rank makes the same forward calls (FSDP)
+        share_prompts = self.policy is not None and len({groups[i] for i in indices.tolist()}) < len(indices)
+        for micro, weight in self.ranks.micro_batches(indices, cfg.micro_batch_size, lengths, groups if share_prompts else None):
             scale = weight * self.ranks.grad_scale
             packed = pack([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro], self.pad_id, device)
 
@@ -270,7 +289,8 @@ class Trainer:
                 return t[rows, :width].to(device)
 
             if self.policy is not None:
-                self._policy_backward(batch, packed, take, norms, weight, scale, tokens, forward_context, stats)
+                rows = ([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro]) if share_prompts else None
+                self._policy_backward(batch, packed, rows, take, norms, weight, scale, tokens, forward_context, stats)
             if self.critic is not None:
                 with forward_context(self.critic.lm):
                     values = self.critic(packed)
@@ -284,13 +304,19 @@ class Trainer:
         return self.ranks.sum(stats)
 
     def _policy_backward(
-        self, batch: TrainBatch, packed, take, norms: dict, weight: float, scale: float, tokens: int, forward_context, stats: dict,
+        self, batch: TrainBatch, packed, shared_rows: tuple[list, list] | None, take, norms: dict, weight: float, scale: float,
+        tokens: int, forward_context, stats: dict,
     ) -> None:
         """One micro-batch's policy loss, its backward, and its share of the statistics; the
-        forward runs in `forward_context(module)` (`training_forward`), the loss and backward outside."""
+        forward runs in `forward_context(module)` (`training_forward`), the loss and backward
+        outside. With `shared_rows` (prompts, responses: GRPO's groups) each distinct prompt's
+        forward runs once (`forward_sharing_prompts`), its gradients summed over its rows."""
         cfg, m = self.cfg, packed.response_mask
         with forward_context(self.policy.model):
-            logp, entropy = self.policy.forward(packed, temperature=self.temperature, with_entropy=True)
+            if shared_rows is not None:
+                logp, entropy = self.policy.forward_sharing_prompts(*shared_rows, temperature=self.temperature, with_entropy=True)
+            else:
+                logp, entropy = self.policy.forward(packed, temperature=self.temperature, with_entropy=True)
         old = take(batch.old_logprobs) if batch.old_logprobs is not None else logp.detach().float()
         if batch.old_logprobs is None and batch.rollout_logprobs is not None:
             stats["logprob_mismatch"] += weight * float(torch.where(m, (old - take(batch.rollout_logprobs)).abs(), 0).sum()) / tokens

@@ -447,8 +447,10 @@ class HFPolicy:
         return logits, cache, mask, positions
 
     def _cache_keyword(self) -> str:
-        """transformers renamed `past_key_values` to `cache`; use whichever forward takes."""
-        return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        """transformers renamed `past_key_values` to `cache`; use whichever forward takes (a
+        peft model's forward takes **kwargs and passes them on to its base model's)."""
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
     # -- scoring and training ---------------------------------------------------------
 
@@ -473,7 +475,9 @@ class HFPolicy:
         reference: 30% faster than autocast, measured; on the CPU with the update's eager
         attention for short sequences, 7% faster than SDPA's kernel), or with `as_trained` under bf16
         autocast over the fp32 weights, as the update computes them (the old log-probs a PPO
-        ratio divides by; a LoRA reference, the policy's module with its adapters disabled)."""
+        ratio divides by; a LoRA reference, the policy's module with its adapters disabled).
+        Rows that share a prompt (GRPO's groups) run it once (`forward_sharing_prompts`), as
+        the update does."""
         bf16 = decide_dtype(self.device, compute_dtype) == "bf16"
         model = self._bf16.of(self.model) if bf16 and not as_trained and self._scores_from_copy else None
 
@@ -489,11 +493,11 @@ class HFPolicy:
             rows, length = len(prompts), max(len(p) + len(r) for p, r in zip(prompts, responses))
             if model is not None:
                 with bf16_attention(model, self.device, rows=rows, length=length):
-                    return self._shared_prompt_logprobs(model, prompts, responses, temperature)
+                    return self.forward_sharing_prompts(prompts, responses, temperature=temperature, model=model)[0]
             with training_forward(self.model, self.device, bf16, rows=rows, length=length):
-                return self._shared_prompt_logprobs(self.model, prompts, responses, temperature)
+                return self.forward_sharing_prompts(prompts, responses, temperature=temperature)[0]
 
-        if not as_trained and len(distinct_prompts(prompt_ids)[0]) < len(prompt_ids):
+        if len(distinct_prompts(prompt_ids)[0]) < len(prompt_ids):  # as the update runs such rows (Trainer)
             results: list[list[float]] = [[] for _ in prompt_ids]
             for rows in batches_by_prompt(prompt_ids, response_ids, batch_size):
                 scores = score_sharing_prompts([prompt_ids[i] for i in rows], [response_ids[i] for i in rows])
@@ -502,29 +506,35 @@ class HFPolicy:
             return results
         return scored_rows(prompt_ids, response_ids, batch_size, self.pad_id, self.device, score)
 
-    def _shared_prompt_logprobs(self, model, prompt_ids, response_ids, temperature: float) -> torch.Tensor:
-        """Log-probs [B, T] of the responses, each distinct prompt's forward run once: the
-        prompts' pass fills a KV cache (and gives the logits of each first response token), its
-        rows are copied to the prompt's responses, and the responses run on top of them. Not for
-        log-probs that must equal the trainer's bit for bit (`as_trained`): other kernels than
-        one full-sequence forward (fp32: within ~2e-6)."""
-        length = max(len(r) for r in response_ids)
-        if length == 0:
-            return torch.zeros((len(prompt_ids), 0))
-        first, cache, prompt_mask, prompt_positions = self._prompt_pass(model, prompt_ids)
+    def forward_sharing_prompts(
+        self, prompt_ids, response_ids, *, temperature: float, with_entropy: bool = False, model=None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` for rows given as token lists, each distinct prompt's forward run once
+        (`_prompt_pass`): its KV cache is copied to the prompt's rows and the responses run on
+        top of it; in training the prompt's gradients sum over its rows. The same function as
+        one full-sequence forward per row by other kernels (fp32: within ~3e-6). Returns
+        [B, T] right-padded to the longest response, as `forward` does for `pack`'s batch."""
+        model = model or self.model
+        length = max((len(r) for r in response_ids), default=0)
         responses = torch.full((len(prompt_ids), length), self.pad_id, dtype=torch.long)
         response_mask = torch.zeros((len(prompt_ids), length), dtype=torch.long)
         for i, r in enumerate(response_ids):
             responses[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
             response_mask[i, : len(r)] = 1
         responses, response_mask = responses.to(self.device), response_mask.to(self.device)
+        if length == 0:
+            empty = torch.zeros((len(prompt_ids), 0), device=self.device)
+            return empty, (empty if with_entropy else None)
+        first, cache, prompt_mask, prompt_positions = self._prompt_pass(model, prompt_ids)
         positions = prompt_positions[:, -1:] + 1 + torch.arange(length, device=self.device)
         out = model(
             input_ids=responses, attention_mask=torch.cat([prompt_mask, response_mask], dim=1),
             position_ids=positions, use_cache=True, **{self._cache_keyword(): cache},
         )
         logits = torch.cat([first.unsqueeze(1), out.logits[:, :-1]], dim=1)  # position t predicts token t + 1
-        return token_logprobs(logits=logits, tokens=responses, temperature=temperature)
+        if with_entropy:
+            return logprobs_and_entropy(logits=logits, tokens=responses, temperature=temperature)
+        return token_logprobs(logits=logits, tokens=responses, temperature=temperature), None
 
 
 class ValueModel(torch.nn.Module):

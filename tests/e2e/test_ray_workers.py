@@ -45,6 +45,15 @@ def gae_batch(tmp_path_factory, tiny_model) -> str:
     return str(tmp / "b")
 
 
+# Weights after an update split over other ranks and passes differ by fp32 rounding alone:
+# a prompt shared by rows in one pass runs once, and by rows split over passes or ranks once
+# in each (the same function by other kernels, ~1e-6 in the log-probs), and the first Adam
+# steps (≈ lr · sign(g)) magnify that on near-zero gradients (seen: ≤ 1.4e-5; a missing or
+# doubled share moves a weight by ~lr = 1e-3). In float64 the gradients of two FSDP2 ranks
+# sharing prompts equal those of one process making the same passes exactly.
+SPLIT_ROUNDING = 5e-5
+
+
 def config(tiny_model, *, workers: int, backend: str = "ray", **update) -> Config:
     cfg = load_config(data={"model": {"path": tiny_model, "critic": tiny_model, "device": "cpu"}})
     upd = UpdateConfig(lr=1e-3, critic_lr=1e-3, micro_batch_size=2, mini_batch_size=5, epochs=2, **update)
@@ -80,7 +89,7 @@ def test_two_workers_make_the_update_one_process_makes(ray_session, tiny_model, 
         got = trained_weights(config(tiny_model, workers=n, loss_agg_mode=mode), tiny_model, batch, tmp_path / f"ray{n}")
         assert got.keys() == local.keys()
         worst = max(float((got[k] - local[k]).abs().max()) for k in local)
-        assert worst < 1e-5, (n, mode, worst)
+        assert worst < SPLIT_ROUNDING, (n, mode, worst)
         moved = max(float((got[k] - load_file(f"{tiny_model}/model.safetensors").get(k, got[k])).abs().max()) for k in got if not k.startswith("critic."))
         assert moved > 1e-4  # the update did something
 
@@ -251,7 +260,7 @@ def test_two_workers_train_the_lora_adapter_one_process_trains(ray_session, tiny
     for name in ("ray1", "ray2"):
         assert adapters[name].keys() == adapters["local"].keys()
         worst = max(float((adapters[name][k] - adapters["local"][k]).abs().max()) for k in adapters["local"])
-        assert worst < 1e-5, (name, worst)
+        assert worst < SPLIT_ROUNDING, (name, worst)
     assert max(float(v.abs().max()) for k, v in adapters["local"].items() if "lora_B" in k) > 1e-4  # the adapter trained
 
 

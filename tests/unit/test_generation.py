@@ -196,7 +196,7 @@ def test_scoring_rows_that_share_prompts_runs_each_prompt_once_and_gives_the_ful
     shared = policy.logprobs(prompt_ids, response_ids, temperature=0.7, batch_size=15)
     del policy.model.forward
     assert seen[0][0] == len(distinct) and seen[1][0] == len(prompt_ids)  # prompts once, then every row
-    full = policy.logprobs(prompt_ids, response_ids, temperature=0.7, batch_size=4, as_trained=True)  # one forward per row
+    full = full_forward_logprobs(policy, prompt_ids, response_ids, temperature=0.7)
     for got, want, r in zip(shared, full, response_ids):
         assert len(got) == len(r)
         np.testing.assert_allclose(got, want, atol=1e-5)
@@ -206,3 +206,43 @@ def test_scoring_rows_that_share_prompts_runs_each_prompt_once_and_gives_the_ful
     bf16 = policy.logprobs(prompt_ids, response_ids, temperature=0.7, batch_size=15, compute_dtype="bf16")
     for got, want in zip(bf16, full):
         np.testing.assert_allclose(got, want, atol=0.1)
+
+
+def full_forward_logprobs(policy, prompt_ids, response_ids, *, temperature: float) -> list[list[float]]:
+    """One full-sequence forward per row (prompt and response together)."""
+    from rlctl.backends.hf import pack
+
+    with torch.no_grad():
+        logp, _ = policy.forward(pack(prompt_ids, response_ids, policy.pad_id, "cpu"), temperature=temperature)
+    return [row[: len(r)] for row, r in zip(logp.tolist(), response_ids)]
+
+
+def test_rows_sharing_a_prompt_train_with_the_gradients_of_one_full_forward_per_row(policy):
+    """The update's forward for GRPO's groups runs each prompt once; the prompt's activations
+    feed every row of its group, so its gradients sum over them: the log-probs, entropies and
+    parameter gradients of one full-sequence forward per row, to fp32 rounding."""
+    from rlctl.backends.hf import pack
+
+    g = torch.Generator().manual_seed(2)
+    distinct = [torch.randint(3, 500, (3 + i,), generator=g).tolist() for i in range(3)]
+    prompt_ids = [distinct[i // 4] for i in range(12)]
+    response_ids = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 8, 2, 7, 6, 1, 8, 4, 3, 8, 5, 6)]
+    weights = torch.randn(12, 8, generator=g)
+    packed = pack(prompt_ids, response_ids, policy.pad_id, "cpu")
+
+    def gradients(logp, entropy):
+        loss = torch.where(packed.response_mask, logp * weights + 0.1 * entropy, 0).sum()
+        policy.model.zero_grad(set_to_none=True)
+        loss.backward()
+        return {name: p.grad.clone() for name, p in policy.model.named_parameters() if p.grad is not None}
+
+    full = policy.forward(packed, temperature=0.9, with_entropy=True)
+    shared = policy.forward_sharing_prompts(prompt_ids, response_ids, temperature=0.9, with_entropy=True)
+    m = packed.response_mask
+    assert shared[0].shape == full[0].shape == shared[1].shape
+    torch.testing.assert_close(shared[0][m], full[0][m], atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared[1][m], full[1][m], atol=1e-5, rtol=0)
+    want, got = gradients(*full), gradients(*shared)
+    assert want.keys() == got.keys() and len(want) > 10
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)

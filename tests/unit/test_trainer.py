@@ -205,3 +205,74 @@ def test_each_ranks_share_is_cut_into_passes_of_similar_lengths():
         assert sorted(r for rows, _ in ordered for r in rows) == sorted(r for rows, _ in plain for r in rows)
         flat = [lengths[r] for rows, _ in ordered for r in rows]
         assert flat == sorted(flat)
+
+
+def grouped_batch(seed=0, prompts=3, n=4, vocab=512):
+    """GRPO's shape: each prompt sampled n times."""
+    from dataclasses import replace
+
+    batch = make_batch(seed=seed, n=prompts * n, vocab=vocab)
+    return replace(batch, prompt_ids=[batch.prompt_ids[i // n * n] for i in range(batch.size)])
+
+
+def test_the_rows_of_one_prompt_stay_together_in_the_passes_of_every_rank():
+    """When a mini-batch repeats prompts, its rows are shared out and cut into passes a group
+    at a time (groups by their longest row), so a pass runs each prompt once; every rank still
+    makes the same number of passes and together they train on every row once."""
+    from rlctl.trainer import RankGroup
+
+    groups = [i // 3 for i in range(12)]  # 4 prompts × 3 samples
+    lengths = [5, 90, 12, 60, 7, 33, 81, 2, 44, 70, 19, 55]
+    indices = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    shares = [RankGroup(rank=rank, size=2).micro_batches(indices, 3, lengths, groups) for rank in (0, 1)]
+    assert len(shares[0]) == len(shares[1]) == 2
+    passes = [rows for share in shares for rows, weight in share if weight]
+    assert sorted(r for rows in passes for r in rows) == list(range(12))
+    assert all(len({groups[r] for r in rows}) == 1 for rows in passes)
+    longest = [max(lengths[r] for r in rows) for rows, _ in shares[0]]
+    assert longest == sorted(longest)
+    alone = RankGroup().micro_batches(indices, 4, lengths, groups)  # groups of 3 in passes of 4: split where they must be
+    assert [len(rows) for rows, _ in alone] == [4, 4, 4]
+
+
+@pytest.mark.parametrize("micro", [1, 3, 4, 12])
+def test_an_update_on_groups_runs_each_prompt_once_per_pass_with_the_gradient_of_full_forwards(policy, micro):
+    """Rows that share a prompt (GRPO) run it once per pass (`forward_sharing_prompts`): the
+    same gradient as one full-sequence forward per row, to fp32 rounding."""
+    from rlctl.backends.hf import pack
+
+    batch = grouped_batch()
+    cfg = UpdateConfig(micro_batch_size=micro, use_kl_loss=True, entropy_coef=0.01)
+    calls = []
+    shared_forward = policy.forward_sharing_prompts
+
+    def counting(prompt_ids, response_ids, **kwargs):
+        calls.append(len({tuple(p) for p in prompt_ids}))
+        return shared_forward(prompt_ids, response_ids, **kwargs)
+
+    def full_forward(prompt_ids, response_ids, **kwargs):
+        return policy.forward(pack(prompt_ids, response_ids, policy.pad_id, policy.device), **kwargs)
+
+    grads = []
+    for forward in (counting, full_forward):
+        policy.forward_sharing_prompts = forward
+        Trainer(policy, cfg).accumulate_gradients(batch, torch.randperm(batch.size, generator=torch.Generator().manual_seed(1)))
+        grads.append(flat_gradients(policy.model))
+    assert len(calls) == -(-batch.size // micro)
+    assert sum(calls) == len({(i // micro, i // 4) for i in range(batch.size)})  # groups side by side, cut into passes
+    scale = np.abs(grads[1]).max()
+    np.testing.assert_allclose(grads[0], grads[1], atol=1e-5 * max(scale, 1.0), rtol=0)
+
+
+def test_the_policys_recompute_of_groups_is_the_updates_own_forward(tiny_model):
+    """Rows that share a prompt are recomputed (`as_trained`) as the update runs them, each
+    prompt once: a one-step PPO ratio starts at 1 in bf16 for GRPO's groups too."""
+    from rlctl.backends.hf import HFPolicy, training_forward
+
+    policy = HFPolicy.load(tiny_model, "cpu")
+    prompts, responses = [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]], [[10, 11, 12, 13], [14, 15], [16], [17, 18, 19]]
+    recomputed = policy.logprobs(prompts, responses, temperature=1.0, batch_size=4, compute_dtype="bf16", as_trained=True)
+    with torch.no_grad(), training_forward(policy.model, policy.device, True, rows=4, length=7):
+        trained = policy.forward_sharing_prompts(prompts, responses, temperature=1.0)[0]
+    for row, values in enumerate(recomputed):
+        assert values == pytest.approx(trained[row, : len(values)].tolist(), abs=1e-6)
