@@ -516,22 +516,21 @@ class HFPolicy:
         [B, T] right-padded to the longest response, as `forward` does for `pack`'s batch."""
         model = model or self.model
         length = max((len(r) for r in response_ids), default=0)
-        responses = torch.full((len(prompt_ids), length), self.pad_id, dtype=torch.long)
-        response_mask = torch.zeros((len(prompt_ids), length), dtype=torch.long)
+        width = max(length, 1)  # no response token at all: the same two calls (FSDP ranks keep step), cut to [B, 0]
+        responses = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
+        response_mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
         for i, r in enumerate(response_ids):
             responses[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
             response_mask[i, : len(r)] = 1
         responses, response_mask = responses.to(self.device), response_mask.to(self.device)
-        if length == 0:
-            empty = torch.zeros((len(prompt_ids), 0), device=self.device)
-            return empty, (empty if with_entropy else None)
         first, cache, prompt_mask, prompt_positions = self._prompt_pass(model, prompt_ids)
-        positions = prompt_positions[:, -1:] + 1 + torch.arange(length, device=self.device)
+        positions = prompt_positions[:, -1:] + 1 + torch.arange(width, device=self.device)
         out = model(
             input_ids=responses, attention_mask=torch.cat([prompt_mask, response_mask], dim=1),
             position_ids=positions, use_cache=True, **{self._cache_keyword(): cache},
         )
-        logits = torch.cat([first.unsqueeze(1), out.logits[:, :-1]], dim=1)  # position t predicts token t + 1
+        logits = torch.cat([first.unsqueeze(1), out.logits[:, : length - 1]], dim=1)[:, :length]  # position t predicts token t + 1
+        responses = responses[:, :length]
         if with_entropy:
             return logprobs_and_entropy(logits=logits, tokens=responses, temperature=temperature)
         return token_logprobs(logits=logits, tokens=responses, temperature=temperature), None

@@ -235,13 +235,21 @@ def test_the_rows_of_one_prompt_stay_together_in_the_passes_of_every_rank():
     assert [len(rows) for rows, _ in alone] == [4, 4, 4]
 
 
-@pytest.mark.parametrize("micro", [1, 3, 4, 12])
-def test_an_update_on_groups_runs_each_prompt_once_per_pass_with_the_gradient_of_full_forwards(policy, micro):
+@pytest.mark.parametrize("micro,empty", [(1, False), (3, False), (4, False), (12, False), (4, True)])
+def test_an_update_on_groups_runs_each_prompt_once_per_pass_with_the_gradient_of_full_forwards(policy, micro, empty):
     """Rows that share a prompt (GRPO) run it once per pass (`forward_sharing_prompts`): the
-    same gradient as one full-sequence forward per row, to fp32 rounding."""
+    same gradient as one full-sequence forward per row, to fp32 rounding; a pass whose rows
+    have no response token (`empty`: a whole group) still makes its forward calls (FSDP ranks
+    keep step) and adds nothing."""
+    from dataclasses import replace
+
     from rlctl.backends.hf import pack
 
     batch = grouped_batch()
+    if empty:
+        mask = batch.response_mask.clone()
+        mask[4:8] = False
+        batch = replace(batch, response_ids=[[] if 4 <= i < 8 else r for i, r in enumerate(batch.response_ids)], response_mask=mask)
     cfg = UpdateConfig(micro_batch_size=micro, use_kl_loss=True, entropy_coef=0.01)
     calls = []
     shared_forward = policy.forward_sharing_prompts
