@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from rlctl import cpu_linear
-from rlctl.algos.logprobs import logprobs_and_entropy, row_generator, sample_next, token_logprobs
+from rlctl.algos.logprobs import logprobs_and_entropy, row_generator, sample_next
 from rlctl.backends.base import Generation, SamplingParams
 from rlctl.errors import InputError
 
@@ -463,9 +463,8 @@ class HFPolicy:
         kept = {"logits_to_keep": batch.input_ids.shape[1] - start} if start and self._keeps_logits else {}
         out = (model or self.model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False, **kept)
         logits = response_logits(out.logits, batch, offset=start if kept else 0)
-        if with_entropy:
-            return logprobs_and_entropy(logits=logits, tokens=batch.response_ids, temperature=temperature)
-        return token_logprobs(logits=logits, tokens=batch.response_ids, temperature=temperature), None
+        del out  # the model's logits: the response positions' copy is all that is needed
+        return logprobs_and_entropy(logits=logits, tokens=batch.response_ids, temperature=temperature, with_entropy=with_entropy)
 
     @torch.no_grad()
     def logprobs(
@@ -530,10 +529,8 @@ class HFPolicy:
             position_ids=positions, use_cache=True, **{self._cache_keyword(): cache},
         )
         logits = torch.cat([first.unsqueeze(1), out.logits[:, : length - 1]], dim=1)[:, :length]  # position t predicts token t + 1
-        responses = responses[:, :length]
-        if with_entropy:
-            return logprobs_and_entropy(logits=logits, tokens=responses, temperature=temperature)
-        return token_logprobs(logits=logits, tokens=responses, temperature=temperature), None
+        del out, first
+        return logprobs_and_entropy(logits=logits, tokens=responses[:, :length], temperature=temperature, with_entropy=with_entropy)
 
 
 class ValueModel(torch.nn.Module):

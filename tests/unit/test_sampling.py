@@ -1,5 +1,6 @@
 """The one log-prob definition and the sampler's truncation."""
 
+import pytest
 import torch
 
 from rlctl.algos.logprobs import logprobs_and_entropy, sample_next, token_logprobs, truncate_logits
@@ -54,3 +55,39 @@ def test_a_rows_token_does_not_depend_on_the_other_rows():
     together, _ = sample_next(logits=logits, temperature=1.0, top_p=1.0, top_k=0, uniform=draws)
     alone = [sample_next(logits=logits[i : i + 1], temperature=1.0, top_p=1.0, top_k=0, uniform=draws[i : i + 1])[0].item() for i in range(6)]
     assert together.tolist() == alone
+
+
+def reference_logprobs_and_entropy(logits, tokens, temperature):
+    """The plain definition, through autograd's log_softmax."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_log_probs_and_entropy_a_chunk_at_a_time_have_the_values_and_gradients_of_one_log_softmax(monkeypatch, dtype):
+    """Chunks of positions (here 3 of a 2 × 5 batch) give the values of one log_softmax over
+    all positions bit for bit, and their hand-written backward autograd's gradients, in float32
+    math from bf16 logits too; an output the loss does not use adds nothing."""
+    from rlctl.algos import logprobs
+
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 3 * 13)
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(2, 5, 13, generator=g) * 3).to(dtype)
+    tokens = torch.randint(0, 13, (2, 5), generator=g)
+    w_logp, w_entropy = torch.randn(2, 5, generator=g), torch.randn(2, 5, generator=g)
+    grads = {}
+    for name, fn in (("chunked", lambda x: logprobs_and_entropy(logits=x, tokens=tokens, temperature=0.7)),
+                     ("reference", lambda x: reference_logprobs_and_entropy(x, tokens, 0.7))):
+        for uses in ("both", "logp"):
+            x = logits.clone().requires_grad_(True)
+            logp, entropy = fn(x)
+            loss = (logp * w_logp).sum() + ((entropy * w_entropy).sum() if uses == "both" else 0)
+            loss.backward()
+            grads[name, uses] = (logp.detach(), entropy.detach(), x.grad)
+    for uses in ("both", "logp"):
+        (logp, entropy, grad), (want_logp, want_entropy, want_grad) = grads["chunked", uses], grads["reference", uses]
+        assert torch.equal(logp, want_logp) and torch.equal(entropy, want_entropy)
+        assert grad.dtype == dtype
+        torch.testing.assert_close(grad.float(), want_grad.float(), atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+    with torch.no_grad():
+        assert torch.equal(token_logprobs(logits=logits, tokens=tokens, temperature=0.7), grads["reference", "both"][0])
