@@ -125,15 +125,15 @@ class RankGroup:
         statistics."""
         from rlctl.dispatch import row_slices
 
-        rows = indices.tolist()
+        order = indices.tolist()
         if groups is not None:  # a group's rows side by side, groups in order of first appearance
-            first = {}
-            for row in rows:
+            first: dict[int, int] = {}
+            for row in order:
                 first.setdefault(groups[row], len(first))
-            rows.sort(key=lambda row: first[groups[row]])
-        slices = row_slices(len(rows), self.size)
+            order.sort(key=lambda row: first[groups[row]])
+        slices = row_slices(len(order), self.size)
         passes = max(1, max(-(-(s.stop - s.start) // micro_batch_size) for s in slices))
-        mine = rows[slices[self.rank]]
+        mine = order[slices[self.rank]]
         if groups is not None and lengths is not None:
             longest: dict[int, int] = {}
             for row in mine:
@@ -289,8 +289,8 @@ class Trainer:
                 return t[rows, :width].to(device)
 
             if self.policy is not None:
-                rows = ([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro]) if share_prompts else None
-                self._policy_backward(batch, packed, rows, take, norms, weight, scale, tokens, forward_context, stats)
+                shared_rows = ([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro]) if share_prompts else None
+                self._policy_backward(batch, packed, shared_rows, take, norms, weight, scale, tokens, forward_context, stats)
             if self.critic is not None:
                 with forward_context(self.critic.lm):
                     values = self.critic(packed)
