@@ -25,7 +25,13 @@ from rlctl.algos.losses import (
     clipped_value_loss,
     rollout_is_weights,
 )
-from rlctl.backends.hf import HFPolicy, ValueModel, distinct_prompts, pack, training_forward
+from rlctl.backends.hf import (
+    HFPolicy,
+    ValueModel,
+    distinct_prompts,
+    pack,
+    training_forward,
+)
 from rlctl.config import UpdateConfig
 from rlctl.dtypes import autocast_bf16
 from rlctl.errors import InputError, TrainingError
@@ -272,10 +278,10 @@ class Trainer:
         device = self.device
         bf16 = autocast_bf16(cfg.bf16, device.type)
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-        groups = distinct_prompts(batch.prompt_ids)[1]
         # decided from the whole mini-batch, so every rank makes the same forward calls (FSDP)
-        share_prompts = self.policy is not None and len({groups[i] for i in indices.tolist()}) < len(indices)
-        for micro, weight in self.ranks.micro_batches(indices, cfg.micro_batch_size, lengths, groups if share_prompts else None):
+        share_prompts = self.policy is not None and self.policy.shares_prompts([batch.prompt_ids[i] for i in indices.tolist()])
+        groups = distinct_prompts(batch.prompt_ids)[1] if share_prompts else None
+        for micro, weight in self.ranks.micro_batches(indices, cfg.micro_batch_size, lengths, groups):
             scale = weight * self.ranks.grad_scale
             packed = pack([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro], self.pad_id, device)
 

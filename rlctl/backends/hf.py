@@ -248,6 +248,33 @@ def distinct_prompts(prompt_ids: Sequence[Sequence[int]]) -> tuple[list[Sequence
     return distinct, source
 
 
+# Running each distinct prompt once saves (repeated prompt tokens) × (parameters) × 2 FLOPs
+# forward (× 6 with backward) and costs a second model call per pass with KV-cache copies. On
+# the CPU the call costs more than the saving below ~1e9 parameter-tokens (the README's PPO
+# example: a 0.85M-parameter model, mini-batches of 12 rows drawn from groups of 4, ~90
+# repeated tokens each: update 0.67 → 0.77 s when it shared anyway; the small preset at TRL's
+# shape: 576 tokens × 24M, 10% faster shared). On a GPU the FLOPs are ~500× faster and the
+# call's launches no cheaper: an estimate, to be measured there (bench/gpu_check.sh).
+SHARED_PROMPT_MIN_PARAM_TOKENS = {"cpu": 1e9, "cuda": 5e11}
+SHARE_PROMPTS_ENV = "RLCTL_SHARE_PROMPTS"  # auto (the rule above) | always | never: to compare, or to debug
+SHARE_PROMPTS_MODES = ("auto", "always", "never")
+
+
+def worth_sharing_prompts(prompt_ids: Sequence[Sequence[int]], *, parameters: int, device_type: str) -> bool:
+    """Whether rows with these prompts run each distinct prompt once on a model of
+    `parameters` (`HFPolicy.forward_sharing_prompts`): when the repeated prompt tokens times
+    the parameters reach SHARED_PROMPT_MIN_PARAM_TOKENS for the device, or as
+    RLCTL_SHARE_PROMPTS says (forwarded to Ray workers, as every RLCTL_* variable)."""
+    mode = os.environ.get(SHARE_PROMPTS_ENV, "auto")
+    if mode not in SHARE_PROMPTS_MODES:
+        raise InputError(f"{SHARE_PROMPTS_ENV}={mode!r}: use one of {', '.join(SHARE_PROMPTS_MODES)}")
+    distinct, _ = distinct_prompts(prompt_ids)
+    saved = sum(len(p) for p in prompt_ids) - sum(len(p) for p in distinct)
+    if saved == 0 or mode != "auto":
+        return saved > 0 and mode != "never"
+    return saved * parameters >= SHARED_PROMPT_MIN_PARAM_TOKENS.get(device_type, SHARED_PROMPT_MIN_PARAM_TOKENS["cuda"])
+
+
 def left_padded(prompt_ids: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prompts as (ids, attention mask, positions) [B, L], padded on the left so that every
     prompt ends at the last column (where the next token's logits are)."""
@@ -339,6 +366,7 @@ class HFPolicy:
         self.stop_ids = sorted(stops)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self._keeps_logits = accepts_logits_to_keep(model)
+        self._parameters: int | None = None  # counted on first use (shares_prompts)
         self._bf16 = Bf16Copy()
         self._scores_from_copy = bf16_copy
 
@@ -496,7 +524,7 @@ class HFPolicy:
             with training_forward(self.model, self.device, bf16, rows=rows, length=length):
                 return self.forward_sharing_prompts(prompts, responses, temperature=temperature)[0]
 
-        if len(distinct_prompts(prompt_ids)[0]) < len(prompt_ids):  # as the update runs such rows (Trainer)
+        if self.shares_prompts(prompt_ids):  # as the update runs such rows (Trainer)
             results: list[list[float]] = [[] for _ in prompt_ids]
             for rows in batches_by_prompt(prompt_ids, response_ids, batch_size):
                 scores = score_sharing_prompts([prompt_ids[i] for i in rows], [response_ids[i] for i in rows])
@@ -504,6 +532,12 @@ class HFPolicy:
                     results[i] = row[: len(response_ids[i])]
             return results
         return scored_rows(prompt_ids, response_ids, batch_size, self.pad_id, self.device, score)
+
+    def shares_prompts(self, prompt_ids) -> bool:
+        """Whether rows with these prompts run each distinct prompt once (`worth_sharing_prompts`)."""
+        if self._parameters is None:  # FSDP2's DTensors count their whole (global) size, so every rank agrees
+            self._parameters = sum(p.numel() for p in self.model.parameters())
+        return worth_sharing_prompts(prompt_ids, parameters=self._parameters, device_type=self.device.type)
 
     def forward_sharing_prompts(
         self, prompt_ids, response_ids, *, temperature: float, with_entropy: bool = False, model=None,

@@ -76,8 +76,11 @@ def trained_weights(cfg: Config, tiny_model: str, batch: TrainBatch, out) -> dic
     return weights
 
 
-@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_two_workers_make_the_update_one_process_makes(ray_session, tiny_model, gae_batch, tmp_path, mode):
+@pytest.mark.parametrize("mode,share", [(mode, "always") for mode in LOSS_AGG_MODES] + [("token-mean", "never")])
+def test_two_workers_make_the_update_one_process_makes(ray_session, tiny_model, gae_batch, tmp_path, mode, share, monkeypatch):
+    """With rows that share prompts run each prompt once (forced: the tiny model alone would
+    not pay for it) and without; the setting reaches the workers as every RLCTL_* variable."""
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", share)
     batch = TrainBatch.from_table(shards.read(gae_batch, "batch").table)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each worker (cpus_per_worker = 1): the comparison is of the split, not of thread counts
@@ -239,9 +242,11 @@ def test_a_part_written_by_a_worker_that_then_died_is_never_committed(tmp_path, 
     assert shards.read(str(out), "rollouts").table.num_rows == 6
 
 
-def test_two_workers_train_the_lora_adapter_one_process_trains(ray_session, tiny_model, gae_batch, tmp_path):
+def test_two_workers_train_the_lora_adapter_one_process_trains(ray_session, tiny_model, gae_batch, tmp_path, monkeypatch):
     from rlctl.config import LoraConfig
     from rlctl.workers import make_workers
+
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "always")  # GRPO-style groups through the adapter too
 
     batch = TrainBatch.from_table(shards.read(gae_batch, "batch").table)
     lora = LoraConfig(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))

@@ -176,10 +176,11 @@ def test_batches_by_prompt_keep_a_prompts_rows_together_within_the_batch_size():
     assert batches == [[1, 4], [0, 2, 5], [7, 3, 6]]  # [2, 2] (longest 3), then [1] (longest 6, split 3 + 1), then [3, 3, 3] (9)
 
 
-def test_scoring_rows_that_share_prompts_runs_each_prompt_once_and_gives_the_full_forwards_logprobs(policy):
+def test_scoring_rows_that_share_prompts_runs_each_prompt_once_and_gives_the_full_forwards_logprobs(policy, monkeypatch):
     """A group's prompt runs once (its KV cache copied to its rows), the responses on top: the
     log-probs of one full-sequence forward per row, to fp32 rounding, in the caller's order,
     also with empty responses and groups split across batches."""
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "always")  # the tiny model alone would not pay for it
     g = torch.Generator().manual_seed(1)
     distinct = [torch.randint(3, 500, (2 + i % 4,), generator=g).tolist() for i in range(5)]
     prompt_ids = [distinct[i % 5] for i in range(15)]

@@ -236,7 +236,7 @@ def test_the_rows_of_one_prompt_stay_together_in_the_passes_of_every_rank():
 
 
 @pytest.mark.parametrize("micro,empty", [(1, False), (3, False), (4, False), (12, False), (4, True)])
-def test_an_update_on_groups_runs_each_prompt_once_per_pass_with_the_gradient_of_full_forwards(policy, micro, empty):
+def test_an_update_on_groups_runs_each_prompt_once_per_pass_with_the_gradient_of_full_forwards(policy, micro, empty, monkeypatch):
     """Rows that share a prompt (GRPO) run it once per pass (`forward_sharing_prompts`): the
     same gradient as one full-sequence forward per row, to fp32 rounding; a pass whose rows
     have no response token (`empty`: a whole group) still makes its forward calls (FSDP ranks
@@ -245,6 +245,7 @@ def test_an_update_on_groups_runs_each_prompt_once_per_pass_with_the_gradient_of
 
     from rlctl.backends.hf import pack
 
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "always")  # the tiny model alone would not pay for it
     batch = grouped_batch()
     if empty:
         mask = batch.response_mask.clone()
@@ -272,11 +273,12 @@ def test_an_update_on_groups_runs_each_prompt_once_per_pass_with_the_gradient_of
     np.testing.assert_allclose(grads[0], grads[1], atol=1e-5 * max(scale, 1.0), rtol=0)
 
 
-def test_the_policys_recompute_of_groups_is_the_updates_own_forward(tiny_model):
+def test_the_policys_recompute_of_groups_is_the_updates_own_forward(tiny_model, monkeypatch):
     """Rows that share a prompt are recomputed (`as_trained`) as the update runs them, each
     prompt once: a one-step PPO ratio starts at 1 in bf16 for GRPO's groups too."""
     from rlctl.backends.hf import HFPolicy, training_forward
 
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "always")
     policy = HFPolicy.load(tiny_model, "cpu")
     prompts, responses = [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]], [[10, 11, 12, 13], [14, 15], [16], [17, 18, 19]]
     recomputed = policy.logprobs(prompts, responses, temperature=1.0, batch_size=4, compute_dtype="bf16", as_trained=True)
@@ -284,3 +286,27 @@ def test_the_policys_recompute_of_groups_is_the_updates_own_forward(tiny_model):
         trained = policy.forward_sharing_prompts(prompts, responses, temperature=1.0)[0]
     for row, values in enumerate(recomputed):
         assert values == pytest.approx(trained[row, : len(values)].tolist(), abs=1e-6)
+
+
+def test_prompts_are_shared_where_the_saved_compute_outweighs_a_second_model_call(monkeypatch):
+    """A second model call per pass costs more than a few repeated prompt tokens save on small
+    models, so rows run each distinct prompt once only when the repeated prompt tokens times the
+    model's parameters reach the device's threshold (the same rule for the update's
+    mini-batches and for scoring); RLCTL_SHARE_PROMPTS=always|never overrides it."""
+    from rlctl.backends.hf import worth_sharing_prompts
+    from rlctl.errors import InputError
+
+    group = [[g] * 12 for g in range(16) for _ in range(4)]  # GRPO at TRL's shape: 576 repeated prompt tokens
+    assert worth_sharing_prompts(group, parameters=24_000_000, device_type="cpu")  # the small preset
+    assert not worth_sharing_prompts(group, parameters=854_144, device_type="cpu")  # the tiny one: the call costs more
+    assert not worth_sharing_prompts(group, parameters=24_000_000, device_type="cuda")  # GPU FLOPs are cheap
+    assert worth_sharing_prompts([[1] * 200] * 8, parameters=500_000_000, device_type="cuda")
+    assert not worth_sharing_prompts([[1] * 12, [2] * 12], parameters=10**10, device_type="cpu")  # nothing repeats
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "always")
+    assert worth_sharing_prompts(group, parameters=854_144, device_type="cpu")
+    assert not worth_sharing_prompts([[1] * 12, [2] * 12], parameters=854_144, device_type="cpu")
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "never")
+    assert not worth_sharing_prompts(group, parameters=24_000_000, device_type="cpu")
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "sometimes")
+    with pytest.raises(InputError, match="RLCTL_SHARE_PROMPTS"):
+        worth_sharing_prompts(group, parameters=24_000_000, device_type="cpu")
