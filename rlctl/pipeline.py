@@ -570,6 +570,7 @@ class Pipeline:
             **rollout_correction(scores, self.cfg.pipeline.rollout_is_threshold),
             "rollout_tokens_per_s": float(lengths.sum() / timings["rollout"]) if timings.get("rollout") else None,
             "train_tokens_per_s": train.get("tokens_per_s"),
+            "prompt_sharing": train.get("prompt_sharing"),
             "torch_threads": train.get("torch_threads"),
             "seconds/io": io["seconds"],
             **reward_component_means(scores),

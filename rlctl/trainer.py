@@ -307,7 +307,10 @@ class Trainer:
                 vf_loss = aggregate(loss=vf, response_mask=m, mode=cfg.loss_agg_mode, **norms)
                 (cfg.vf_coef * vf_loss * scale).backward()
                 stats["vf_loss"] += weight * float(vf_loss.detach())
-        return self.ranks.sum(stats)
+        stats = self.ranks.sum(stats)
+        if self.policy is not None:  # the share of optimizer steps whose passes ran each prompt once (a metric)
+            stats["prompt_sharing"] = float(share_prompts)
+        return stats
 
     def _policy_backward(
         self, batch: TrainBatch, packed, shared_rows: tuple[list, list] | None, take, norms: dict, weight: float, scale: float,

@@ -310,3 +310,10 @@ def test_prompts_are_shared_where_the_saved_compute_outweighs_a_second_model_cal
     monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "sometimes")
     with pytest.raises(InputError, match="RLCTL_SHARE_PROMPTS"):
         worth_sharing_prompts(group, parameters=24_000_000, device_type="cpu")
+
+
+@pytest.mark.parametrize("share", ["always", "never"])
+def test_the_update_reports_the_share_of_its_steps_that_ran_each_prompt_once(tiny_model, monkeypatch, share):
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", share)
+    _, _, metrics = run_update(tiny_model, grouped_batch(), UpdateConfig(lr=1e-3, micro_batch_size=4, mini_batch_size=6))
+    assert metrics["prompt_sharing"] == (1.0 if share == "always" else 0.0)
