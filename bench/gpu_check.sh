@@ -109,5 +109,8 @@ if imports "trl, datasets"; then
   step "side by side with TRL's GRPOTrainer ($PRESET preset, $TOKENS tokens, dtype auto)"
   within 240 "$PY" -m bench.trl_bench --device "$DEVICE" --preset "$PRESET" --tokens "$TOKENS" --rounds 1 --steps 4 --python "$PY"
 fi
+
+step "the update with each prompt once per pass vs one forward per row (calibrates the GPU's threshold)"
+within 90 "$PY" -m bench.prompt_sharing_bench --device "$DEVICE" --model "$MODEL" --prompt-tokens 12,200 --response-tokens "$TOKENS" --rounds 2
 echo
 echo "(gpu_check: $SECONDS s)"
