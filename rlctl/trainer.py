@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,14 +115,14 @@ class RankGroup:
         return float(self.size)
 
     def micro_batches(
-        self, indices: torch.Tensor, micro_batch_size: int, lengths: Sequence[int] | None = None, groups: Sequence[int] | None = None,
+        self, indices: torch.Tensor, micro_batch_size: int, lengths: Sequence[int] | None = None, groups: Mapping[int, int] | Sequence[int] | None = None,
     ) -> list[tuple[list[int], float]]:
         """(rows, weight) of each forward/backward pass this rank makes on a mini-batch.
 
         The rank's share is its contiguous slice of `indices`; with `lengths` (each row's
         sequence length) the share is ordered by length before it is cut into passes, so a pass
         pads its rows to a similar length instead of the longest of a random draw. With
-        `groups` (each row's prompt, `distinct_prompts`) the rows of one prompt are kept
+        `groups` (each row's prompt, by row: `distinct_prompts`) the rows of one prompt are kept
         together, in the mini-batch before it is shared out and in the passes (groups ordered
         by their longest row), so that a pass runs each prompt once. The loss normalisers are
         the mini-batch's, so no order changes a gradient (beyond float rounding). Every rank
@@ -278,9 +278,11 @@ class Trainer:
         device = self.device
         bf16 = autocast_bf16(cfg.bf16, device.type)
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        rows = indices.tolist()
+        prompts = [batch.prompt_ids[i] for i in rows]
         # decided from the whole mini-batch, so every rank makes the same forward calls (FSDP)
-        share_prompts = self.policy is not None and self.policy.shares_prompts([batch.prompt_ids[i] for i in indices.tolist()])
-        groups = distinct_prompts(batch.prompt_ids)[1] if share_prompts else None
+        share_prompts = self.policy is not None and self.policy.shares_prompts(prompts)
+        groups = dict(zip(rows, distinct_prompts(prompts)[1])) if share_prompts else None  # the mini-batch's rows only
         for micro, weight in self.ranks.micro_batches(indices, cfg.micro_batch_size, lengths, groups):
             scale = weight * self.ranks.grad_scale
             packed = pack([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro], self.pad_id, device)
