@@ -7,6 +7,8 @@ so the rollout engine, `score` and `update` all compute the same quantity from l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -128,6 +130,15 @@ def row_seed(seed: int, row: int) -> int:
 def row_generator(seed: int, row: int) -> torch.Generator:
     """The random stream of sample row `row` for `seed` (the HF engine's sampler)."""
     return torch.Generator().manual_seed(row_seed(seed, row))
+
+
+def row_uniforms(seed: int, rows: Sequence[int], steps: int) -> torch.Tensor:
+    """[len(rows), steps]: the uniform numbers in [0, 1) that each sample row draws, one per
+    decode step, from its own stream; drawn once per batch so that the decode loop does no
+    Python work per row."""
+    if not rows:
+        return torch.zeros((0, steps))
+    return torch.stack([torch.rand(steps, generator=row_generator(seed, row)) for row in rows])
 
 
 def truncate_logits(*, logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:

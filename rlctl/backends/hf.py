@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from rlctl import cpu_linear
-from rlctl.algos.logprobs import logprobs_and_entropy, row_generator, sample_next
+from rlctl.algos.logprobs import logprobs_and_entropy, row_uniforms, sample_next
 from rlctl.backends.base import Generation, SamplingParams
 from rlctl.errors import InputError
 
@@ -400,7 +400,7 @@ class HFPolicy:
         first_row: int = 0,
     ) -> list[Generation]:
         """Sample one response per prompt (repeat a prompt for n samples). Deterministic for a
-        seed: row i draws from its own stream (`row_generator(seed, first_row + i)`), so the
+        seed: row i draws from its own stream (`row_uniforms(seed, [first_row + i], ...)`), so the
         rows do not depend on the batch size or on how rows are split across workers.
         `compute_dtype="bf16"` generates with a bf16 copy of the weights (the trained ones,
         shared with training, stay fp32; "auto": bf16 where the hardware has it natively)."""
@@ -408,36 +408,38 @@ class HFPolicy:
         results: list[Generation | None] = [None] * len(prompt_ids)
         with decoding_attention(model, self.device):
             for rows in batches_by_length(prompt_ids, [()] * len(prompt_ids), batch_size):  # prompts of similar length pad less
-                streams = [row_generator(params.seed, first_row + i) for i in rows]
-                for i, generation in zip(rows, self._generate_batch(model, [prompt_ids[i] for i in rows], params, streams, on_tokens)):
+                uniforms = row_uniforms(params.seed, [first_row + i for i in rows], params.max_new_tokens)
+                for i, generation in zip(rows, self._generate_batch(model, [prompt_ids[i] for i in rows], params, uniforms, on_tokens)):
                     results[i] = generation
         return results
 
-    def _generate_batch(self, model, prompt_ids, params: SamplingParams, streams: list[torch.Generator], on_tokens) -> list[Generation]:
-        B = len(prompt_ids)
+    def _generate_batch(self, model, prompt_ids, params: SamplingParams, uniforms: torch.Tensor, on_tokens) -> list[Generation]:
+        """`uniforms` [B, max_new_tokens]: row i's random numbers, one per step. The loop's work
+        per step is tensor operations over the rows still generating; the rows' Python lists are
+        built once at the end."""
+        B, steps = len(prompt_ids), params.max_new_tokens
         stop = torch.tensor(self.stop_ids, device=self.device)
-
-        tokens: list[list[int]] = [[] for _ in range(B)]
-        logprobs: list[list[float]] = [[] for _ in range(B)]
-        finish = ["length"] * B
+        tokens = torch.zeros((B, steps), dtype=torch.long, device=self.device)
+        logprobs = torch.zeros((B, steps), dtype=torch.float32, device=self.device)
+        lengths = torch.zeros(B, dtype=torch.long, device=self.device)
+        stopped = torch.zeros(B, dtype=torch.bool, device=self.device)
+        uniforms = uniforms.to(self.device)
         active = torch.arange(B, device=self.device)  # original row of each batch row
         cache_kw = self._cache_keyword()
         logits, cache, attention_mask, position_ids = self._prompt_pass(model, prompt_ids)
         next_position = position_ids[:, -1] + 1
-        for step in range(params.max_new_tokens):
-            uniform = torch.stack([torch.rand((), generator=streams[row]) for row in active.tolist()])
+        for step in range(steps):
             new_tokens, new_logprobs = sample_next(
-                logits=logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, uniform=uniform
+                logits=logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, uniform=uniforms[active, step]
             )
-            for row, tok, lp in zip(active.tolist(), new_tokens.tolist(), new_logprobs.tolist()):
-                tokens[row].append(tok)
-                logprobs[row].append(lp)
+            tokens[active, step] = new_tokens
+            logprobs[active, step] = new_logprobs.float()
+            lengths[active] = step + 1
             if on_tokens:
                 on_tokens(len(active))
             done = torch.isin(new_tokens, stop)
-            for row in active[done].tolist():
-                finish[row] = "stop"
-            if step == params.max_new_tokens - 1:
+            stopped[active[done]] = True
+            if step == steps - 1:
                 break
             keep = ~done
             if not keep.any():
@@ -454,7 +456,10 @@ class HFPolicy:
             )
             logits = out.logits[:, -1, :]
             next_position = next_position + 1
-        return [Generation(tokens[i], logprobs[i], finish[i]) for i in range(B)]
+        return [
+            Generation(row_tokens[:n], row_logprobs[:n], "stop" if row_stopped else "length")
+            for row_tokens, row_logprobs, n, row_stopped in zip(tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist())
+        ]
 
     def _prompt_pass(self, model, prompt_ids):
         """Each distinct prompt's forward once, left-padded, logits at the last position only

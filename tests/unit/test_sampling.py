@@ -48,13 +48,23 @@ def test_inverse_cdf_sampling_follows_the_distribution_and_never_picks_a_truncat
 
 
 def test_a_rows_token_does_not_depend_on_the_other_rows():
-    from rlctl.algos.logprobs import row_generator
+    from rlctl.algos.logprobs import row_uniforms
 
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
-    draws = torch.stack([torch.rand((), generator=row_generator(9, row)) for row in range(6)])
+    draws = row_uniforms(9, range(6), 1)[:, 0]
     together, _ = sample_next(logits=logits, temperature=1.0, top_p=1.0, top_k=0, uniform=draws)
     alone = [sample_next(logits=logits[i : i + 1], temperature=1.0, top_p=1.0, top_k=0, uniform=draws[i : i + 1])[0].item() for i in range(6)]
     assert together.tolist() == alone
+
+
+def test_a_rows_random_numbers_do_not_depend_on_the_rows_drawn_with_it():
+    from rlctl.algos.logprobs import row_uniforms
+
+    alone = row_uniforms(7, [5], 20)
+    together = row_uniforms(7, [2, 5, 9], 20)
+    assert together.shape == (3, 20) and torch.equal(together[1], alone[0])
+    assert not torch.equal(together[0], together[1]) and ((together >= 0) & (together < 1)).all()
+    assert row_uniforms(7, [], 20).shape == (0, 20)
 
 
 def reference_logprobs_and_entropy(logits, tokens, temperature):
