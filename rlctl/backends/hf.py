@@ -417,6 +417,8 @@ class HFPolicy:
         """`uniforms` [B, max_new_tokens]: row i's random numbers, one per step. The loop's work
         per step is tensor operations over the rows still generating; the rows' Python lists are
         built once at the end."""
+        from rlctl.backends.kv_cache import decoding_cache
+
         B, steps = len(prompt_ids), params.max_new_tokens
         stop = torch.tensor(self.stop_ids, device=self.device)
         tokens = torch.zeros((B, steps), dtype=torch.long, device=self.device)
@@ -426,7 +428,7 @@ class HFPolicy:
         uniforms = uniforms.to(self.device)
         active = torch.arange(B, device=self.device)  # original row of each batch row
         cache_kw = self._cache_keyword()
-        logits, cache, attention_mask, position_ids = self._prompt_pass(model, prompt_ids)
+        logits, cache, attention_mask, position_ids = self._prompt_pass(model, prompt_ids, decoding_cache(self.model.config))
         next_position = position_ids[:, -1] + 1
         for step in range(steps):
             new_tokens, new_logprobs = sample_next(
@@ -461,15 +463,16 @@ class HFPolicy:
             for row_tokens, row_logprobs, n, row_stopped in zip(tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist())
         ]
 
-    def _prompt_pass(self, model, prompt_ids):
+    def _prompt_pass(self, model, prompt_ids, cache=None):
         """Each distinct prompt's forward once, left-padded, logits at the last position only
-        (never [B, L, V] over the prompts); its rows continue from copies of its KV cache.
-        Returns per row: (next-token logits [B, V], the cache, attention mask [B, L], positions [B, L])."""
+        (never [B, L, V] over the prompts); its rows continue from copies of its KV cache
+        (`cache`: transformers' DynamicCache unless given). Returns per row: (next-token logits
+        [B, V], the cache, attention mask [B, L], positions [B, L])."""
         from transformers import DynamicCache
 
         distinct, source = distinct_prompts(prompt_ids)
         ids, mask, positions = left_padded(distinct, self.pad_id, self.device)
-        cache = DynamicCache()
+        cache = DynamicCache() if cache is None else cache
         last_only = {"logits_to_keep": 1} if self._keeps_logits else {}
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self._cache_keyword(): cache}, **last_only)
         logits = out.logits[:, -1, :]
