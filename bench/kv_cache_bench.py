@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.pipeline_bench import _cpu_name, _gpu_name
+from bench.pipeline_bench import machine_name, publish
 
 
 def main() -> None:
@@ -65,7 +65,7 @@ def main() -> None:
         rows.append((tokens, generated, statistics.median(rates["dynamic"]), statistics.median(rates["blocks"]), same))
 
     lines = [
-        f"- machine: {_cpu_name() + f', {os.cpu_count()} cores' if policy.device.type == 'cpu' else _gpu_name()}, compute {dtype}, Python {platform.python_version()}, torch {torch.__version__}",
+        f"- machine: {machine_name(policy.device.type)}, compute {dtype}, Python {platform.python_version()}, torch {torch.__version__}",
         f"- command: `python -m bench.kv_cache_bench {f'--model {args.model}' if args.model else f'--preset {args.preset}'} --device {args.device} --dtype {args.dtype} "
         f"--sequences {args.sequences} --tokens {args.tokens} --rounds {args.rounds}`",
         f"- tokens/s generated (rows stop at the end-of-sequence token), median of {args.rounds} rounds after a warm-up",
@@ -74,11 +74,7 @@ def main() -> None:
         "|---|---|---|---|---|---|",
         *(f"| {t} | {n} | {d:.0f} | {b:.0f} | {b / d:.2f}× | {'yes' if same else 'NO'} |" for t, n, d, b, same in rows),
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.append:
-        with open(args.append, "a", encoding="utf-8") as f:
-            f.write("\n" + text + "\n")
+    publish(lines, args.append)
 
 
 if __name__ == "__main__":

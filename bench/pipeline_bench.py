@@ -107,6 +107,20 @@ def _gpu_name() -> str:
     return f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
 
 
+def machine_name(device_type: str) -> str:
+    """The CPU and its core count, or the GPUs: the machine line of a result."""
+    return _cpu_name() + f", {os.cpu_count()} cores" if device_type == "cpu" else _gpu_name()
+
+
+def publish(lines: list[str], append: str | None) -> None:
+    """Print a Markdown result, and append it to the file `append` names."""
+    text = "\n".join(lines)
+    print(text)
+    if append:
+        with open(append, "a", encoding="utf-8") as f:
+            f.write("\n" + text + "\n")
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

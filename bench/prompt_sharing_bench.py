@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.pipeline_bench import _cpu_name, _gpu_name
+from bench.pipeline_bench import machine_name, publish
 
 
 def main() -> None:
@@ -70,7 +70,7 @@ def main() -> None:
         rows.append((prompt_tokens, saved * parameters, never, always, policy.shares_prompts(batch.prompt_ids)))
 
     lines = [
-        f"- machine: {_cpu_name() + f', {os.cpu_count()} cores' if policy.device.type == 'cpu' else _gpu_name()}, compute {dtype}, Python {platform.python_version()}",
+        f"- machine: {machine_name(policy.device.type)}, compute {dtype}, Python {platform.python_version()}",
         f"- command: `python -m bench.prompt_sharing_bench {f'--model {args.model}' if args.model else f'--preset {args.preset}'} --device {args.device} --prompt-tokens {args.prompt_tokens} "
         f"--prompts {args.prompts} --samples {args.samples} --response-tokens {args.response_tokens} --micro-batch {args.micro_batch} --rounds {args.rounds}`",
         f"- model: {parameters:,} parameters; seconds per update, median of {args.rounds} rounds after a warm-up",
@@ -79,11 +79,7 @@ def main() -> None:
         "|---|---|---|---|---|---|",
         *(f"| {p} | {pt:.2g} | {never:.3f} | {always:.3f} | {never / always:.2f}× | {'yes' if auto else 'no'} |" for p, pt, never, always, auto in rows),
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.append:
-        with open(args.append, "a", encoding="utf-8") as f:
-            f.write("\n" + text + "\n")
+    publish(lines, args.append)
 
 
 def grpo_batch(prompts: int, samples: int, prompt_tokens: int, response_tokens: int, *, vocab: int):
