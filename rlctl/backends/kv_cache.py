@@ -88,7 +88,14 @@ class BlockLayer(DynamicLayer):
         return max(self.keys.shape[-2], padded_length(length + query_length)), 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a BlockLayer only grows: it is for sampling")
+        """Drop the last `-tokens_to_remove` tokens (transformers' convention: a negative count);
+        their positions become masked zeros again."""
+        if tokens_to_remove > 0 or not self.is_initialized:
+            return super().crop(tokens_to_remove)  # transformers' error for a positive count; nothing to do empty
+        kept = max(self.length + tokens_to_remove, 0)
+        self.keys[:, :, kept : self.length] = 0
+        self.values[:, :, kept : self.length] = 0
+        self.length = kept
 
 
 def _grown(buffer: torch.Tensor, length: int, positions: int) -> torch.Tensor:

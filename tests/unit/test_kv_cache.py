@@ -54,6 +54,8 @@ def test_a_block_layer_returns_the_prompt_then_its_whole_buffer_with_unwritten_p
     assert torch.equal(keys[:, :, :5], prompt_k) and not keys[:, :, 11:].any()
     layer.batch_select_indices(torch.tensor([1]))
     assert layer.keys.shape == (1, 3, 16, 4) and layer.get_seq_length() == 11
+    layer.crop(-3)  # transformers' convention: drop the last 3 tokens
+    assert layer.get_seq_length() == 8 and not layer.keys[:, :, 8:].any() and torch.equal(layer.keys[0, :, :5], prompt_k[1])
 
 
 def test_the_generation_cache_replaces_only_full_attention_layers(tiny_model):
