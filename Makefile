@@ -1,11 +1,11 @@
 # Developer shortcuts. The RL loop itself as stage-command targets is examples/Makefile.
-.PHONY: test test-fast completions docs lint example vllm
+.PHONY: test test-slow completions docs lint example vllm
 
 test:
 	python -m pytest -q
 
-test-fast:
-	python -m pytest -q -m "not slow"
+test-slow:  # the long end-to-end runs the default leaves out (CI runs both)
+	python -m pytest -q -m slow
 
 completions:
 	python -m rlctl.completion completions
