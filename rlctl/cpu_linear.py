@@ -5,7 +5,9 @@ an AMD EPYC with full-width AVX-512 (Zen 5) it runs its AVX2 path at about 210 G
 cores, while oneDNN (also in every x86 torch build) runs the same fp32 GEMMs with AVX-512 at
 about 460 (bench/RESULTS.md). So on a non-Intel x86 CPU with AVX-512 the `nn.Linear` layers of
 the models rlctl holds compute their fp32 forward and both backward GEMMs with oneDNN; on Intel
-CPUs (where MKL is already at its peak), under autocast, in bf16 and on GPUs nothing changes.
+CPUs (where MKL is already at its peak), under autocast, in bf16 and on GPUs nothing changes;
+nor on AMD CPUs with AVX2 only (Zen 3: faster for some shapes, slower for others; generation
+and training no faster, measured).
 The results are fp32 either way (other summation orders: within ~1e-6 relative).
 `RLCTL_CPU_LINEAR=onednn|blas` overrides the choice; it is made once per process.
 """
