@@ -9,8 +9,8 @@ the rollouts schema, one row per (prompt, sample), samples of a prompt adjacent.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 
 import pyarrow as pa
 
