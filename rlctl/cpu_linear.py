@@ -60,11 +60,6 @@ def linear_path() -> str:
     return "weight-first" if prefers_weight_first(cpuinfo) else "blas"
 
 
-def uses_onednn() -> bool:
-    """Whether fp32 CPU linear layers go through oneDNN in this process."""
-    return linear_path() == "onednn"
-
-
 def _available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 

@@ -54,11 +54,12 @@ def choice(monkeypatch):
     cpu_linear.linear_path.cache_clear()
 
 
-def pair(bias: bool) -> tuple[torch.nn.Linear, OneDNNLinear]:
+def pair(bias: bool, kind: type = OneDNNLinear, features: tuple[int, int] = (96, 160)) -> tuple[torch.nn.Linear, torch.nn.Linear]:
+    """An nn.Linear and a copy of it whose class is `kind`."""
     torch.manual_seed(0)
-    plain = torch.nn.Linear(96, 160, bias=bias)
+    plain = torch.nn.Linear(*features, bias=bias)
     fast = copy.deepcopy(plain)
-    fast.__class__ = OneDNNLinear
+    fast.__class__ = kind
     return plain, fast
 
 
@@ -114,18 +115,10 @@ def test_install_swaps_plain_linear_layers_only_where_chosen(choice):
     assert list(model.state_dict()) == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
 
 
-def weight_first_pair(bias: bool) -> tuple[torch.nn.Linear, WeightFirstLinear]:
-    torch.manual_seed(0)
-    plain = torch.nn.Linear(96, 160, bias=bias)
-    fast = copy.deepcopy(plain)
-    fast.__class__ = WeightFirstLinear
-    return plain, fast
-
-
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(64, 96), (64, 1, 96), (16, 12, 96), (2 * WEIGHT_FIRST_MAX_ROWS, 96), (0, 96)])
 def test_weight_first_inference_matches_nn_linear(bias, shape):
-    plain, fast = weight_first_pair(bias)
+    plain, fast = pair(bias, WeightFirstLinear)
     x = torch.randn(*shape)
     with torch.no_grad():
         ours, theirs = fast(x), plain(x)
@@ -134,10 +127,8 @@ def test_weight_first_inference_matches_nn_linear(bias, shape):
 
 def test_weight_first_output_feeds_the_next_projection_without_a_copy():
     """gate/up give column-major views; their product keeps the layout; down reads it as is."""
-    plain, fast = weight_first_pair(False)
-    down_plain = torch.nn.Linear(160, 96, bias=False)
-    down_fast = copy.deepcopy(down_plain)
-    down_fast.__class__ = WeightFirstLinear
+    plain, fast = pair(False, WeightFirstLinear)
+    down_plain, down_fast = pair(False, WeightFirstLinear, (160, 96))
     x = torch.randn(64, 1, 96)
     with torch.no_grad():
         hidden = torch.nn.functional.silu(fast(x)) * fast(x)
@@ -146,7 +137,7 @@ def test_weight_first_output_feeds_the_next_projection_without_a_copy():
 
 
 def test_weight_first_training_bf16_and_autocast_are_nn_linear_exactly():
-    plain, fast = weight_first_pair(True)
+    plain, fast = pair(True, WeightFirstLinear)
     x = torch.randn(8, 96)
     assert torch.equal(fast(x), plain(x))  # grad enabled: the update computes as before, bit for bit
     fast(x).sum().backward()
