@@ -9,9 +9,9 @@ On a non-Intel x86 CPU with AVX2 only (Zen 3) oneDNN is no faster end to end, bu
 for a few rows is: as W·xᵀ (the weight first) the small preset's shapes ran 40–50% faster at
 64 rows. Outside the MLP the result's layout costs what that saves, so only the gated MLP's
 projections (gate, up, down) go weight-first, for inference calls of few rows: generation's
-decode steps and prompt passes ("weight-first": 4–10% less per generation, the same tokens). On Intel
-CPUs (where MKL runs its own kernels), under autocast, in bf16, for training and on GPUs nothing
-changes ("blas"). The results are fp32 either way (other summation orders: within ~1e-6).
+decode steps and prompt passes ("weight-first": 4–10% less per generation, the same tokens).
+On Intel CPUs (where MKL runs its own kernels), under autocast, in bf16, for training and on
+GPUs nothing changes ("blas"). The results are fp32 either way (other summation orders: within ~1e-6).
 `RLCTL_CPU_LINEAR=onednn|weight-first|blas` overrides the choice; it is made once per process.
 """
 

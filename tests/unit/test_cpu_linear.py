@@ -36,7 +36,7 @@ def test_onednn_is_chosen_only_for_non_intel_x86_with_avx512():
 
 
 def test_weight_first_is_chosen_only_for_non_intel_x86_with_avx2_and_no_avx512():
-    assert prefers_weight_first(AMD_ZEN3)  # measured: 10% less per generation there
+    assert prefers_weight_first(AMD_ZEN3)  # measured: 4–10% less per generation there
     assert not prefers_weight_first(AMD_ZEN5)  # oneDNN there
     assert not prefers_weight_first(INTEL_XEON.replace(" avx512f", ""))  # MKL's own kernels: not measured
     assert not prefers_weight_first(GRAVITON3) and not prefers_weight_first("")
