@@ -9,7 +9,9 @@ On a non-Intel x86 CPU with AVX2 only (Zen 3) oneDNN is no faster end to end, bu
 for a few rows is: as W·xᵀ (the weight first) the small preset's shapes ran 40–50% faster at
 64 rows. Outside the MLP the result's layout costs what that saves, so only the gated MLP's
 projections (gate, up, down) go weight-first, for inference calls of few rows: generation's
-decode steps and prompt passes ("weight-first": 4–10% less per generation, the same tokens).
+decode steps and prompt passes ("weight-first": 4–10% less per generation, the same tokens) —
+unless MKL runs its Intel kernels there (rlctl.mkl_kernels, the default where a C compiler
+is found): those run x·Wᵀ for few rows as fast, and weight-first was then 8% slower ("blas").
 On Intel CPUs (where MKL runs its own kernels), under autocast, in bf16, for training and on
 GPUs nothing changes ("blas"). The results are fp32 either way (other summation orders: within ~1e-6).
 `RLCTL_CPU_LINEAR=onednn|weight-first|blas` overrides the choice; it is made once per process.
@@ -22,6 +24,7 @@ import os
 
 import torch
 
+from rlctl import mkl_kernels
 from rlctl.dtypes import cpu_flags, cpuinfo_text
 
 OVERRIDE_ENV = "RLCTL_CPU_LINEAR"
@@ -33,19 +36,14 @@ WEIGHT_FIRST_MAX_ROWS = 256  # up to here W·xᵀ measured faster than x·Wᵀ f
 def prefers_onednn(cpuinfo: str) -> bool:
     """Does this CPU (the text of /proc/cpuinfo) run fp32 GEMMs faster in oneDNN than in MKL?
     Yes for x86 CPUs of another vendor than Intel that have AVX-512."""
-    return _non_intel_x86(cpuinfo) and "avx512f" in cpu_flags(cpuinfo)
+    return mkl_kernels.is_non_intel_x86(cpuinfo) and "avx512f" in cpu_flags(cpuinfo)
 
 
-def prefers_weight_first(cpuinfo: str) -> bool:
+def prefers_weight_first(cpuinfo: str, *, mkl_intel_kernels: bool = False) -> bool:
     """Does MKL run few-row products faster with the weight first here? Measured so on x86 CPUs
-    of another vendor than Intel with AVX2 and no AVX-512 (Zen 3)."""
-    flags = cpu_flags(cpuinfo)
-    return _non_intel_x86(cpuinfo) and "avx2" in flags and "avx512f" not in flags
-
-
-def _non_intel_x86(cpuinfo: str) -> bool:
-    vendors = {value.strip() for name, _, value in (line.partition(":") for line in cpuinfo.splitlines()) if name.strip() == "vendor_id"}
-    return bool(vendors) and "GenuineIntel" not in vendors
+    of another vendor than Intel with AVX2 and no AVX-512 (Zen 3), with MKL's own kernels for
+    that CPU; not with its Intel kernels (`mkl_intel_kernels`: rlctl.mkl_kernels)."""
+    return mkl_kernels.is_avx2_only(cpuinfo) and not mkl_intel_kernels
 
 
 @functools.cache
@@ -57,7 +55,7 @@ def linear_path() -> str:
     cpuinfo = cpuinfo_text()
     if _available() and prefers_onednn(cpuinfo):
         return "onednn"
-    return "weight-first" if prefers_weight_first(cpuinfo) else "blas"
+    return "weight-first" if prefers_weight_first(cpuinfo, mkl_intel_kernels=mkl_kernels.active()) else "blas"
 
 
 def _available() -> bool:

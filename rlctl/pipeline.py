@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from rlctl import faults
+from rlctl import faults, mkl_kernels
 from rlctl.algos.kl import KLControllerState
 from rlctl.algos.sampling import enough, select_groups
 from rlctl.config import Config, apply_overrides, from_dict, load_config, to_dict, to_toml
@@ -448,7 +448,7 @@ class Pipeline:
             self.view.stage(name, total=None)
         threads = self._fit_threads()
         if threads is not None:  # replay runs the stage at the same count: it is an input of the last bits
-            base_state = {**base_state, "torch_threads": threads}
+            base_state = {**base_state, "torch_threads": threads, "mkl_kernels": mkl_kernels.recorded()}  # so are the kernels
         started = time.perf_counter()
         if write_parts is not None:
             manifest.state = dict(base_state)

@@ -46,9 +46,19 @@ def replay_stage(
     result = replay(cfg, recorded, Round(iter_dir, f"-r{round_}" if round_ else ""), target)
     if not check:
         return f"replayed {iter_dir.name}/{name} into {target}"
-    if isinstance(result, dict):
-        return _compare_update(result, recorded)
-    return compare_tables(read(str(path)).table, result)
+    verdict = _compare_update(result, recorded) if isinstance(result, dict) else compare_tables(read(str(path)).table, result)
+    return verdict + _kernels_note(recorded)
+
+
+def _kernels_note(recorded: Manifest) -> str:
+    """Where the stage ran on other MKL kernels than this process (rlctl.mkl_kernels), a note
+    that its last bits may differ for that reason, and how to run it as recorded."""
+    from rlctl import mkl_kernels
+
+    was, now = recorded.state.get("mkl_kernels"), mkl_kernels.recorded()
+    if was is None or was == now:
+        return ""
+    return f" (recorded with MKL's {was} kernels, replayed with its {now} ones: the last bits may differ; RLCTL_MKL_KERNELS={was} runs it as recorded)"
 
 
 def _replay_rewards(cfg: Config, recorded: Manifest, iteration: str, reward: str | None, trust_run_code: bool) -> Config:

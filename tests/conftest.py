@@ -9,6 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from rlctl import mkl_kernels
+
+# MKL's kernels chosen before torch loads, as the CLI does (rlctl.mkl_kernels), so that runs in
+# this process and `rlctl` subprocesses compute alike (tests compare their last bits); where
+# this process cannot have them, neither do the subprocesses.
+if mkl_kernels.enable() != mkl_kernels.INTEL:
+    os.environ["RLCTL_MKL_KERNELS"] = "default"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -33,7 +40,9 @@ def ray_session():
     """One embedded Ray for the module; each worker group (and each in-process command) joins
     it instead of starting Ray of its own."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    from rlctl.workers.ray import WORKER_SETUP_HOOK
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR", runtime_env={"worker_process_setup_hook": WORKER_SETUP_HOOK})
     yield
     ray.shutdown()
 

@@ -44,7 +44,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from rlctl import faults
+from rlctl import faults, mkl_kernels
 from rlctl.backends.base import Generation, SamplingParams
 from rlctl.config import Config, WorkersConfig
 from rlctl.dispatch import gather, row_slices
@@ -52,6 +52,9 @@ from rlctl.errors import InputError, RlctlError
 from rlctl.manifest import Manifest
 
 CONNECT_TIMEOUT = 5.0
+# run in every worker process of our Ray job before anything of ours: MKL's kernels are chosen
+# when torch loads it (rlctl.mkl_kernels; Ray takes this hook only for a whole job, at ray.init)
+WORKER_SETUP_HOOK = "rlctl.mkl_kernels.enable"
 FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY")  # and every RLCTL_* (fault points, --no-verify) and VLLM_*
 
 
@@ -76,7 +79,11 @@ def start_ray(cfg: WorkersConfig, pools: int = 1) -> bool:
         check_reachable(cfg.address)
     if ray.is_initialized():  # a Python API user's own ray.init(): use that session
         return False
-    options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR", "configure_logging": True}
+    mkl_kernels.requested_mode()  # a bad RLCTL_MKL_KERNELS: one clear line here, not a worker failing to start
+    options: dict[str, Any] = {
+        "include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR", "configure_logging": True,
+        "runtime_env": {"worker_process_setup_hook": WORKER_SETUP_HOOK},
+    }
     if not cfg.address:
         cpus = pools * cfg.num_workers * cfg.cpus_per_worker
         ray.init(num_cpus=cpus, num_gpus=int(round(pools * cfg.num_workers * cfg.gpus_per_worker)) or None, **options)

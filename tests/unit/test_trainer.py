@@ -143,8 +143,9 @@ def test_one_step_on_its_own_logprobs_is_the_step_on_recomputed_ones(tiny_model,
     diffs = torch.cat([(wa[k] - wb[k]).abs().reshape(-1) for k in wa])
     if bf16:  # Adam's first step is ±lr per weight: bf16 noise can flip the sign of a near-zero gradient
         assert float(diffs.max()) <= 2.01 * cfg.lr and float(diffs.mean()) < 2e-5, (float(diffs.max()), float(diffs.mean()))
-    else:
-        assert float(diffs.max()) < 1e-6
+    else:  # the same function by other GEMM calls (rows per call): fp32 rounding, which Adam's first step
+        # (lr · g / (|g| + eps)) magnifies where |g| is near eps; seen 7e-6 on MKL's Intel kernels, 2 × lr if the old log-probs were wrong
+        assert float(diffs.max()) < 2e-5 and float(diffs.mean()) < 1e-8, (float(diffs.max()), float(diffs.mean()))
 
 
 @pytest.mark.parametrize("cfg", [UpdateConfig(epochs=2), UpdateConfig(mini_batch_size=4)])
