@@ -58,7 +58,7 @@ def main() -> None:
         model = work / args.preset
         subprocess.run([sys.executable, "-m", "rlctl", "model", "init", str(model), "--preset", args.preset], check=True, stdout=subprocess.DEVNULL)
         prompts = write_prompts(work / "addition.jsonl")
-        rounds: dict[str, list[dict[str, float]]] = {"trl": [], "rlctl": []}
+        rounds: dict[str, list[dict]] = {"trl": [], "rlctl": []}
         for r in range(args.rounds):
             rounds["trl"].append(run_trl(python, work / f"trl{r}", model, prompts, args.steps, dtype, shape))
             rounds["rlctl"].append(run_rlctl(work / f"rlctl{r}", model, prompts, args.steps, dtype, args.dtype, shape))
@@ -125,7 +125,7 @@ def run_trl(python: Path, work: Path, model: Path, prompts: Path, steps: int, dt
     return {**phases, "step": step}
 
 
-def run_rlctl(work: Path, model: Path, prompts: Path, steps: int, dtype: str, asked: str, shape: Shape) -> dict[str, float]:
+def run_rlctl(work: Path, model: Path, prompts: Path, steps: int, dtype: str, asked: str, shape: Shape) -> dict[str, float | str]:
     work.mkdir()
     config = work / "bench.toml"
     config.write_text(
@@ -148,7 +148,14 @@ def run_rlctl(work: Path, model: Path, prompts: Path, steps: int, dtype: str, as
 
     phases = {"generation": median("seconds/rollout"), "reference forward": median("seconds/score"), "reward": 0.0}
     phases["policy forward + backward + AdamW"] = median("seconds/update")
-    return {**phases, "step": median("seconds/total")}
+    return {**phases, "step": median("seconds/total"), "mkl_kernels": recorded_kernels(run)}
+
+
+def recorded_kernels(run: Path) -> str:
+    """The MKL kernels rlctl's stages ran on (rlctl.mkl_kernels), as their manifests record."""
+    for manifest in sorted(run.glob("iter-*/rollout/_manifest.json")):
+        return str(json.loads(manifest.read_text()).get("state", {}).get("mkl_kernels", "not recorded"))
+    return "not recorded"
 
 
 def _run(command: list[str], env: dict[str, str] | None = None) -> None:
@@ -158,7 +165,7 @@ def _run(command: list[str], env: dict[str, str] | None = None) -> None:
         sys.exit(f"{' '.join(command[:4])} ... failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
 
 
-def report(rounds: dict[str, list[dict[str, float]]], args, dtype: str) -> str:
+def report(rounds: dict[str, list[dict]], args, dtype: str) -> str:
     from bench.pipeline_bench import _cpu_name, _gpu_name
     from rlctl.dtypes import native_bf16
 
@@ -174,6 +181,7 @@ def report(rounds: dict[str, list[dict[str, float]]], args, dtype: str) -> str:
         f"- command: `python -m bench.trl_bench --rounds {args.rounds} --steps {args.steps} --dtype {args.dtype} --device {args.device} --preset {args.preset} --tokens {args.tokens}` (decided: {dtype}); TRL {TRL_VERSION} in {trl_from}",
         f"- workload: {args.preset} preset, {PROMPTS_PER_STEP} prompts × {SAMPLES} samples × {args.tokens} new tokens, GRPO, k3 KL loss β = {KL} to a reference, one optimizer step per batch",
         f"- figures: seconds per step, median over steps 3–{args.steps} of each run, then over {args.rounds} alternating rounds",
+        f"- fp32 GEMMs: rlctl on MKL's {'/'.join(sorted({r['mkl_kernels'] for r in rounds['rlctl']}))} kernels (rlctl.mkl_kernels), TRL on MKL's own choice",
         "",
         "| phase | TRL | rlctl | rlctl / TRL |",
         "|---|---|---|---|",
