@@ -78,11 +78,12 @@ def _version_callback(value: bool) -> None:
 def _root(
     version: Annotated[bool, typer.Option("--version", callback=_version_callback, is_eager=True, help="Print the version and exit.")] = False,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the sha256 check of committed parts (sizes are still checked); for very large trusted data.")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", help="Say more on stderr: where worker (Ray) logs are written.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", help="Say more on stderr: where worker (Ray) logs are written, which MKL kernels run.")] = False,
 ) -> None:
     """RL post-training of language models as stage commands over Arrow shards."""
     if verbose:
         os.environ["RLCTL_VERBOSE"] = "1"
+        _say_mkl_kernels()
     if no_verify:
         from rlctl.folders import NO_VERIFY_ENV
 
@@ -118,6 +119,22 @@ def _report(manifest, as_json: bool) -> None:
     else:
         what = f"{manifest.rows} rows" if manifest.schema else f"{len(manifest.files)} files"
         _err(f"{manifest.stage}: wrote {what} in {manifest.timings.get('seconds', 0):.2f}s")
+
+
+def _say_mkl_kernels() -> None:
+    """Where MKL could run its Intel kernels (rlctl.mkl_kernels), whether it does, and if not why."""
+    from rlctl import mkl_kernels
+
+    why_not = {
+        mkl_kernels.NO_COMPILER: "no C compiler (cc, gcc or clang) to build rlctl's library",
+        mkl_kernels.BUILD_FAILED: "the C compiler could not build rlctl's library",
+        mkl_kernels.TOO_LATE: "torch was loaded first",
+    }
+    state = mkl_kernels.state()
+    if state == mkl_kernels.INTEL:
+        _err("rlctl: MKL runs its Intel kernels on this CPU (RLCTL_MKL_KERNELS=default: its own choice)")
+    elif state in why_not:
+        _err(f"rlctl: MKL runs its generic kernels on this CPU, not its faster Intel ones: {why_not[state]}")
 
 
 def _err(message: str) -> None:

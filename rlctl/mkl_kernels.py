@@ -106,17 +106,17 @@ def build(directory: Path, compiler: str) -> Path | None:
     target = library_path(directory)
     if target.is_file():
         return target
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
-        source, output = Path(tmp) / "mkl_intel_cpu.c", Path(tmp) / "out.so"
-        source.write_text(SOURCE)
-        try:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
+            source, output = Path(tmp) / "mkl_intel_cpu.c", Path(tmp) / "out.so"
+            source.write_text(SOURCE)
             done = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(output), str(source)], capture_output=True, timeout=COMPILE_SECONDS, check=False)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        if done.returncode != 0 or not output.is_file():
-            return None
-        os.replace(output, target)
+            if done.returncode != 0 or not output.is_file():
+                return None
+            os.replace(output, target)
+    except (OSError, subprocess.TimeoutExpired):  # an unwritable cache, a compiler that hangs: MKL keeps its choice
+        return None
     return target
 
 

@@ -126,3 +126,22 @@ def test_replay_says_when_the_stage_ran_on_other_kernels():
     assert _kernels_note(Manifest(stage="rollout", state={})) == ""  # recorded before rlctl chose kernels
     note = _kernels_note(Manifest(stage="rollout", state={"mkl_kernels": other}))
     assert f"recorded with MKL's {other} kernels" in note and f"RLCTL_MKL_KERNELS={other}" in note
+
+
+def test_an_unwritable_cache_leaves_mkl_its_own_choice(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    assert mkl_kernels.build(blocked / "rlctl", "cc") is None
+
+
+@non_intel_x86
+def test_verbose_says_which_kernels_run_and_if_not_why(tmp_path):
+    def said(**env) -> str:
+        run_env = {**os.environ, "RLCTL_MKL_KERNELS": "intel", "XDG_CACHE_HOME": str(tmp_path), **env}
+        done = subprocess.run([sys.executable, "-m", "rlctl", "--verbose", "config", "--help"], env=run_env, capture_output=True, text=True, check=True)
+        return done.stderr
+
+    assert said(CC="false") == "rlctl: MKL runs its generic kernels on this CPU, not its faster Intel ones: the C compiler could not build rlctl's library\n"
+    assert said(RLCTL_MKL_KERNELS="default") == ""
+    if mkl_kernels.find_compiler() is not None:
+        assert said() == "rlctl: MKL runs its Intel kernels on this CPU (RLCTL_MKL_KERNELS=default: its own choice)\n"
