@@ -99,13 +99,15 @@ def find_compiler(environ: dict | None = None) -> str | None:
     return None
 
 
-def build(directory: Path, compiler: str) -> Path | None:
+def build(directory: Path, compiler: str | None) -> Path | None:
     """The library in `directory`, compiled now unless it is there already; None when the
-    compiler fails. Written under a temporary name and renamed: processes building it at the
+    compiler fails (or there is none and no library yet). Written under a temporary name and renamed: processes building it at the
     same moment (Ray workers) never load a half-written file."""
     target = library_path(directory)
     if target.is_file():
         return target
+    if compiler is None:
+        return None
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
@@ -133,8 +135,8 @@ def enable(environ: dict | None = None, cpuinfo: str | None = None) -> str:
         _state = DEFAULT
     elif "torch" in sys.modules:
         _state = TOO_LATE
-    elif (compiler := find_compiler(env)) is None:
-        _state = NO_COMPILER
+    elif (compiler := find_compiler(env)) is None and not library_path(cache_dir(env)).is_file():
+        _state = NO_COMPILER  # a library built before is loaded without one
     else:
         library = build(cache_dir(env), compiler)
         _state = BUILD_FAILED if library is None or not _load(library) else INTEL

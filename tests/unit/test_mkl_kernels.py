@@ -145,3 +145,12 @@ def test_verbose_says_which_kernels_run_and_if_not_why(tmp_path):
     assert said(RLCTL_MKL_KERNELS="default") == ""
     if mkl_kernels.find_compiler() is not None:
         assert said() == "rlctl: MKL runs its Intel kernels on this CPU (RLCTL_MKL_KERNELS=default: its own choice)\n"
+
+
+@has_compiler
+def test_a_library_built_before_is_loaded_without_a_compiler(tmp_path, monkeypatch):
+    mkl_kernels.build(tmp_path / "rlctl", mkl_kernels.find_compiler())
+    monkeypatch.setattr(mkl_kernels, "_state", None)
+    monkeypatch.setattr(mkl_kernels, "find_compiler", lambda environ=None: None)
+    monkeypatch.delitem(sys.modules, "torch")  # (loaded after torch here, so MKL's choice in this process stays as it was)
+    assert mkl_kernels.enable({"XDG_CACHE_HOME": str(tmp_path)}, cpuinfo=AMD_ZEN3) == mkl_kernels.INTEL
