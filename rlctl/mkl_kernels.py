@@ -135,11 +135,13 @@ def enable(environ: dict | None = None, cpuinfo: str | None = None) -> str:
         _state = DEFAULT
     elif "torch" in sys.modules:
         _state = TOO_LATE
-    elif (compiler := find_compiler(env)) is None and not library_path(cache_dir(env)).is_file():
-        _state = NO_COMPILER  # a library built before is loaded without one
     else:
-        library = build(cache_dir(env), compiler)
-        _state = BUILD_FAILED if library is None or not _load(library) else INTEL
+        compiler = find_compiler(env)
+        library = build(cache_dir(env), compiler)  # a library built before needs no compiler
+        if library is None:
+            _state = NO_COMPILER if compiler is None else BUILD_FAILED
+        else:
+            _state = INTEL if _load(library) else BUILD_FAILED
     return _state
 
 

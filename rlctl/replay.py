@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from rlctl import mkl_kernels
 from rlctl.config import Config, apply_overrides, load_config, section_from_dict
 from rlctl.errors import InputError
 from rlctl.manifest import Manifest
@@ -53,8 +54,6 @@ def replay_stage(
 def _kernels_note(recorded: Manifest) -> str:
     """Where the stage ran on other MKL kernels than this process (rlctl.mkl_kernels), a note
     that its last bits may differ for that reason, and how to run it as recorded."""
-    from rlctl import mkl_kernels
-
     was, now = recorded.state.get("mkl_kernels"), mkl_kernels.recorded()
     if was is None or was == now:
         return ""
