@@ -11,6 +11,7 @@ the median over rounds, phase by phase.
 
     python -m bench.trl_bench --rounds 2 --steps 6                # dtype: what rlctl's auto decides here
     python -m bench.trl_bench --rounds 2 --steps 6 --dtype fp32
+    python -m bench.trl_bench --rounds 2 --steps 6 --trl-mkl-kernels rlctl  # TRL on the GEMM kernels rlctl runs
     python -m bench.trl_bench --device cuda --preset medium --tokens 128 --python python3  # a GPU, TRL installed there
 """
 
@@ -43,6 +44,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--preset", default="small", help="the model preset both sides train (rlctl model init --preset)")
     parser.add_argument("--tokens", type=int, default=NEW_TOKENS, help="new tokens per sample")
+    parser.add_argument(
+        "--trl-mkl-kernels", default="default", choices=("default", "rlctl"),
+        help="default: TRL as its users run it (MKL's own kernel choice); rlctl: TRL's process preloads the library "
+        "rlctl.mkl_kernels loads, so both sides run MKL's Intel kernels (as both would on an Intel CPU)",
+    )
     parser.add_argument("--append", type=Path, help="append the Markdown result to this file")
     args = parser.parse_args()
     if args.steps < 3:
@@ -52,7 +58,7 @@ def main() -> None:
 
     dtype = compute_dtype(args.dtype, args.device)
     python = Path(args.python) if args.python else ensure_trl_venv(args.venv)
-    shape = Shape(args.device, args.tokens)
+    shape = Shape(args.device, args.tokens, trl_preload=intel_kernels_library() if args.trl_mkl_kernels == "rlctl" else None)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = work / args.preset
@@ -75,6 +81,17 @@ class Shape:
 
     device: str = "cpu"
     new_tokens: int = NEW_TOKENS
+    trl_preload: Path | None = None  # a library TRL's process loads first (LD_PRELOAD)
+
+
+def intel_kernels_library() -> Path:
+    """The library rlctl.mkl_kernels loads (built into its cache if missing); exits if it cannot be."""
+    from rlctl import mkl_kernels
+
+    library = mkl_kernels.build(mkl_kernels.cache_dir(), mkl_kernels.find_compiler())
+    if library is None:
+        sys.exit("--trl-mkl-kernels rlctl: the library rlctl.mkl_kernels loads could not be built (no working C compiler?)")
+    return library
 
 
 def ensure_trl_venv(venv: Path) -> Path:
@@ -111,8 +128,11 @@ def run_trl(python: Path, work: Path, model: Path, prompts: Path, steps: int, dt
     }
     (work / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if shape.trl_preload:
+        env["LD_PRELOAD"] = " ".join(filter(None, [str(shape.trl_preload), env.get("LD_PRELOAD", "")]))
     _run([str(python), str(HERE / "trl_runner.py"), str(work / "spec.json"), str(work / "out.json")], env=env)
-    timed = json.loads((work / "out.json").read_text())["steps"][2:]
+    record = json.loads((work / "out.json").read_text())
+    timed = record["steps"][2:]
 
     def median(key: str) -> float:
         return statistics.median(s.get(key, 0.0) for s in timed)
@@ -122,7 +142,7 @@ def run_trl(python: Path, work: Path, model: Path, prompts: Path, steps: int, dt
     phases["policy forward + backward + AdamW"] = statistics.median(
         s["step_s"] - s.get("generate", 0.0) - s.get("reference", 0.0) - s.get("reward", 0.0) for s in timed
     )
-    return {**phases, "step": step}
+    return {**phases, "step": step, "mkl_cpu_type": record.get("mkl_cpu_type")}
 
 
 def run_rlctl(work: Path, model: Path, prompts: Path, steps: int, dtype: str, asked: str, shape: Shape) -> dict[str, float | str]:
@@ -165,6 +185,13 @@ def _run(command: list[str], env: dict[str, str] | None = None) -> None:
         sys.exit(f"{' '.join(command[:4])} ... failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
 
 
+def trl_kernels(args, trl_rounds: list[dict]) -> str:
+    """How TRL's GEMMs were dispatched, in words: what was asked and MKL's detected CPU type."""
+    asked = "the library rlctl loads, preloaded" if args.trl_mkl_kernels == "rlctl" else "MKL's own choice"
+    types = sorted({str(r.get("mkl_cpu_type")) for r in trl_rounds})
+    return f"{asked} (`mkl_serv_cpu_detect` = {'/'.join(types)}; 0 is MKL's generic path)"
+
+
 def report(rounds: dict[str, list[dict]], args, dtype: str) -> str:
     from bench.pipeline_bench import _cpu_name, _gpu_name
     from rlctl.dtypes import native_bf16
@@ -178,10 +205,11 @@ def report(rounds: dict[str, list[dict]], args, dtype: str) -> str:
     trl_from = f"`{args.python}`" if args.python else "its own venv"
     lines = [
         f"- machine: {machine}, Python {platform.python_version()}",
-        f"- command: `python -m bench.trl_bench --rounds {args.rounds} --steps {args.steps} --dtype {args.dtype} --device {args.device} --preset {args.preset} --tokens {args.tokens}` (decided: {dtype}); TRL {TRL_VERSION} in {trl_from}",
+        f"- command: `python -m bench.trl_bench --rounds {args.rounds} --steps {args.steps} --dtype {args.dtype} --device {args.device} --preset {args.preset} --tokens {args.tokens} --trl-mkl-kernels {args.trl_mkl_kernels}` (decided: {dtype}); TRL {TRL_VERSION} in {trl_from}",
         f"- workload: {args.preset} preset, {PROMPTS_PER_STEP} prompts × {SAMPLES} samples × {args.tokens} new tokens, GRPO, k3 KL loss β = {KL} to a reference, one optimizer step per batch",
         f"- figures: seconds per step, median over steps 3–{args.steps} of each run, then over {args.rounds} alternating rounds",
-        f"- fp32 GEMMs: rlctl on MKL's {'/'.join(sorted({r['mkl_kernels'] for r in rounds['rlctl']}))} kernels (rlctl.mkl_kernels), TRL on MKL's own choice",
+        f"- fp32 GEMMs: rlctl on MKL's {'/'.join(sorted({r['mkl_kernels'] for r in rounds['rlctl']}))} kernels (rlctl.mkl_kernels); "
+        f"TRL on {trl_kernels(args, rounds['trl'])}",
         "",
         "| phase | TRL | rlctl | rlctl / TRL |",
         "|---|---|---|---|",

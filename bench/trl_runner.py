@@ -96,8 +96,23 @@ def main(spec_path: str, out_path: str) -> None:
 
     trainer.add_callback(StepTimer())
     trainer.train()
-    record = {"steps": steps, "torch_threads": torch.get_num_threads(), "trl": __import__("trl").__version__, "torch": torch.__version__}
+    record = {
+        "steps": steps, "torch_threads": torch.get_num_threads(), "trl": __import__("trl").__version__, "torch": torch.__version__,
+        "mkl_cpu_type": _mkl_cpu_type(torch),
+    }
     Path(out_path).write_text(json.dumps(record, indent=1))
+
+
+def _mkl_cpu_type(torch) -> int | None:
+    """The CPU type MKL dispatches its kernels by in this process (0: its generic path on a
+    CPU it does not take for Intel's); None where torch was built without MKL."""
+    import ctypes
+    import os
+
+    try:
+        return int(ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")).mkl_serv_cpu_detect())
+    except (OSError, AttributeError):
+        return None
 
 
 def _load_function(path: str, name: str):
