@@ -77,7 +77,7 @@ def main() -> None:
 
 @dataclass(frozen=True)
 class Shape:
-    """Where both sides run, and how long the responses are."""
+    """Where both sides run, how long the responses are, and what TRL's process loads first."""
 
     device: str = "cpu"
     new_tokens: int = NEW_TOKENS
