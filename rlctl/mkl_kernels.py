@@ -101,8 +101,9 @@ def find_compiler(environ: dict | None = None) -> str | None:
 
 def build(directory: Path, compiler: str | None) -> Path | None:
     """The library in `directory`, compiled now unless it is there already; None when the
-    compiler fails (or there is none and no library yet). Written under a temporary name and renamed: processes building it at the
-    same moment (Ray workers) never load a half-written file."""
+    compiler fails (or there is none and no library yet). Written under a temporary name and
+    renamed: processes building it at the same moment (Ray workers) never load a half-written
+    file."""
     target = library_path(directory)
     if target.is_file():
         return target
