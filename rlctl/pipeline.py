@@ -263,8 +263,8 @@ class Pipeline:
         from rlctl.trainer import TrainBatch
 
         workers.pause_engine()
-        threads = self._fit_threads()
-        train_metrics = {**workers.trainer.train(TrainBatch.from_table(advantage.table, own_old_logprobs=old_logprobs_source(cfg) == "update")), "torch_threads": threads}
+        compute_state = self._compute_state(self._fit_threads(), by_workers=True)
+        train_metrics = {**workers.trainer.train(TrainBatch.from_table(advantage.table, own_old_logprobs=old_logprobs_source(cfg) == "update")), "torch_threads": _one_count(compute_state.get("torch_threads"))}
         timings["update"] = time.perf_counter() - started
         started = time.perf_counter()
         handover = workers.hand_over_weights()
@@ -276,7 +276,9 @@ class Pipeline:
         if cfg.pipeline.val_every and self.val_dataset is not None and i % cfg.pipeline.val_every == 0:
             row.update(self._validate(i))
         update_manifest.metrics = row
-        update_manifest.state = {**base_state, "handover": handover, "policy_version_after": workers.trainer.step, "train_metrics": train_metrics}
+        update_manifest.state = {
+            **base_state, **compute_state, "handover": handover, "policy_version_after": workers.trainer.step, "train_metrics": train_metrics,
+        }
         self._commit_manifest(self._dir(i, "update"), update_manifest)
         faults.point(f"iter-{i:04d}:after-update")
         self.history.append(row)
@@ -292,6 +294,15 @@ class Pipeline:
         if self.view:
             self.view.iteration_done(row, total)
         return row
+
+    def _compute_state(self, threads: int | None, *, by_workers: bool) -> dict:
+        """What a stage's last bits depend on besides its inputs, for its manifest: torch's
+        threads (replay runs the stage at the same count) and MKL's kernels, of this process
+        (`threads`: what _fit_threads set for local workers) or of the Ray ranks that compute
+        it (`by_workers`; stages the controller computes record nothing then)."""
+        if threads is not None:
+            return {"torch_threads": threads, "mkl_kernels": mkl_kernels.recorded()}
+        return dict(getattr(self.workers, "compute_state", {})) if by_workers else {}
 
     def _fit_threads(self) -> int | None:
         """Before a stage: torch's threads = `workers.threads`, or (0) the CPUs other processes
@@ -446,9 +457,7 @@ class Pipeline:
             return None
         if self.view:
             self.view.stage(name, total=None)
-        threads = self._fit_threads()
-        if threads is not None:  # replay runs the stage at the same count: it is an input of the last bits
-            base_state = {**base_state, "torch_threads": threads, "mkl_kernels": mkl_kernels.recorded()}  # so are the kernels
+        base_state = {**base_state, **self._compute_state(self._fit_threads(), by_workers=write_parts is not None)}
         started = time.perf_counter()
         if write_parts is not None:
             manifest.state = dict(base_state)
@@ -774,6 +783,12 @@ def rollout_correction(scores: pa.Table, threshold: float) -> dict[str, float]:
         "rollout_is/ratio_mean": float(ratio.mean()), "rollout_is/ratio_max": float(ratio.max()),
         "rollout_is/frac_beyond_threshold": float((np.abs(log_ratio) > np.log(threshold)).mean()),
     }
+
+
+def _one_count(threads) -> int | None:
+    """A metric's thread count: None where Ray ranks on different hosts ran with different ones
+    (the update's manifest keeps each rank's)."""
+    return threads if isinstance(threads, int) else None
 
 
 def _logprob_mismatch(scores: pa.Table) -> float | None:

@@ -57,6 +57,8 @@ def _kernels_note(recorded: Manifest) -> str:
     was, now = recorded.state.get("mkl_kernels"), mkl_kernels.recorded()
     if was is None or was == now:
         return ""
+    if isinstance(was, list):  # Ray ranks on hosts that ran different kernels
+        return f" (recorded with MKL's {', '.join(map(str, was))} kernels on its ranks, replayed with its {now} ones: the last bits may differ)"
     return f" (recorded with MKL's {was} kernels, replayed with its {now} ones: the last bits may differ; RLCTL_MKL_KERNELS={was} runs it as recorded)"
 
 

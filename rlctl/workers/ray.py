@@ -225,6 +225,9 @@ class RayWorkers:
         if self.critic_pool is not None:
             self.critic, self.loads = self.critic_pool.critic, self.loads + self.critic_pool.loads
             self.critic_pool._all("set_pad_id", self.pad_id)  # pack the critic's rows as the policy's
+        ranks = self._all("compute_settings") + [s for pool in (self.ref_pool, self.critic_pool) if pool for s in pool.rank_settings]
+        self.rank_settings = ranks
+        self.compute_state = agreed_settings(ranks)  # what a stage's manifest records of the ranks (pipeline)
 
     # -- the methods the controller calls -------------------------------------------------
 
@@ -412,6 +415,16 @@ class _CriticProxy:
 # --- one rank ------------------------------------------------------------------------------------
 
 
+def agreed_settings(ranks: list[dict]) -> dict:
+    """The ranks' compute settings as a stage's manifest records them: a setting's value where
+    every rank has the same, else the ranks' values in rank order (hosts of other CPUs)."""
+    settings: dict = {}
+    for key in dict.fromkeys(k for rank in ranks for k in rank):
+        values = [rank.get(key) for rank in ranks]
+        settings[key] = values[0] if len(set(map(str, values))) == 1 else values
+    return settings
+
+
 class RankWorker:
     """A Ray actor: one torch.distributed rank holding its models (see the module docstring)."""
 
@@ -487,6 +500,13 @@ class RankWorker:
 
     def step(self) -> int:
         return self.trainer.step
+
+    def compute_settings(self) -> dict:
+        """What this rank's last bits depend on besides its inputs: torch's threads and MKL's
+        kernels (chosen by the job's setup hook when this process started)."""
+        import torch
+
+        return {"torch_threads": torch.get_num_threads(), "mkl_kernels": mkl_kernels.recorded()}
 
     def set_pad_id(self, pad_id: int) -> None:
         if self.trainer is not None:

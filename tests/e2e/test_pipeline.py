@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlctl import shards
+from rlctl import mkl_kernels, shards
 from rlctl.config import load_config
 from rlctl.pipeline import Pipeline
 from rlctl.threads import ThreadGovernor, available_cpus
@@ -156,7 +156,8 @@ def test_replay_check_is_identical_for_every_stage_at_the_thread_count_it_ran_at
     with Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"]) as pipeline:
         pipeline.run()
     monkeypatch.undo()  # the replays run on a quiet machine
-    assert {shards.read_manifest(str(tmp_path / "run" / "iter-0002" / s))[0].state["torch_threads"] for s in ("rollout", "score", "advantage")} == {1}
+    recorded = {s: shards.read_manifest(str(tmp_path / "run" / "iter-0002" / s))[0].state for s in ("rollout", "score", "advantage", "update")}
+    assert {(state["torch_threads"], state["mkl_kernels"]) for state in recorded.values()} == {(1, mkl_kernels.recorded())}
     for i in (1, 2):
         for stage in ("prompts", "rollout", "score", "advantage", "update"):
             result = cli("replay", tmp_path / "run" / f"iter-{i:04d}" / stage, "--check")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlctl import shards
+from rlctl import mkl_kernels, shards
 from rlctl.algos.losses import LOSS_AGG_MODES
 from rlctl.config import Config, UpdateConfig, WorkersConfig, load_config
 from rlctl.manifest import Manifest
@@ -167,6 +167,9 @@ def test_a_two_worker_run_replays_identical_and_resumes_on_one_worker_and_locall
     assert (run / "logs" / "ray").is_dir()
     for stage in ("rollout", "score"):  # written by the two ranks
         assert len(shards.read_manifest(str(run / "iter-0002" / stage))[0].files) == 2
+    for stage in ("rollout", "score", "update"):  # computed by the ranks: what their last bits depend on
+        state = shards.read_manifest(str(run / "iter-0002" / stage))[0].state
+        assert (state["torch_threads"], state["mkl_kernels"]) == (1, mkl_kernels.recorded())
     for stage in ("prompts", "rollout", "score", "advantage", "update"):
         result = cli("replay", run / "iter-0002" / stage, "--check")
         assert result.exit_code == 0, (stage, result.stderr)
@@ -289,3 +292,12 @@ def test_split_pools_of_two_ranks_resume_and_train_what_one_process_trains(tmp_p
     # Adam normalises each step: a weight whose gradient is ~0 may move by a different fraction
     # of lr (1e-3) on float noise; the weights as a whole agree
     assert float(diffs.max()) < 1e-3 and float(diffs.mean()) < 1e-6
+
+
+def test_a_stage_records_the_ranks_setting_where_they_agree_and_each_ranks_where_not():
+    from rlctl.workers.ray import agreed_settings
+
+    same = [{"torch_threads": 2, "mkl_kernels": "intel"}] * 3
+    assert agreed_settings(same) == {"torch_threads": 2, "mkl_kernels": "intel"}
+    hosts = [{"torch_threads": 2, "mkl_kernels": "intel"}, {"torch_threads": 2, "mkl_kernels": "default"}]
+    assert agreed_settings(hosts) == {"torch_threads": 2, "mkl_kernels": ["intel", "default"]}
