@@ -417,6 +417,7 @@ class HFPolicy:
         """`uniforms` [B, max_new_tokens]: row i's random numbers, one per step. The loop's work
         per step is tensor operations over the rows still generating; the rows' Python lists are
         built once at the end."""
+        from rlctl.backends import decode_step
         from rlctl.backends.kv_cache import decoding_cache
 
         B, steps = len(prompt_ids), params.max_new_tokens
@@ -429,6 +430,7 @@ class HFPolicy:
         active = torch.arange(B, device=self.device)  # original row of each batch row
         cache_kw = self._cache_keyword()
         logits, cache, attention_mask, position_ids = self._prompt_pass(model, prompt_ids, decoding_cache(self.model.config))
+        direct_step = decode_step.for_model(model, cache)  # None: the model's own forward decodes
         next_position = position_ids[:, -1] + 1
         for step in range(steps):
             new_tokens, new_logprobs = sample_next(
@@ -452,11 +454,14 @@ class HFPolicy:
                 active, attention_mask = active[keep_idx], attention_mask[keep_idx]
                 new_tokens, next_position = new_tokens[keep_idx], next_position[keep_idx]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=1)
-            out = model(
-                input_ids=new_tokens.unsqueeze(-1), attention_mask=attention_mask,
-                position_ids=next_position.unsqueeze(-1), use_cache=True, **{cache_kw: cache},
-            )
-            logits = out.logits[:, -1, :]
+            if direct_step is not None:
+                logits = direct_step(new_tokens, next_position, attention_mask)
+            else:
+                out = model(
+                    input_ids=new_tokens.unsqueeze(-1), attention_mask=attention_mask,
+                    position_ids=next_position.unsqueeze(-1), use_cache=True, **{cache_kw: cache},
+                )
+                logits = out.logits[:, -1, :]
             next_position = next_position + 1
         return [
             Generation(row_tokens[:n], row_logprobs[:n], "stop" if row_stopped else "length")

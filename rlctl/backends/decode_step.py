@@ -1,0 +1,154 @@
+"""A decode step that runs a Llama-family model's layers directly: one new token per row.
+
+transformers' forward of a causal LM costs the same Python whatever the batch: module calls,
+decorators, output records, the attention mask rebuilt from the 2-D mask at every step. On the
+CPU that is ~10 ms per decode step on the small preset's 8 layers (measured with the widths cut
+to 64, where the products cost nothing: 12.5 → 8.7 ms per step of 64 rows, 10 → 4.7 ms for one
+row). `DecodeStep` runs the same tensor operations in the same order for the layer layout that
+Llama, Qwen2, Qwen3 and Mistral share (RMSNorm, rotary q/k, grouped-query attention, gated MLP),
+so its logits are transformers' bit for bit (tests/unit/test_decode_step.py), with rlctl's
+decode attention (rlctl.backends.decode_attention) and the generation cache's layers
+(rlctl.backends.kv_cache). Generation, small preset, 64 × 64 tokens, fp32: bench/RESULTS.md.
+
+It runs where the HF engine decodes with rlctl's CPU decode attention, for those model classes
+only, and for plain linear layers without hooks (a LoRA adapter's layers, or anything else,
+keep the model's forward). `RLCTL_DECODE_STEP=transformers` keeps transformers' forward (to
+compare, or to debug).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rlctl.backends import decode_attention
+from rlctl.errors import InputError
+
+OVERRIDE_ENV = "RLCTL_DECODE_STEP"
+CHOICES = ("rlctl", "transformers")
+# The causal LMs whose decoder layers this module mirrors (their modeling code in transformers:
+# same norm, rotary, attention and MLP operations, in the same order); Qwen3 adds q/k norms.
+MODEL_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's parts, looked up once per generation instead of once per step."""
+
+    input_norm: torch.nn.Module
+    q_proj: torch.nn.Module
+    k_proj: torch.nn.Module
+    v_proj: torch.nn.Module
+    q_norm: torch.nn.Module | None
+    k_norm: torch.nn.Module | None
+    o_proj: torch.nn.Module
+    head_dim: int
+    scaling: float
+    post_norm: torch.nn.Module
+    gate_proj: torch.nn.Module
+    up_proj: torch.nn.Module
+    down_proj: torch.nn.Module
+    act: torch.nn.Module
+
+
+class DecodeStep:
+    """`step(tokens [B], positions [B], attention_mask [B, L]) → next-token logits [B, V]`:
+    one token per row through `model`, its keys and values written into `cache` (the 2-D mask
+    covers the cached tokens and the new one, as for transformers' forward)."""
+
+    def __init__(self, model, cache) -> None:
+        base = model.model
+        self.embed, self.rotary, self.norm, self.lm_head = base.embed_tokens, base.rotary_emb, base.norm, model.lm_head
+        self.cache_layers = cache.layers
+        self.layers = [_parts(layer) for layer in base.layers]
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        rows = tokens.shape[0]
+        hidden = _call(self.embed, tokens.unsqueeze(-1))
+        cos, sin = self.rotary(hidden, positions.unsqueeze(-1))
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        mask = None
+        for layer, cache_layer in zip(self.layers, self.cache_layers):
+            x = _rms_norm(layer.input_norm, hidden)
+            shape = (rows, 1, -1, layer.head_dim)
+            q, k = _call(layer.q_proj, x).view(shape), _call(layer.k_proj, x).view(shape)
+            if layer.q_norm is not None:
+                q, k = _rms_norm(layer.q_norm, q), _rms_norm(layer.k_norm, k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), _call(layer.v_proj, x).view(shape).transpose(1, 2)
+            q, k = (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
+            keys, values = cache_layer.update(k, v)
+            if mask is None:  # the cache's length (a block's multiple): its unwritten positions masked
+                length = keys.shape[-2]
+                mask = F.pad(attention_mask, (0, length - attention_mask.shape[1])).bool().view(rows, 1, 1, length)
+            attended = decode_attention.decode_step_attention(q, keys, values, mask, layer.scaling)
+            hidden = hidden + _call(layer.o_proj, attended.reshape(rows, 1, -1).contiguous())
+            x = _rms_norm(layer.post_norm, hidden)
+            hidden = hidden + _call(layer.down_proj, _call(layer.act, _call(layer.gate_proj, x)) * _call(layer.up_proj, x))
+        return _call(self.lm_head, _rms_norm(self.norm, hidden))[:, -1, :]
+
+
+def for_model(model, cache) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """The direct decode step for `model` decoding into `cache`, or None where the model's own
+    forward must run: another model class or layer kind, linear layers that are not plain (LoRA)
+    or have hooks, attention other than rlctl's CPU decode attention, or RLCTL_DECODE_STEP."""
+    choice = os.environ.get(OVERRIDE_ENV, "").strip().lower() or "rlctl"
+    if choice not in CHOICES:
+        raise InputError(f"{OVERRIDE_ENV}={choice!r}: use one of {', '.join(CHOICES)}")
+    if choice != "rlctl" or not supports(model) or not _plain_cache(cache, model):
+        return None
+    return DecodeStep(model, cache)
+
+
+def supports(model) -> bool:
+    """Whether `model`'s decode steps can run here: a class of MODEL_CLASSES in eval mode, every
+    layer full attention with no sliding window, decoding under rlctl's CPU attention, plain modules."""
+    config = model.config
+    if model.training or type(model).__name__ not in MODEL_CLASSES or getattr(config, "_attn_implementation", None) != decode_attention.NAME:
+        return False
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return False
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return False
+    linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    expected = 1 + 7 * len(model.model.layers)  # the LM head, and q, k, v, o, gate, up, down per layer
+    return len(linear) == expected and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def _plain_cache(cache, model) -> bool:
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and len(layers) == len(model.model.layers) and all(isinstance(layer, DynamicLayer) for layer in layers)
+
+
+def _parts(layer) -> _Layer:
+    attention, mlp = layer.self_attn, layer.mlp
+    return _Layer(
+        layer.input_layernorm, attention.q_proj, attention.k_proj, attention.v_proj,
+        getattr(attention, "q_norm", None), getattr(attention, "k_norm", None), attention.o_proj, attention.head_dim, attention.scaling,
+        layer.post_attention_layernorm, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn,
+    )
+
+
+def _call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The module's forward without `nn.Module.__call__`'s hook handling (none are registered:
+    `supports`)."""
+    return type(module).forward(module, x)
+
+
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """transformers' Llama-family RMSNorm, operation for operation."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
