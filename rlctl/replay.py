@@ -113,8 +113,8 @@ def _recorded_config(run_cfg: Config, recorded: Manifest, overrides: list[str]) 
     sections = {k: section_from_dict(k, v) for k, v in recorded.config.items() if k in known}
     cfg = apply_overrides(dataclasses.replace(run_cfg, **sections), overrides)
     threads = recorded.state.get("torch_threads") or recorded.state.get("train_metrics", {}).get("torch_threads")
-    if threads and cfg.workers.backend == "local" and not cfg.workers.threads:
-        cfg = dataclasses.replace(cfg, workers=dataclasses.replace(cfg.workers, threads=int(threads)))  # as the stage ran
+    if isinstance(threads, int) and threads > 0 and cfg.workers.backend == "local" and not cfg.workers.threads:  # a list: Ray ranks that differed
+        cfg = dataclasses.replace(cfg, workers=dataclasses.replace(cfg.workers, threads=threads))  # as the stage ran
     return cfg
 
 
