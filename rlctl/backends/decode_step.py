@@ -4,11 +4,13 @@ transformers' forward of a causal LM costs the same Python whatever the batch: m
 decorators, output records, the attention mask rebuilt from the 2-D mask at every step. On the
 CPU that is ~10 ms per decode step on the small preset's 8 layers (measured with the widths cut
 to 64, where the products cost nothing: 12.5 → 8.7 ms per step of 64 rows, 10 → 4.7 ms for one
-row). `DecodeStep` runs the same tensor operations in the same order for the layer layout that
-Llama, Qwen2, Qwen3 and Mistral share (RMSNorm, rotary q/k, grouped-query attention, gated MLP),
-so its logits are transformers' bit for bit (tests/unit/test_decode_step.py), with rlctl's
-decode attention (rlctl.backends.decode_attention) and the generation cache's layers
-(rlctl.backends.kv_cache). Generation, small preset, 64 × 64 tokens, fp32: bench/RESULTS.md.
+row). `DecodeStep` runs the decoder layers that Llama, Qwen2, Qwen3 and Mistral share (RMSNorm,
+rotary q/k, grouped-query attention, gated MLP) without that Python: it calls the modules'
+forwards directly (the norms, MLPs and rotary embedding are the model's own code) and does the
+attention block's operations in its code's order, with rlctl's decode attention
+(rlctl.backends.decode_attention) and the generation cache's layers (rlctl.backends.kv_cache),
+so its logits are transformers' bit for bit (tests/unit/test_decode_step.py). Generation, small
+preset, 64 × 64 tokens, fp32: bench/RESULTS.md.
 
 It runs where the HF engine decodes with rlctl's CPU decode attention, for those model classes
 only, and for plain linear layers without hooks (a LoRA adapter's layers, or anything else,
@@ -19,6 +21,7 @@ compare, or to debug).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,20 +52,20 @@ class _Layer:
     head_dim: int
     scaling: float
     post_norm: torch.nn.Module
-    gate_proj: torch.nn.Module
-    up_proj: torch.nn.Module
-    down_proj: torch.nn.Module
-    act: torch.nn.Module
+    mlp: torch.nn.Module
 
 
 class DecodeStep:
     """`step(tokens [B], positions [B], attention_mask [B, L]) → next-token logits [B, V]`:
     one token per row through `model`, its keys and values written into `cache` (the 2-D mask
-    covers the cached tokens and the new one, as for transformers' forward)."""
+    covers the cached tokens and the new one, as for transformers' forward). The norms, the MLPs
+    and the rotary embedding are the model's own code; the attention block is its code's
+    operations in its order."""
 
     def __init__(self, model, cache) -> None:
         base = model.model
         self.embed, self.rotary, self.norm, self.lm_head = base.embed_tokens, base.rotary_emb, base.norm, model.lm_head
+        self.apply_rotary = sys.modules[type(model).__module__].apply_rotary_pos_emb
         self.cache_layers = cache.layers
         self.layers = [_parts(layer) for layer in base.layers]
 
@@ -70,25 +73,23 @@ class DecodeStep:
         rows = tokens.shape[0]
         hidden = _call(self.embed, tokens.unsqueeze(-1))
         cos, sin = self.rotary(hidden, positions.unsqueeze(-1))
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         mask = None
         for layer, cache_layer in zip(self.layers, self.cache_layers):
-            x = _rms_norm(layer.input_norm, hidden)
+            x = _call(layer.input_norm, hidden)
             shape = (rows, 1, -1, layer.head_dim)
             q, k = _call(layer.q_proj, x).view(shape), _call(layer.k_proj, x).view(shape)
             if layer.q_norm is not None:
-                q, k = _rms_norm(layer.q_norm, q), _rms_norm(layer.k_norm, k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), _call(layer.v_proj, x).view(shape).transpose(1, 2)
-            q, k = (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
+                q, k = _call(layer.q_norm, q), _call(layer.k_norm, k)
+            v = _call(layer.v_proj, x).view(shape).transpose(1, 2)
+            q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             keys, values = cache_layer.update(k, v)
             if mask is None:  # the cache's length (a block's multiple): its unwritten positions masked
                 length = keys.shape[-2]
                 mask = F.pad(attention_mask, (0, length - attention_mask.shape[1])).bool().view(rows, 1, 1, length)
             attended = decode_attention.decode_step_attention(q, keys, values, mask, layer.scaling)
             hidden = hidden + _call(layer.o_proj, attended.reshape(rows, 1, -1).contiguous())
-            x = _rms_norm(layer.post_norm, hidden)
-            hidden = hidden + _call(layer.down_proj, _call(layer.act, _call(layer.gate_proj, x)) * _call(layer.up_proj, x))
-        return _call(self.lm_head, _rms_norm(self.norm, hidden))[:, -1, :]
+            hidden = hidden + _call(layer.mlp, _call(layer.post_norm, hidden))
+        return _call(self.lm_head, _call(self.norm, hidden))[:, -1, :]
 
 
 def for_model(model, cache) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
@@ -126,11 +127,11 @@ def _plain_cache(cache, model) -> bool:
 
 
 def _parts(layer) -> _Layer:
-    attention, mlp = layer.self_attn, layer.mlp
+    attention = layer.self_attn
     return _Layer(
         layer.input_layernorm, attention.q_proj, attention.k_proj, attention.v_proj,
         getattr(attention, "q_norm", None), getattr(attention, "k_norm", None), attention.o_proj, attention.head_dim, attention.scaling,
-        layer.post_attention_layernorm, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn,
+        layer.post_attention_layernorm, layer.mlp,
     )
 
 
@@ -138,17 +139,3 @@ def _call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The module's forward without `nn.Module.__call__`'s hook handling (none are registered:
     `supports`)."""
     return type(module).forward(module, x)
-
-
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """transformers' Llama-family RMSNorm, operation for operation."""
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    variance = x.pow(2).mean(-1, keepdim=True)
-    x = x * torch.rsqrt(variance + norm.variance_epsilon)
-    return norm.weight * x.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
