@@ -11,13 +11,12 @@ caches must give the same tokens; the bench checks it and says so.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
+from bench.alternating import alternate
 from bench.pipeline_bench import machine_name, publish
 
 
@@ -48,21 +47,13 @@ def main() -> None:
     rows = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         params = SamplingParams(tokens, temperature=1.0, seed=1)
-        rates: dict[str, list[float]] = {"dynamic": [], "blocks": []}
-        outputs: dict[str, list] = {}
-        for round_ in range(args.rounds + 1):
-            for mode in rates:
-                os.environ[OVERRIDE_ENV] = mode
-                began = time.perf_counter()
-                outputs[mode] = policy.generate(prompts, params, batch_size=args.sequences, compute_dtype=dtype)
-                if policy.device.type == "cuda":
-                    torch.cuda.synchronize()
-                if round_:  # the first round warms up
-                    rates[mode].append(sum(len(g.response_ids) for g in outputs[mode]) / (time.perf_counter() - began))
-        os.environ.pop(OVERRIDE_ENV)
+        seconds, outputs = alternate(
+            policy, prompts, params, env=OVERRIDE_ENV, settings=("dynamic", "blocks"), rounds=args.rounds, dtype=dtype, batch_size=args.sequences,
+        )
         same = all(a.response_ids == b.response_ids for a, b in zip(outputs["dynamic"], outputs["blocks"]))
         generated = sum(len(g.response_ids) for g in outputs["blocks"])
-        rows.append((tokens, generated, statistics.median(rates["dynamic"]), statistics.median(rates["blocks"]), same))
+        rate = {mode: statistics.median(generated / s for s in times) for mode, times in seconds.items()}
+        rows.append((tokens, generated, rate["dynamic"], rate["blocks"], same))
 
     lines = [
         f"- machine: {machine_name(policy.device.type)}, compute {dtype}, Python {platform.python_version()}, torch {torch.__version__}",

@@ -1,0 +1,76 @@
+"""Benchmark: generation with rlctl's direct decode step against transformers' forward.
+
+The HF engine's `generate` on the same prompts with RLCTL_DECODE_STEP=transformers and =rlctl
+alternating in one process (bench.alternating), for each batch size asked (the fewer the rows,
+the more a step's fixed cost weighs), seconds per generation and the paired ratio per round. The
+direct step must give transformers' tokens and log-probs bit for bit; the bench checks it and
+says so.
+
+    python -m bench.decode_step_bench --preset small --rows 1,8,64 --rounds 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import tempfile
+from pathlib import Path
+
+from bench.alternating import alternate, paired_ratios
+from bench.pipeline_bench import machine_name, publish
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--model", help="an HF folder to use instead of a fresh preset")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"))
+    parser.add_argument("--rows", default="1,8,64", help="comma-separated batch sizes, one table row each")
+    parser.add_argument("--tokens", type=int, default=64, help="new tokens per row")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--append", help="append the Markdown result to this file")
+    args = parser.parse_args()
+
+    import torch
+
+    from rlctl.backends.base import SamplingParams
+    from rlctl.backends.decode_step import OVERRIDE_ENV
+    from rlctl.backends.hf import HFPolicy
+    from rlctl.dtypes import compute_dtype
+    from rlctl.modelinit import init_model
+
+    folder = Path(args.model) if args.model else init_model(Path(tempfile.mkdtemp()) / args.preset, args.preset, seed=0)
+    policy = HFPolicy.load(str(folder), "cpu")  # the direct step decodes under rlctl's CPU attention only
+    dtype = compute_dtype(args.dtype, "cpu")
+    texts = [f"{i} + {i + 3} =" for i in range(16)]
+    params = SamplingParams(args.tokens, temperature=1.0, seed=1)
+    rows = []
+    for count in [int(r) for r in args.rows.split(",")]:
+        prompts = [ids for ids in policy.tokenizer(texts, add_special_tokens=False)["input_ids"] for _ in range(4)] * (count // 64 + 1)
+        seconds, outputs = alternate(
+            policy, prompts[:count], params, env=OVERRIDE_ENV, settings=("transformers", "rlctl"), rounds=args.rounds, dtype=dtype, batch_size=count,
+        )
+        same = all((a.response_ids, a.logprobs) == (b.response_ids, b.logprobs) for a, b in zip(outputs["transformers"], outputs["rlctl"]))
+        ratios = paired_ratios(seconds, "rlctl", "transformers")
+        generated = sum(len(g.response_ids) for g in outputs["rlctl"])
+        rows.append((count, generated, seconds["transformers"], seconds["rlctl"], ratios, same))
+
+    def spread(values: list[float], digits: int = 2) -> str:
+        return f"{min(values):.{digits}f}–{max(values):.{digits}f} (median {statistics.median(values):.{digits}f})"
+
+    lines = [
+        f"- machine: {machine_name('cpu')}, compute {dtype}, Python {platform.python_version()}, torch {torch.__version__}",
+        f"- command: `python -m bench.decode_step_bench {f'--model {args.model}' if args.model else f'--preset {args.preset}'} --dtype {args.dtype} "
+        f"--rows {args.rows} --tokens {args.tokens} --rounds {args.rounds}`",
+        f"- seconds per generation of {args.tokens} new tokens per row, {args.rounds} rounds after a warm-up, the two settings alternating",
+        "",
+        "| rows | tokens generated | transformers' forward (s) | direct step (s) | paired ratio | same tokens and log-probs |",
+        "|---|---|---|---|---|---|",
+        *(f"| {n} | {g} | {spread(t)} | {spread(d)} | {spread(r)} | {'yes' if same else 'NO'} |" for n, g, t, d, r, same in rows),
+    ]
+    publish(lines, args.append)
+
+
+if __name__ == "__main__":
+    main()
