@@ -33,8 +33,8 @@ from rlctl.errors import InputError
 
 OVERRIDE_ENV = "RLCTL_DECODE_STEP"
 CHOICES = ("rlctl", "transformers")
-# The causal LMs whose decoder layers this module mirrors (their modeling code in transformers:
-# same norm, rotary, attention and MLP operations, in the same order); Qwen3 adds q/k norms.
+# The causal LMs whose decoder layers have the layout DecodeStep runs (norm, q/k/v, rotary,
+# attention, o, residual, norm, MLP, residual in their transformers code); Qwen3 adds q/k norms.
 MODEL_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
