@@ -114,9 +114,12 @@ def supports(model) -> bool:
         return False
     if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
         return False
-    linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    expected = 1 + 7 * len(model.model.layers)  # the LM head, and q, k, v, o, gate, up, down per layer
-    return len(linear) == expected and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    linear = 0
+    for module in model.modules():
+        if module._forward_hooks or module._forward_pre_hooks:
+            return False
+        linear += isinstance(module, torch.nn.Linear)
+    return linear == 1 + 7 * len(model.model.layers)  # the LM head, and q, k, v, o, gate, up, down per layer
 
 
 def _plain_cache(cache, model) -> bool:
