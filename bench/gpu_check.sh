@@ -85,7 +85,9 @@ rows = [json.loads(line) for line in open(sys.argv[1])]
 first, last = rows[:3], rows[-3:]
 mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)
 print(f"{len(rows)} iterations; reward, first three {mean(first, 'reward_mean'):.3f} → last three {mean(last, 'reward_mean'):.3f} (the example states a margin of 0.5)")
-print("logprob_mismatch (engine vs trainer, mean |Δ| per token):", ", ".join(f"{r['logprob_mismatch']:.2e}" for r in rows[:: max(1, len(rows) // 6)] if r.get("logprob_mismatch") is not None))
+measured = [r["logprob_mismatch"] for r in rows[:: max(1, len(rows) // 6)] if r.get("logprob_mismatch") is not None]
+print("logprob_mismatch (engine vs trainer, mean |Δ| per token):", ", ".join(f"{m:.2e}" for m in measured) if measured
+      else "not measured (score.old_logprobs = auto took the engine's own: engine and trainer both fp32)")
 PY
 
 step "model: rlctl model init --preset $PRESET"
