@@ -205,6 +205,7 @@ class UpdateConfig:
     epochs: int = 1  # passes over the batch per update (PPO epochs)
     mini_batch_size: int = 0  # sequences per optimizer step; 0 = the whole batch
     micro_batch_size: int = 4  # sequences per forward/backward
+    micro_batch_tokens: str = "auto"  # padded tokens per forward/backward at most (fewer sequences then): auto (CPU: 4096, GPU: no cap) | 0 (no cap) | N
     clip_ratio_low: float = 0.2  # PPO clip below: ratio ≥ 1 - clip_ratio_low
     clip_ratio_high: float = 0.2  # PPO clip above: ratio ≤ 1 + clip_ratio_high (DAPO's clip-higher: 0.28)
     clip_ratio_c: float = 3.0  # dual clip for negative advantages; 0 disables (PPO only)
@@ -230,6 +231,8 @@ class UpdateConfig:
     def __post_init__(self) -> None:
         if isinstance(self.bf16, bool):  # UpdateConfig(bf16=True) from Python, as TOML's `bf16 = true` reads
             object.__setattr__(self, "bf16", "true" if self.bf16 else "false")
+        if isinstance(self.micro_batch_tokens, int) and not isinstance(self.micro_batch_tokens, bool):  # UpdateConfig(micro_batch_tokens=4096)
+            object.__setattr__(self, "micro_batch_tokens", str(self.micro_batch_tokens))
         check_ranges(self, "update", {
             "lr": above(0.0), "critic_lr": above(0.0), "epochs": at_least(1), "mini_batch_size": at_least(0), "micro_batch_size": at_least(1),
             "clip_ratio_low": between(0.0, 1.0), "clip_ratio_high": at_least(0.0),
@@ -237,6 +240,7 @@ class UpdateConfig:
             "rollout_is": one_of("off", "token", "sequence"), "rollout_is_threshold": above(1.0),
             "loss_horizon": at_least(0), "kl_loss_coef": at_least(0.0), "cliprange_value": above(0.0), "vf_coef": at_least(0.0),
             "max_grad_norm": at_least(0.0), "weight_decay": at_least(0.0), "warmup_steps": at_least(0), "bf16": one_of(*AUTOCAST_CHOICES),
+            "micro_batch_tokens": lambda v: None if v == "auto" or (isinstance(v, str) and v.isascii() and v.isdigit()) else "must be auto, 0 (no cap) or a number of tokens",
         })
 
 

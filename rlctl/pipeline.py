@@ -36,11 +36,12 @@ from rlctl import faults, mkl_kernels
 from rlctl.algos.kl import KLControllerState
 from rlctl.algos.sampling import enough, select_groups
 from rlctl.config import Config, apply_overrides, from_dict, load_config, to_dict, to_toml
-from rlctl.dtypes import resolve_dtypes
+from rlctl.dtypes import AUTO, models_device, resolve_dtypes
 from rlctl.errors import ConfigError, InputError
 from rlctl.lineage import make_manifest, shards_ref
 from rlctl.loggers import Loggers, check_loggers
 from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest, strict_json_value
+from rlctl.passes import decided_micro_batch_tokens
 from rlctl.rewards import RewardSet, load_rewards
 from rlctl.runinfo import iteration_folders
 from rlctl.shards import Shards, commit_empty, filesystem, is_committed, read, read_manifest, write
@@ -49,6 +50,18 @@ from rlctl.threads import ThreadGovernor
 
 STAGES = ("rollout", "score", "advantage", "update")
 POLICY = "policy"  # model.ref / model.critic value meaning "the initial policy's weights"
+
+
+def resolve_pass_tokens(cfg: Config, recorded: Config | None) -> Config:
+    """`update.micro_batch_tokens` with "auto" decided, as the dtypes are: as the run first
+    decided it (a run started before the key existed recorded "auto" and ran without a cap:
+    "0"), else for the machine its models train on (rlctl.passes)."""
+    value = cfg.update.micro_batch_tokens
+    if value == AUTO and recorded is not None:
+        value = "0" if recorded.update.micro_batch_tokens == AUTO else recorded.update.micro_batch_tokens
+    elif value == AUTO:
+        value = decided_micro_batch_tokens(value, models_device(cfg.model.device, cfg.workers))
+    return replace(cfg, update=replace(cfg.update, micro_batch_tokens=value))
 
 
 def resolve_model_paths(cfg: Config, run_dir: Path) -> Config:
@@ -131,7 +144,8 @@ class Pipeline:
     ) -> None:
         self.run_dir = Path(run_dir or cfg.pipeline.run_dir)
         cfg = resolve_model_paths(_resolve_relative(cfg, base_dir), self.run_dir)
-        cfg = resolve_dtypes(cfg, recorded_config(self.run_dir))
+        recorded = recorded_config(self.run_dir)
+        cfg = resolve_pass_tokens(resolve_dtypes(cfg, recorded), recorded)
         validate(cfg, from_stage=from_stage, until_stage=until_stage)
         self.config_changes = check_resume_config(self.run_dir, cfg, allow=resume_with_changes)
         self.cfg = cfg
@@ -713,6 +727,7 @@ NOT_TRAINING = {
     },
     "model": {"device", "init_preset", "init_seed"}, "data": {"val_prompts"}, "workers": None, "vllm": None,
     "score": {"old_logprobs"},  # the rollout's own log-probs or a recompute: the same numbers to ~3e-7 where auto picks the former
+    "update": {"micro_batch_tokens"},  # how passes are cut: the same gradients to float rounding (runs from before the key recorded "auto")
 }
 
 

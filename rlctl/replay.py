@@ -111,7 +111,10 @@ def _recorded_config(run_cfg: Config, recorded: Manifest, overrides: list[str]) 
     """The run's config with the stage's recorded sections in place, then the overrides."""
     known = {f.name for f in dataclasses.fields(Config)}
     sections = {k: section_from_dict(k, v) for k, v in recorded.config.items() if k in known}
-    cfg = apply_overrides(dataclasses.replace(run_cfg, **sections), overrides)
+    cfg = dataclasses.replace(run_cfg, **sections)
+    if cfg.update.micro_batch_tokens == "auto":  # recorded before the key existed: that run's passes had no token cap
+        cfg = dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, micro_batch_tokens="0"))
+    cfg = apply_overrides(cfg, overrides)
     threads = recorded.state.get("torch_threads") or recorded.state.get("train_metrics", {}).get("torch_threads")
     if isinstance(threads, int) and threads > 0 and cfg.workers.backend == "local" and not cfg.workers.threads:  # a list: Ray ranks that differed
         cfg = dataclasses.replace(cfg, workers=dataclasses.replace(cfg.workers, threads=threads))  # as the stage ran

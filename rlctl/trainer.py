@@ -35,6 +35,7 @@ from rlctl.backends.hf import (
 from rlctl.config import UpdateConfig
 from rlctl.dtypes import autocast_bf16
 from rlctl.errors import InputError, TrainingError
+from rlctl.passes import cut_passes, token_cap
 from rlctl.tensors import list_lengths, mask_from_lengths, padded
 
 
@@ -116,12 +117,14 @@ class RankGroup:
 
     def micro_batches(
         self, indices: torch.Tensor, micro_batch_size: int, lengths: Sequence[int] | None = None, groups: Mapping[int, int] | Sequence[int] | None = None,
+        max_tokens: int = 0,
     ) -> list[tuple[list[int], float]]:
         """(rows, weight) of each forward/backward pass this rank makes on a mini-batch.
 
         The rank's share is its contiguous slice of `indices`; with `lengths` (each row's
         sequence length) the share is ordered by length before it is cut into passes, so a pass
-        pads its rows to a similar length instead of the longest of a random draw. With
+        pads its rows to a similar length instead of the longest of a random draw, and a pass
+        holds at most `max_tokens` padded tokens (0: no cap; rlctl.passes). With
         `groups` (each row's prompt, by row: `distinct_prompts`) the rows of one prompt are kept
         together, in the mini-batch before it is shared out and in the passes (groups ordered
         by their longest row), so that a pass runs each prompt once. The loss normalisers are
@@ -137,18 +140,11 @@ class RankGroup:
             for row in order:
                 first.setdefault(groups[row], len(first))
             order.sort(key=lambda row: first[groups[row]])
-        slices = row_slices(len(order), self.size)
-        passes = max(1, max(-(-(s.stop - s.start) // micro_batch_size) for s in slices))
-        mine = order[slices[self.rank]]
-        if groups is not None and lengths is not None:
-            longest: dict[int, int] = {}
-            for row in mine:
-                longest[groups[row]] = max(longest.get(groups[row], 0), lengths[row])
-            mine.sort(key=lambda row: (longest[groups[row]], groups[row], lengths[row]))
-        elif lengths is not None:
-            mine.sort(key=lambda row: lengths[row])
-        batches = [(mine[i * micro_batch_size : (i + 1) * micro_batch_size], 1.0) for i in range(passes)]
-        return [(rows, weight) if rows else (indices[:1].tolist(), 0.0) for rows, weight in batches]
+        # every rank's passes, to agree on their number
+        shares = [cut_passes(_in_pass_order(order[s], lengths, groups), micro_batch_size, lengths, max_tokens) for s in row_slices(len(order), self.size)]
+        passes = max(1, max(len(share) for share in shares))
+        batches = shares[self.rank] + [[]] * (passes - len(shares[self.rank]))
+        return [(rows, 1.0) if rows else (indices[:1].tolist(), 0.0) for rows in batches]
 
     def sum(self, stats: dict[str, float]) -> dict[str, float]:
         if self.size == 1:
@@ -162,6 +158,18 @@ class RankGroup:
 
 
 ALONE = RankGroup()
+
+
+def _in_pass_order(rows: list[int], lengths: Sequence[int] | None, groups: Mapping[int, int] | Sequence[int] | None) -> list[int]:
+    """A rank's rows in the order its passes take them: by length, a prompt's rows together."""
+    if groups is not None and lengths is not None:
+        longest: dict[int, int] = {}
+        for row in rows:
+            longest[groups[row]] = max(longest.get(groups[row], 0), lengths[row])
+        return sorted(rows, key=lambda row: (longest[groups[row]], groups[row], lengths[row]))
+    if lengths is not None:
+        return sorted(rows, key=lambda row: lengths[row])
+    return rows
 
 
 def adamw(params, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -283,7 +291,7 @@ class Trainer:
         # decided from the whole mini-batch, so every rank makes the same forward calls (FSDP)
         share_prompts = self.policy is not None and self.policy.shares_prompts(prompts)
         groups = dict(zip(rows, distinct_prompts(prompts)[1])) if share_prompts else None  # the mini-batch's rows only
-        for micro, weight in self.ranks.micro_batches(indices, cfg.micro_batch_size, lengths, groups):
+        for micro, weight in self.ranks.micro_batches(indices, cfg.micro_batch_size, lengths, groups, token_cap(cfg.micro_batch_tokens, device.type)):
             scale = weight * self.ranks.grad_scale
             packed = pack([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro], self.pad_id, device)
 

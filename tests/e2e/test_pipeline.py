@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from rlctl import mkl_kernels, shards
 from rlctl.config import load_config
+from rlctl.passes import CPU_MICRO_BATCH_TOKENS
 from rlctl.pipeline import Pipeline
 from rlctl.threads import ThreadGovernor, available_cpus
 from tests.conftest import one_line_error
@@ -224,6 +225,8 @@ def test_run_folder_layout_show_and_plot(cli, reference_run, tmp_path):
     assert (run / "config.resolved.toml").exists() and len((run / "metrics.jsonl").read_text().splitlines()) == 4
     for stage in ("prompts", "rollout", "score", "advantage", "update"):
         assert (run / "iter-0004" / stage / "_manifest.json").exists()
+    assert load_config(run / "config.resolved.toml").update.micro_batch_tokens == str(CPU_MICRO_BATCH_TOKENS)  # auto, decided and recorded
+    assert json.loads((run / "iter-0004" / "update" / "_manifest.json").read_text())["config"]["update"]["micro_batch_tokens"] == str(CPU_MICRO_BATCH_TOKENS)
     summary = cli("show", run, "--json")
     assert json.loads(summary.stdout)["iterations_done"] == 4
     plot = cli("plot", run, "--out", tmp_path / "m.png")

@@ -81,3 +81,15 @@ def test_resolved_config_renders_back_to_equal_toml(tmp_path):
 
 def test_defaults_are_a_complete_config():
     assert isinstance(load_config(), Config)
+
+
+def test_micro_batch_tokens_is_auto_or_a_count_of_tokens(tmp_path):
+    assert load_config().update.micro_batch_tokens == "auto"
+    assert load_config(write(tmp_path, "[update]\nmicro_batch_tokens = 2048\n")).update.micro_batch_tokens == "2048"
+    assert load_config(None, ["update.micro_batch_tokens=0"]).update.micro_batch_tokens == "0"
+    from rlctl.config import UpdateConfig
+
+    assert UpdateConfig(micro_batch_tokens=4096).micro_batch_tokens == "4096"
+    for bad in ("-1", "lots", "1e4"):
+        with pytest.raises(ConfigError, match=r"update.micro_batch_tokens must be auto, 0 \(no cap\) or a number of tokens"):
+            load_config(None, [f"update.micro_batch_tokens={bad}"])

@@ -318,3 +318,32 @@ def test_the_update_reports_the_share_of_its_steps_that_ran_each_prompt_once(tin
     monkeypatch.setenv("RLCTL_SHARE_PROMPTS", share)
     _, _, metrics = run_update(tiny_model, grouped_batch(), UpdateConfig(lr=1e-3, micro_batch_size=4, mini_batch_size=6))
     assert metrics["prompt_sharing"] == (1.0 if share == "always" else 0.0)
+
+
+def test_every_rank_makes_as_many_token_capped_passes_as_the_busiest_one():
+    """With a token cap the ranks' shares cut into different numbers of passes (one has the long
+    rows); each rank pads to the largest number with weight-0 passes, and together they train
+    on every row once."""
+    from rlctl.trainer import RankGroup
+
+    lengths = [5, 6, 7, 8, 9, 10, 200, 210, 220, 230, 240, 250]
+    indices = torch.arange(12)
+    shares = [RankGroup(rank=rank, size=2).micro_batches(indices, 6, lengths, max_tokens=500) for rank in (0, 1)]
+    assert len(shares[0]) == len(shares[1]) == 3  # rank 1's six long rows: two per pass
+    assert [len(rows) for rows, weight in shares[1]] == [2, 2, 2]
+    assert [len(rows) for rows, weight in shares[0] if weight] == [6]
+    assert sum(1 for _, weight in shares[0] if weight == 0) == 2
+    assert sorted(r for share in shares for rows, weight in share if weight for r in rows) == list(range(12))
+
+
+@pytest.mark.parametrize("cap", ["0", "12", "auto"])
+def test_a_token_cap_gives_the_same_gradient(policy, cap):
+    """How the passes are cut by tokens changes no gradient beyond float rounding."""
+    batch = make_batch()
+    grads = []
+    for tokens in ("0", cap):
+        trainer = Trainer(policy, UpdateConfig(micro_batch_size=8, micro_batch_tokens=tokens, use_kl_loss=True, entropy_coef=0.01))
+        trainer.accumulate_gradients(batch, torch.arange(batch.size))
+        grads.append(flat_gradients(policy.model))
+    np.testing.assert_allclose(grads[1], grads[0], atol=1e-6 * max(np.abs(grads[0]).max(), 1.0), rtol=0)
+
