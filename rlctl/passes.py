@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-AUTO = "auto"
+from rlctl.dtypes import AUTO
+
 CPU_MICRO_BATCH_TOKENS = 4096  # flat from 1k to 4k tokens per pass on the runs above, slower from ~8k
 
 
@@ -24,6 +25,12 @@ def decided_micro_batch_tokens(value: str, device: str) -> str:
     if value != AUTO:
         return value
     return str(CPU_MICRO_BATCH_TOKENS) if device == "cpu" else "0"
+
+
+def as_recorded(value: str) -> str:
+    """A recorded `update.micro_batch_tokens` as the run used it: "auto" was recorded only before
+    the key existed (since then a run records what it decided), and those runs had no cap."""
+    return "0" if value == AUTO else value
 
 
 def token_cap(value: str, device: str) -> int:

@@ -41,7 +41,7 @@ from rlctl.errors import ConfigError, InputError
 from rlctl.lineage import make_manifest, shards_ref
 from rlctl.loggers import Loggers, check_loggers
 from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest, strict_json_value
-from rlctl.passes import decided_micro_batch_tokens
+from rlctl.passes import as_recorded, decided_micro_batch_tokens
 from rlctl.rewards import RewardSet, load_rewards
 from rlctl.runinfo import iteration_folders
 from rlctl.shards import Shards, commit_empty, filesystem, is_committed, read, read_manifest, write
@@ -58,7 +58,7 @@ def resolve_pass_tokens(cfg: Config, recorded: Config | None) -> Config:
     "0"), else for the machine its models train on (rlctl.passes)."""
     value = cfg.update.micro_batch_tokens
     if value == AUTO and recorded is not None:
-        value = "0" if recorded.update.micro_batch_tokens == AUTO else recorded.update.micro_batch_tokens
+        value = as_recorded(recorded.update.micro_batch_tokens)
     elif value == AUTO:
         value = decided_micro_batch_tokens(value, models_device(cfg.model.device, cfg.workers))
     return replace(cfg, update=replace(cfg.update, micro_batch_tokens=value))

@@ -18,6 +18,7 @@ from rlctl import mkl_kernels
 from rlctl.config import Config, apply_overrides, load_config, section_from_dict
 from rlctl.errors import InputError
 from rlctl.manifest import Manifest
+from rlctl.passes import as_recorded
 from rlctl.shards import read, read_manifest, write
 
 REPLAYABLE = ("prompts", "rollout", "score", "filter", "advantage", "update")
@@ -112,8 +113,7 @@ def _recorded_config(run_cfg: Config, recorded: Manifest, overrides: list[str]) 
     known = {f.name for f in dataclasses.fields(Config)}
     sections = {k: section_from_dict(k, v) for k, v in recorded.config.items() if k in known}
     cfg = dataclasses.replace(run_cfg, **sections)
-    if cfg.update.micro_batch_tokens == "auto":  # recorded before the key existed: that run's passes had no token cap
-        cfg = dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, micro_batch_tokens="0"))
+    cfg = dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, micro_batch_tokens=as_recorded(cfg.update.micro_batch_tokens)))
     cfg = apply_overrides(cfg, overrides)
     threads = recorded.state.get("torch_threads") or recorded.state.get("train_metrics", {}).get("torch_threads")
     if isinstance(threads, int) and threads > 0 and cfg.workers.backend == "local" and not cfg.workers.threads:  # a list: Ray ranks that differed
