@@ -11,6 +11,7 @@ import pytest
 
 from rlctl import shards
 from rlctl.manifest import Manifest
+from rlctl.passes import CPU_MICRO_BATCH_TOKENS
 from tests.conftest import assert_not_written, one_line_error, part_files
 
 ROLL = ("--n", "2", "--max-new-tokens", "8", "--seed", "3", "--temperature", "0.9")
@@ -76,6 +77,7 @@ def test_update_and_reshard_write_loadable_checkpoints(cli, tmp_path, tiny_model
     result = cli("update", "--batch", tmp_path / "b", "--model", tiny_model, "--critic", tiny_model, "--out", tmp_path / "c1", "--lr", "1e-3", "--json")
     assert result.exit_code == 0, result.stderr
     metrics = json.loads(result.stdout)["metrics"]
+    assert json.loads(result.stdout)["config"]["update"]["micro_batch_tokens"] == str(CPU_MICRO_BATCH_TOKENS)  # auto, decided here and recorded
     assert metrics["step"] == 1 and {"pg_loss", "vf_loss", "entropy", "kl", "ppo_kl", "pg_clipfrac", "grad_norm", "lr", "tokens_per_s", "seconds"} <= set(metrics)
     AutoModelForCausalLM.from_pretrained(tmp_path / "c1")
     # a second update starts from the first one's optimizer state and step
