@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,28 @@ def tiny_model(tmp_path_factory) -> str:
 
     quiet_transformers()
     return str(init_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=0))
+
+
+# the Llama-layout classes' test models: tiny widths, grouped-query attention
+LLAMA_FAMILY_SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+
+
+def model_folder(tmp_path_factory, tiny_model: str, kind: str) -> str:
+    """A random model of transformers' `kind` (qwen2, llama, mistral, qwen3: LLAMA_FAMILY_SHAPE)
+    beside the tiny model's tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp(kind)
+    for file in Path(tiny_model).iterdir():
+        if "tokenizer" in file.name or file.name in ("special_tokens_map.json", "generation_config.json", "chat_template.jinja"):
+            shutil.copy(file, folder / file.name)
+    vocab = AutoConfig.from_pretrained(tiny_model).vocab_size
+    extra = {"sliding_window": None} if kind == "mistral" else {}
+    config = AutoConfig.for_model(kind, vocab_size=vocab, **LLAMA_FAMILY_SHAPE, **extra)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return str(folder)
 
 
 @pytest.fixture(scope="module")

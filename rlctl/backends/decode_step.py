@@ -23,36 +23,17 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from rlctl.backends import decode_attention
+from rlctl.backends.llama_layers import call as _call
+from rlctl.backends.llama_layers import layer_parts, plain_layers
 from rlctl.errors import InputError
 
 OVERRIDE_ENV = "RLCTL_DECODE_STEP"
 CHOICES = ("rlctl", "transformers")
-# The causal LMs whose decoder layers have the layout DecodeStep runs (norm, q/k/v, rotary,
-# attention, o, residual, norm, MLP, residual in their transformers code); Qwen3 adds q/k norms.
-MODEL_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
-
-@dataclass(frozen=True)
-class _Layer:
-    """One decoder layer's parts, looked up once per generation instead of once per step."""
-
-    input_norm: torch.nn.Module
-    q_proj: torch.nn.Module
-    k_proj: torch.nn.Module
-    v_proj: torch.nn.Module
-    q_norm: torch.nn.Module | None
-    k_norm: torch.nn.Module | None
-    o_proj: torch.nn.Module
-    head_dim: int
-    scaling: float
-    post_norm: torch.nn.Module
-    mlp: torch.nn.Module
 
 
 class DecodeStep:
@@ -67,7 +48,7 @@ class DecodeStep:
         self.embed, self.rotary, self.norm, self.lm_head = base.embed_tokens, base.rotary_emb, base.norm, model.lm_head
         self.apply_rotary = sys.modules[type(model).__module__].apply_rotary_pos_emb
         self.cache_layers = cache.layers
-        self.layers = [_parts(layer) for layer in base.layers]
+        self.layers = [layer_parts(layer) for layer in base.layers]
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         rows = tokens.shape[0]
@@ -105,21 +86,9 @@ def for_model(model, cache) -> Callable[[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def supports(model) -> bool:
-    """Whether `model`'s decode steps can run here: a class of MODEL_CLASSES in eval mode, every
-    layer full attention with no sliding window, decoding under rlctl's CPU attention, plain modules."""
-    config = model.config
-    if model.training or type(model).__name__ not in MODEL_CLASSES or getattr(config, "_attn_implementation", None) != decode_attention.NAME:
-        return False
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
-        return False
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-        return False
-    linear = 0
-    for module in model.modules():
-        if module._forward_hooks or module._forward_pre_hooks:
-            return False
-        linear += isinstance(module, torch.nn.Linear)
-    return linear == 1 + 7 * len(model.model.layers)  # the LM head, and q, k, v, o, gate, up, down per layer
+    """Whether `model`'s decode steps can run here: plain layers of the Llama layout
+    (`llama_layers.plain_layers`) in eval mode, decoding under rlctl's CPU attention."""
+    return not model.training and getattr(model.config, "_attn_implementation", None) == decode_attention.NAME and plain_layers(model)
 
 
 def _plain_cache(cache, model) -> bool:
@@ -127,18 +96,3 @@ def _plain_cache(cache, model) -> bool:
 
     layers = getattr(cache, "layers", None)
     return bool(layers) and len(layers) == len(model.model.layers) and all(isinstance(layer, DynamicLayer) for layer in layers)
-
-
-def _parts(layer) -> _Layer:
-    attention = layer.self_attn
-    return _Layer(
-        layer.input_layernorm, attention.q_proj, attention.k_proj, attention.v_proj,
-        getattr(attention, "q_norm", None), getattr(attention, "k_norm", None), attention.o_proj, attention.head_dim, attention.scaling,
-        layer.post_attention_layernorm, layer.mlp,
-    )
-
-
-def _call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The module's forward without `nn.Module.__call__`'s hook handling (none are registered:
-    `supports`)."""
-    return type(module).forward(module, x)

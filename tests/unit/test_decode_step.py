@@ -1,9 +1,6 @@
 """The direct decode step gives transformers' tokens and log-probs bit for bit, for every model
 class it takes, and leaves every other model to transformers' forward."""
 
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -12,24 +9,7 @@ from rlctl.backends.base import SamplingParams
 from rlctl.backends.hf import HFPolicy, decoding_attention
 from rlctl.backends.kv_cache import decoding_cache
 from rlctl.errors import InputError
-
-SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
-
-
-def model_folder(tmp_path_factory, tiny_model: str, kind: str) -> str:
-    """A random model of transformers' `kind` beside the tiny model's tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    folder = tmp_path_factory.mktemp(kind)
-    for file in Path(tiny_model).iterdir():
-        if "tokenizer" in file.name or file.name in ("special_tokens_map.json", "generation_config.json", "chat_template.jinja"):
-            shutil.copy(file, folder / file.name)
-    vocab = AutoConfig.from_pretrained(tiny_model).vocab_size
-    extra = {"sliding_window": None} if kind == "mistral" else {}
-    config = AutoConfig.for_model(kind, vocab_size=vocab, **SHAPE, **extra)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    return str(folder)
+from tests.conftest import model_folder
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama", "mistral", "qwen3"])

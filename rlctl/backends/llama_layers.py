@@ -1,0 +1,65 @@
+"""The decoder-layer layout Llama, Mistral, Qwen2 and Qwen3 share, for code that runs those
+layers itself instead of through transformers' forward (rlctl.backends.decode_step for
+decoding, rlctl.backends.unpadded for scoring and training): RMSNorm, q/k/v products (Qwen3: q/k
+norms), rotary q/k, grouped-query attention, o product, residual, RMSNorm, gated MLP, residual."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# The causal LMs whose decoder layers have this layout in their transformers code
+MODEL_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer's parts, looked up once per call instead of once per layer run."""
+
+    attention: torch.nn.Module  # what transformers' attention functions take as `module`
+    input_norm: torch.nn.Module
+    q_proj: torch.nn.Module
+    k_proj: torch.nn.Module
+    v_proj: torch.nn.Module
+    q_norm: torch.nn.Module | None
+    k_norm: torch.nn.Module | None
+    o_proj: torch.nn.Module
+    head_dim: int
+    scaling: float
+    post_norm: torch.nn.Module
+    mlp: torch.nn.Module
+
+
+def layer_parts(layer) -> Layer:
+    attention = layer.self_attn
+    return Layer(
+        attention, layer.input_layernorm, attention.q_proj, attention.k_proj, attention.v_proj,
+        getattr(attention, "q_norm", None), getattr(attention, "k_norm", None), attention.o_proj, attention.head_dim, attention.scaling,
+        layer.post_attention_layernorm, layer.mlp,
+    )
+
+
+def plain_layers(model) -> bool:
+    """Whether `model` is one of MODEL_CLASSES with every layer full attention (no sliding
+    window) and plain modules: no hooks (FSDP's, a user's), only the LM head and the seven
+    products per layer as linear layers (not LoRA's)."""
+    config = model.config
+    if type(model).__name__ not in MODEL_CLASSES:
+        return False
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return False
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return False
+    linear = 0
+    for module in model.modules():
+        if module._forward_hooks or module._forward_pre_hooks:
+            return False
+        linear += isinstance(module, torch.nn.Linear)
+    return linear == 1 + 7 * len(model.model.layers)  # the LM head, and q, k, v, o, gate, up, down per layer
+
+
+def call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The module's forward without `nn.Module.__call__`'s hook handling (none are registered:
+    `plain_layers`)."""
+    return type(module).forward(module, x)
