@@ -21,6 +21,7 @@ import torch
 
 from rlctl import cpu_linear
 from rlctl.algos.logprobs import logprobs_and_entropy, row_uniforms, sample_next
+from rlctl.backends import unpadded
 from rlctl.backends.base import Generation, SamplingParams
 from rlctl.errors import InputError
 
@@ -500,6 +501,9 @@ class HFPolicy:
         The LM head runs only from the first position that predicts a response token on
         (`logits_to_keep`): never [B, L, V] over the prompts. `model`: another copy of the
         weights to run (the bf16 copy)."""
+        direct = unpadded.for_model(model or self.model)
+        if direct is not None:
+            return direct.logprobs(direct.states(batch), batch.response_ids, batch.response_mask, temperature=temperature, with_entropy=with_entropy)
         start = first_response_logit(batch)
         kept = {"logits_to_keep": batch.input_ids.shape[1] - start} if start and self._keeps_logits else {}
         out = (model or self.model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False, **kept)
@@ -569,6 +573,12 @@ class HFPolicy:
             responses[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
             response_mask[i, : len(r)] = 1
         responses, response_mask = responses.to(self.device), response_mask.to(self.device)
+        direct = unpadded.for_model(model)
+        if direct is not None:
+            distinct, source = distinct_prompts(prompt_ids)
+            states = direct.states_sharing_prompts(left_padded(distinct, self.pad_id, self.device), source, responses, response_mask)
+            logp, entropy = direct.logprobs(states, responses, response_mask, temperature=temperature, with_entropy=with_entropy)
+            return logp[:, :length], (entropy[:, :length] if with_entropy else None)
         first, cache, prompt_mask, prompt_positions = self._prompt_pass(model, prompt_ids)
         positions = prompt_positions[:, -1:] + 1 + torch.arange(width, device=self.device)
         out = model(
@@ -615,7 +625,11 @@ class ValueModel(torch.nn.Module):
         save_file(state, str(Path(directory) / VALUE_HEAD_FILE))
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
-        """Values [B, T] of the state before each response token."""
+        """Values [B, T] of the state before each response token (zeros in padded slots where
+        the unpadded forward runs)."""
+        direct = unpadded.for_model(self.lm)
+        if direct is not None:
+            return unpadded.scattered(batch.response_mask, self.value_head(direct.states(batch).float()).squeeze(-1))
         out = self.lm.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False)
         hidden = response_hidden(out.last_hidden_state, batch)
         return self.value_head(hidden.float()).squeeze(-1)

@@ -176,27 +176,35 @@ def test_batches_by_prompt_keep_a_prompts_rows_together_within_the_batch_size():
     assert batches == [[1, 4], [0, 2, 5], [7, 3, 6]]  # [2, 2] (longest 3), then [1] (longest 6, split 3 + 1), then [3, 3, 3] (9)
 
 
-def test_scoring_rows_that_share_prompts_runs_each_prompt_once_and_gives_the_full_forwards_logprobs(policy, monkeypatch):
+@pytest.mark.parametrize("forward", ["rlctl", "transformers"])
+def test_scoring_rows_that_share_prompts_runs_each_prompt_once_and_gives_the_full_forwards_logprobs(policy, monkeypatch, forward):
     """A group's prompt runs once (its KV cache copied to its rows), the responses on top: the
     log-probs of one full-sequence forward per row, to fp32 rounding, in the caller's order,
-    also with empty responses and groups split across batches."""
+    also with empty responses and groups split across batches; by the unpadded forward over
+    real tokens only (rlctl.backends.unpadded) and by transformers' over the padded rows."""
+    from rlctl.backends import unpadded
+
     monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "always")  # the tiny model alone would not pay for it
+    monkeypatch.setenv(unpadded.OVERRIDE_ENV, forward)
     g = torch.Generator().manual_seed(1)
     distinct = [torch.randint(3, 500, (2 + i % 4,), generator=g).tolist() for i in range(5)]
     prompt_ids = [distinct[i % 5] for i in range(15)]
     response_ids = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (7, 0, 3, 9, 1, 4, 6, 2, 8, 5, 3, 0, 7, 2, 6)]
     seen = []
-    forward = policy.model.forward
+    embedding = type(policy.model.get_input_embeddings())
+    embed = embedding.forward
 
-    @functools.wraps(forward)
-    def recording(*args, **kwargs):
-        seen.append(tuple(kwargs["input_ids"].shape))
-        return forward(*args, **kwargs)
+    def recording(self, ids):
+        seen.append(tuple(ids.shape))
+        return embed(self, ids)
 
-    policy.model.forward = recording
+    monkeypatch.setattr(embedding, "forward", recording)
     shared = policy.logprobs(prompt_ids, response_ids, temperature=0.7, batch_size=15)
-    del policy.model.forward
-    assert seen[0][0] == len(distinct) and seen[1][0] == len(prompt_ids)  # prompts once, then every row
+    monkeypatch.setattr(embedding, "forward", embed)
+    if forward == "rlctl":  # the real tokens: the distinct prompts', then every row's response
+        assert seen == [(sum(map(len, distinct)),), (sum(map(len, response_ids)),)]
+    else:  # padded rows: the distinct prompts, then every row
+        assert seen[0][0] == len(distinct) and seen[1][0] == len(prompt_ids)
     full = full_forward_logprobs(policy, prompt_ids, response_ids, temperature=0.7)
     for got, want, r in zip(shared, full, response_ids):
         assert len(got) == len(r)

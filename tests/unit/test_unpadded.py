@@ -1,0 +1,176 @@
+"""The unpadded forward computes transformers' log-probs, entropies and gradients for every model
+class it takes, runs the products on real tokens only, and leaves every other model to
+transformers' forward."""
+
+import pytest
+import torch
+
+from rlctl.backends import unpadded
+from rlctl.backends.hf import HFPolicy, pack, training_forward
+from rlctl.errors import InputError
+from tests.conftest import model_folder
+
+PROMPTS = ["hello there", "12 + 3 =", "a", "The answer is, after a long think,"]
+RESPONSE_LENGTHS = [5, 1, 9, 3, 7, 2, 8, 4, 6, 9, 1, 5]  # three rows per prompt, each ending elsewhere
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama", "mistral", "qwen3"])
+def policy(request, tmp_path_factory, tiny_model):
+    folder = tiny_model if request.param == "qwen2" else model_folder(tmp_path_factory, tiny_model, request.param)
+    return HFPolicy.load(folder, "cpu")
+
+
+def rows(policy) -> tuple[list[list[int]], list[list[int]]]:
+    """Twelve rows, three per prompt (GRPO's groups), responses of different lengths."""
+    prompts = [policy.tokenizer(t)["input_ids"] for t in PROMPTS for _ in range(3)]
+    g = torch.Generator().manual_seed(3)
+    responses = [torch.randint(4, policy.vocab_size, (n,), generator=g).tolist() for n in RESPONSE_LENGTHS]
+    return prompts, responses
+
+
+def forward_and_gradients(monkeypatch, policy, choice: str, *, shared: bool, bf16: bool = False):
+    """(log-probs, entropy, the mask, every parameter's gradient) of one training forward."""
+    monkeypatch.setenv(unpadded.OVERRIDE_ENV, choice)
+    prompts, responses = rows(policy)
+    model = policy.model
+    model.train()
+    model.zero_grad(set_to_none=True)
+    try:
+        batch = pack(prompts, responses, policy.pad_id, policy.device)
+        with training_forward(model, policy.device, bf16, rows=len(prompts), length=batch.input_ids.shape[1]):
+            if shared:
+                logp, entropy = policy.forward_sharing_prompts(prompts, responses, temperature=0.7, with_entropy=True)
+            else:
+                logp, entropy = policy.forward(batch, temperature=0.7, with_entropy=True)
+        m = batch.response_mask
+        weights = torch.linspace(-1.0, 1.0, m.numel()).view(m.shape)
+        (torch.where(m, logp * weights + 0.1 * entropy, 0).sum()).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    finally:
+        model.eval()
+        model.zero_grad(set_to_none=True)
+    return logp.detach(), entropy.detach(), m, grads
+
+
+def assert_same_gradient(ours: torch.Tensor, theirs: torch.Tensor, name: str) -> None:
+    """Equal up to fp32 summation order: within 1e-5 of the gradient's own size."""
+    assert float(torch.linalg.norm(ours - theirs)) <= 1e-5 * float(torch.linalg.norm(theirs)) + 1e-7, name
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["one-forward-per-row", "prompts-once"])
+def test_log_probs_entropy_and_gradients_are_transformers_in_fp32(monkeypatch, policy, shared):
+    ours = forward_and_gradients(monkeypatch, policy, "rlctl", shared=shared)
+    theirs = forward_and_gradients(monkeypatch, policy, "transformers", shared=shared)
+    m = ours[2]
+    assert torch.equal(m, theirs[2])
+    torch.testing.assert_close(ours[0][m], theirs[0][m], rtol=0, atol=2e-5)
+    torch.testing.assert_close(ours[1][m], theirs[1][m], rtol=0, atol=2e-5)
+    assert ours[3].keys() == theirs[3].keys()
+    for name, grad in ours[3].items():
+        assert_same_gradient(grad, theirs[3][name], name)
+
+
+def test_bf16_training_forward_matches_transformers_to_bf16_precision(monkeypatch, tiny_model):
+    policy = HFPolicy.load(tiny_model, "cpu")
+    for shared in (False, True):
+        ours = forward_and_gradients(monkeypatch, policy, "rlctl", shared=shared, bf16=True)
+        theirs = forward_and_gradients(monkeypatch, policy, "transformers", shared=shared, bf16=True)
+        m = ours[2]
+        torch.testing.assert_close(ours[0][m], theirs[0][m], rtol=0, atol=0.05)
+        for name, grad in ours[3].items():
+            assert torch.nn.functional.cosine_similarity(grad.flatten(), theirs[3][name].flatten(), dim=0) > 0.99, name
+
+
+def test_scoring_is_the_update_forward_and_padded_slots_are_zero(monkeypatch, tiny_model):
+    policy = HFPolicy.load(tiny_model, "cpu")
+    prompts, responses = rows(policy)
+    monkeypatch.setenv(unpadded.OVERRIDE_ENV, "rlctl")
+    ours = policy.logprobs(prompts, responses, temperature=1.0, batch_size=5)
+    monkeypatch.setenv(unpadded.OVERRIDE_ENV, "transformers")
+    theirs = policy.logprobs(prompts, responses, temperature=1.0, batch_size=5)
+    for a, b, r in zip(ours, theirs, responses):
+        assert len(a) == len(b) == len(r)
+        assert a == pytest.approx(b, abs=2e-5)
+    batch = pack(prompts, responses, policy.pad_id, policy.device)
+    monkeypatch.setenv(unpadded.OVERRIDE_ENV, "rlctl")
+    with torch.no_grad():
+        logp, _ = policy.forward(batch, temperature=1.0)
+    assert torch.all(logp[~batch.response_mask] == 0)
+
+
+def test_the_products_run_on_real_tokens_only(monkeypatch, tiny_model):
+    policy = HFPolicy.load(tiny_model, "cpu")
+    prompts, responses = rows(policy)
+    batch = pack(prompts, responses, policy.pad_id, policy.device)
+    q_proj = type(policy.model.model.layers[0].self_attn.q_proj)
+    seen: list[int] = []
+    plain_forward = q_proj.forward
+
+    def counting(self, x):
+        if self is policy.model.model.layers[0].self_attn.q_proj:
+            seen.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return plain_forward(self, x)
+
+    monkeypatch.setattr(q_proj, "forward", counting)
+    with torch.no_grad():
+        policy.forward(batch, temperature=1.0)
+        policy.forward_sharing_prompts(prompts, responses, temperature=1.0)
+    real = sum(len(p) + len(r) for p, r in zip(prompts, responses))
+    distinct_prompt_tokens = sum(len(policy.tokenizer(t)["input_ids"]) for t in PROMPTS)
+    assert seen == [real, distinct_prompt_tokens, sum(RESPONSE_LENGTHS)]
+    assert real < batch.input_ids.numel()  # the padded batch is larger
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft's call, transformers' warning
+def test_other_models_and_attention_keep_the_transformers_forward(monkeypatch, tiny_model):
+    from peft import LoraConfig, get_peft_model
+
+    from rlctl.backends.hf import attention_implementation
+
+    policy = HFPolicy.load(tiny_model, "cpu")
+    model = policy.model
+    assert isinstance(unpadded.for_model(model), unpadded.UnpaddedForward)
+    with attention_implementation(model, "eager"):
+        assert unpadded.for_model(model) is not None  # the bf16 update's attention on the CPU
+    with attention_implementation(model, "flex_attention"):
+        assert unpadded.for_model(model) is None
+    handle = model.model.layers[1].mlp.up_proj.register_forward_hook(lambda *args: None)
+    assert unpadded.for_model(model) is None  # a hook (FSDP's) only the model's forward runs
+    handle.remove()
+    monkeypatch.setenv(unpadded.OVERRIDE_ENV, "transformers")
+    assert unpadded.for_model(model) is None
+    monkeypatch.setenv(unpadded.OVERRIDE_ENV, "packed")
+    with pytest.raises(InputError, match=unpadded.OVERRIDE_ENV):
+        unpadded.for_model(model)
+    monkeypatch.delenv(unpadded.OVERRIDE_ENV)
+    lora = get_peft_model(HFPolicy.load(tiny_model, "cpu").model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"])).get_base_model()
+    assert unpadded.for_model(lora) is None
+
+
+def test_a_critic_values_the_same_states(monkeypatch, tiny_model):
+    from rlctl.backends.hf import ValueModel
+
+    critic = ValueModel.load(tiny_model, torch.device("cpu"))
+    torch.nn.init.normal_(critic.value_head.weight, std=0.5)  # a fresh critic's head is zero
+    prompts, responses = rows(HFPolicy.load(tiny_model, "cpu"))
+    batch = pack(prompts, responses, 0, torch.device("cpu"))
+    results = {}
+    for choice in ("rlctl", "transformers"):
+        monkeypatch.setenv(unpadded.OVERRIDE_ENV, choice)
+        critic.zero_grad(set_to_none=True)
+        values = critic(batch)
+        torch.where(batch.response_mask, values, 0).square().sum().backward()
+        results[choice] = values.detach(), {n: p.grad.clone() for n, p in critic.named_parameters()}
+    m = batch.response_mask
+    torch.testing.assert_close(results["rlctl"][0][m], results["transformers"][0][m], rtol=0, atol=2e-5)
+    for name, grad in results["rlctl"][1].items():
+        assert_same_gradient(grad, results["transformers"][1][name], name)
+
+
+def test_a_pass_without_response_tokens_adds_nothing(tiny_model):
+    policy = HFPolicy.load(tiny_model, "cpu")
+    policy.model.train()
+    logp, entropy = policy.forward_sharing_prompts([[5, 6, 7], [5, 6, 7]], [[], []], temperature=1.0, with_entropy=True)
+    assert logp.shape == entropy.shape == (2, 0)
+    (logp.sum() + entropy.sum()).backward()
+    assert all(p.grad is None or not p.grad.any() for p in policy.model.parameters())
