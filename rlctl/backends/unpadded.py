@@ -9,13 +9,15 @@ Llama layout (rlctl.backends.llama_layers) run on the real tokens as one [N, D] 
 the model's own modules (norms, products, gated MLPs, rotary embedding); only the attention sees
 the padded [B, H, T, d] layout, through the model's attention function, its padded slots zero
 and masked. The final norm and the LM head (or a critic's value head) run only on the positions
-that predict a response token. The same
-function as transformers' forward with other row blockings in the products (fp32: within
-~1e-6; tests/unit/test_unpadded.py).
+that predict a response token. The same function as transformers' forward with other row
+blockings in the products (fp32 log-probs within ~1.4e-6; tests/unit/test_unpadded.py). Small
+preset, 64 rows: a training pass 0.95× / 0.82× / 0.53× transformers' time at 1% / 22% / 50%
+padding (bench/unpadded_bench.py, bench/RESULTS.md).
 
-`HFPolicy.forward` and `forward_sharing_prompts` run it wherever it applies (`for_model`): the
-update, the reference and old log-probs of `score`, in fp32 and in bf16. Elsewhere (LoRA
-adapters, FSDP's hooks, other model classes or attention kernels) transformers' forward runs.
+`HFPolicy.forward`, `HFPolicy.forward_sharing_prompts` and `ValueModel.forward` run it wherever
+it applies (`for_model`): the update, the reference and old log-probs of `score`, the critic's
+values, in fp32 and in bf16. Elsewhere (LoRA adapters, FSDP's hooks, other model classes or
+attention kernels) transformers' forward runs.
 `RLCTL_UNPADDED_FORWARD=transformers` keeps transformers' forward (to compare, or to debug).
 """
 
