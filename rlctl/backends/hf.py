@@ -498,9 +498,10 @@ class HFPolicy:
 
     def forward(self, batch: PackedBatch, *, temperature: float, with_entropy: bool = False, model=None):
         """Differentiable (log-probs [B, T], entropy [B, T] or None) of the response tokens.
-        The LM head runs only from the first position that predicts a response token on
-        (`logits_to_keep`): never [B, L, V] over the prompts. `model`: another copy of the
-        weights to run (the bf16 copy)."""
+        Over the real tokens only where rlctl.backends.unpadded applies (the LM head at the
+        predicting positions only); otherwise transformers' forward, its LM head from the first
+        position that predicts a response token on (`logits_to_keep`): never [B, L, V] over the
+        prompts. `model`: another copy of the weights to run (the bf16 copy)."""
         direct = unpadded.for_model(model or self.model)
         if direct is not None:
             return direct.logprobs(direct.states(batch), batch.response_ids, batch.response_mask, temperature=temperature, with_entropy=with_entropy)
