@@ -7,9 +7,13 @@ spread as asked: `--spreads 1,0.5,0` draws each response's length uniformly from
 with RLCTL_UNPADDED_FORWARD=transformers and =rlctl alternating (bench.alternating): a training
 pass (every distinct prompt once, the rows' forward and backward in micro-batches of
 `--micro-batch` rows, as the update runs them) and the reference log-probs (`score`'s call);
-seconds, the paired ratio, and how far the two forwards' log-probs are apart.
+seconds, the paired ratio, and how far the two forwards' log-probs are apart. `--lora R` trains a
+rank-R LoRA adapter on q, v and down instead of every weight; `--fsdp` wraps the model in FSDP2
+as a Ray rank does (a one-rank gloo group in this process: the hooks' gathers and reductions
+without a second rank's traffic).
 
     python -m bench.unpadded_bench --preset small --spreads 1,0.5,0 --rounds 5
+    python -m bench.unpadded_bench --preset small --spreads 1,0 --rounds 5 --fsdp --lora 8
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ def main() -> None:
     parser.add_argument("--spreads", default="1,0.5,0", help="comma-separated; a response's length is drawn from [spread × tokens, tokens]")
     parser.add_argument("--micro-batch", type=int, default=32, help="rows per forward/backward of the training pass")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--lora", type=int, default=0, help="train a LoRA adapter of this rank (q, v, down) instead of every weight")
+    parser.add_argument("--fsdp", action="store_true", help="wrap the model in FSDP2 (one rank, gloo) as a Ray rank does")
     parser.add_argument("--append", help="append the Markdown result to this file")
     args = parser.parse_args()
 
@@ -59,6 +65,17 @@ def main() -> None:
 
     folder = Path(args.model) if args.model else init_model(Path(tempfile.mkdtemp()) / args.preset, args.preset, seed=0)
     policy = HFPolicy.load(str(folder), "cpu")
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        policy.model = get_peft_model(policy.model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=["q_proj", "v_proj", "down_proj"]))
+    if args.fsdp:
+        import torch.distributed as dist
+
+        from rlctl.workers.ray import _sharded
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        policy.model = _sharded(policy.model, dist.device_mesh.init_device_mesh("cpu", (1,)))
     prompts = [ids for ids in policy.tokenizer([f"{i} + {i + 3} =" for i in range(16)], add_special_tokens=False)["input_ids"] for _ in range(4)]
     rows = []
     for spread in [float(s) for s in args.spreads.split(",")]:
@@ -80,7 +97,7 @@ def main() -> None:
     lines = [
         f"- machine: {machine_name('cpu')}, fp32, Python {platform.python_version()}, torch {torch.__version__}",
         f"- command: `python -m bench.unpadded_bench {f'--model {args.model}' if args.model else f'--preset {args.preset}'} --tokens {args.tokens} "
-        f"--spreads {args.spreads} --micro-batch {args.micro_batch} --rounds {args.rounds}`",
+        f"--spreads {args.spreads} --micro-batch {args.micro_batch} --rounds {args.rounds}{f' --lora {args.lora}' if args.lora else ''}{' --fsdp' if args.fsdp else ''}`",
         f"- 64 rows (16 prompts × 4); seconds per call over {args.rounds} rounds after a warm-up (min–max, median), the two forwards alternating",
         "",
         "| spread | response tokens | padding in a one-batch layout | training pass: transformers / unpadded (s) | ratio | reference: transformers / unpadded (s) | ratio | log-probs apart |",

@@ -502,12 +502,15 @@ class HFPolicy:
         predicting positions only); otherwise transformers' forward, its LM head from the first
         position that predicts a response token on (`logits_to_keep`): never [B, L, V] over the
         prompts. `model`: another copy of the weights to run (the bf16 copy)."""
-        direct = unpadded.for_model(model or self.model)
+        model = model or self.model
+        direct = unpadded.for_model(model)
         if direct is not None:
-            return direct.logprobs(direct.states(batch), batch.response_ids, batch.response_mask, temperature=temperature, with_entropy=with_entropy)
+            return unpadded.run_as_forward(
+                model, lambda: direct.logprobs(direct.states(batch), batch.response_ids, batch.response_mask, temperature=temperature, with_entropy=with_entropy),
+            )
         start = first_response_logit(batch)
         kept = {"logits_to_keep": batch.input_ids.shape[1] - start} if start and self._keeps_logits else {}
-        out = (model or self.model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False, **kept)
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False, **kept)
         logits = response_logits(out.logits, batch, offset=start if kept else 0)
         del out  # the model's logits: the response positions' copy is all that is needed
         return logprobs_and_entropy(logits=logits, tokens=batch.response_ids, temperature=temperature, with_entropy=with_entropy)
@@ -577,8 +580,12 @@ class HFPolicy:
         direct = unpadded.for_model(model)
         if direct is not None:
             distinct, source = distinct_prompts(prompt_ids)
-            states = direct.states_sharing_prompts(left_padded(distinct, self.pad_id, self.device), source, responses, response_mask)
-            logp, entropy = direct.logprobs(states, responses, response_mask, temperature=temperature, with_entropy=with_entropy)
+
+            def compute():
+                states = direct.states_sharing_prompts(left_padded(distinct, self.pad_id, self.device), source, responses, response_mask)
+                return direct.logprobs(states, responses, response_mask, temperature=temperature, with_entropy=with_entropy)
+
+            logp, entropy = unpadded.run_as_forward(model, compute)
             return logp[:, :length], (entropy[:, :length] if with_entropy else None)
         first, cache, prompt_mask, prompt_positions = self._prompt_pass(model, prompt_ids)
         positions = prompt_positions[:, -1:] + 1 + torch.arange(width, device=self.device)

@@ -1,7 +1,8 @@
-"""The decoder-layer layout Llama, Mistral, Qwen2 and Qwen3 share, for code that runs those
-layers itself instead of through transformers' forward (rlctl.backends.decode_step for
-decoding, rlctl.backends.unpadded for scoring and training): RMSNorm, q/k/v products (Qwen3: q/k
-norms), rotary q/k, grouped-query attention, o product, residual, RMSNorm, gated MLP, residual."""
+"""The decoder-layer layout Llama, Mistral, Qwen2 and Qwen3 share (RMSNorm, q/k/v products
+(Qwen3: q/k norms), rotary q/k, grouped-query attention, o product, residual, RMSNorm, gated
+MLP, residual), for code that runs those layers itself instead of through transformers' model
+forward: rlctl.backends.decode_step part by part for decoding, rlctl.backends.unpadded layer by
+layer for scoring and training."""
 
 from __future__ import annotations
 
@@ -40,16 +41,27 @@ def layer_parts(layer) -> Layer:
     )
 
 
-def plain_layers(model) -> bool:
+def llama_layout(model) -> bool:
     """Whether `model` is one of MODEL_CLASSES with every layer full attention (no sliding
-    window) and plain modules: no hooks (FSDP's, a user's), only the LM head and the seven
-    products per layer as linear layers (not LoRA's)."""
+    window)."""
     config = model.config
-    if type(model).__name__ not in MODEL_CLASSES:
+    if layout_class(model) is None:
         return False
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return False
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+    return getattr(config, "sliding_window", None) is None or not getattr(config, "use_sliding_window", True)
+
+
+def layout_class(model) -> type | None:
+    """The class among MODEL_CLASSES `model` is an instance of (FSDP2 makes a subclass of it)."""
+    return next((cls for cls in type(model).__mro__ if cls.__name__ in MODEL_CLASSES), None)
+
+
+def plain_layers(model) -> bool:
+    """Whether `model` has the Llama layout (`llama_layout`) in plain modules: no hooks (FSDP's,
+    a user's), only the LM head and the seven products per layer as linear layers (not LoRA's),
+    so its parts can be run directly (`call`)."""
+    if not llama_layout(model):
         return False
     linear = 0
     for module in model.modules():

@@ -4,20 +4,21 @@ on padding.
 A batch padded to its longest row runs every linear layer on its padded slots too: at TRL's
 harness shape (64 responses of at most 64 tokens, some ending early) 5–12% of the update's and
 the reference's products, and far more where response lengths spread, as they do once a policy
-learns when to stop (verl removes padding for the same reason). Here the decoder layers of the
-Llama layout (rlctl.backends.llama_layers) run on the real tokens as one [N, D] matrix, through
-the model's own modules (norms, products, gated MLPs, rotary embedding); only the attention sees
-the padded [B, H, T, d] layout, through the model's attention function, its padded slots zero
-and masked. The final norm and the LM head (or a critic's value head) run only on the positions
-that predict a response token. The same function as transformers' forward with other row
-blockings in the products (fp32 log-probs within ~1.4e-6; tests/unit/test_unpadded.py). Small
-preset, 64 rows: a training pass 0.95× / 0.82× / 0.53× transformers' time at 1% / 22% / 50%
-padding (bench/unpadded_bench.py, bench/RESULTS.md).
+learns when to stop (verl removes padding for the same reason). Here the real tokens of the
+Llama layout's models (rlctl.backends.llama_layers) are packed into one sequence [1, N, D] and
+the model's own decoder layers run on it as modules (their products, norms, gated MLPs, a LoRA
+adapter's layers, FSDP2's hooks); only the attention (`packed_attention`, which the layers are
+given for the forward) pads q, k and v to [B, H, T, d], zeros in the padded slots, and attends
+with the model's own attention function and a mask per row. The final norm and the LM head (or a
+critic's value head) run only on the positions that predict a response token. The same function
+as transformers' forward with other row blockings in the products (fp32 log-probs within
+~1.4e-6; tests/unit/test_unpadded.py). Small preset, 64 rows: a training pass 0.95× / 0.82× /
+0.53× transformers' time at 1% / 22% / 50% padding (bench/unpadded_bench.py, bench/RESULTS.md).
 
 `HFPolicy.forward`, `HFPolicy.forward_sharing_prompts` and `ValueModel.forward` run it wherever
 it applies (`for_model`): the update, the reference and old log-probs of `score`, the critic's
-values, in fp32 and in bf16. Elsewhere (LoRA adapters, FSDP's hooks, other model classes or
-attention kernels) transformers' forward runs.
+values, in fp32 and in bf16, in one process and on FSDP2 ranks, with or without LoRA. Elsewhere
+(other model classes or attention kernels, activation checkpointing) transformers' forward runs.
 `RLCTL_UNPADDED_FORWARD=transformers` keeps transformers' forward (to compare, or to debug).
 """
 
@@ -25,18 +26,23 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from rlctl.algos.logprobs import logprobs_and_entropy
 from rlctl.backends import decode_attention
-from rlctl.backends.llama_layers import call, layer_parts, plain_layers
+from rlctl.backends.llama_layers import layout_class, llama_layout
 from rlctl.errors import InputError
 
 OVERRIDE_ENV = "RLCTL_UNPADDED_FORWARD"
 CHOICES = ("rlctl", "transformers")
+NAME = "rlctl_unpadded"  # the packed attention's name among transformers' attention functions
+FSDP_METHOD = "_rlctl_unpadded_forward"  # the forward method registered with an FSDP2 module (run_as_forward)
+T = TypeVar("T")
 # transformers' attention functions whose masks this module builds: SDPA's (and rlctl's CPU
 # decode attention, which hands anything but one eval-mode query token to SDPA) take a bool
 # mask, the eager one an additive mask in the model's dtype
@@ -86,34 +92,53 @@ class Past:
 
 
 def for_model(model) -> UnpaddedForward | None:
-    """The unpadded forward of `model`, or None where transformers' forward must run: another
-    model class or layer kind, hooks (FSDP) or LoRA layers, gradient checkpointing, an
-    attention implementation other than ATTENTION, or RLCTL_UNPADDED_FORWARD."""
+    """The unpadded forward of `model` (a LoRA model's base model with its adapters, an FSDP2
+    module: `run_as_forward`), or None where transformers' forward must run: another model
+    class or layer kind, activation checkpointing, an attention implementation other than
+    ATTENTION, or RLCTL_UNPADDED_FORWARD."""
     choice = os.environ.get(OVERRIDE_ENV, "").strip().lower() or "rlctl"
     if choice not in CHOICES:
         raise InputError(f"{OVERRIDE_ENV}={choice!r}: use one of {', '.join(CHOICES)}")
-    if choice != "rlctl" or getattr(model.config, "_attn_implementation", None) not in ATTENTION:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model's
+    implementation = getattr(base.config, "_attn_implementation", None)
+    if choice != "rlctl" or implementation not in ATTENTION or not llama_layout(base):
         return None
-    if getattr(model, "is_activation_checkpointing", False) or not plain_layers(model):  # transformers ≥ 5's name
+    # `is_activation_checkpointing`: transformers ≥ 5's name; a checkpointed layer reruns its
+    # attention in the backward, after the forward has put the model's own attention back. The
+    # packed attention is switched on through the model's config, which every layer must read.
+    if getattr(base, "is_activation_checkpointing", False) or any(a.config is not base.config for a in attention_modules(base)):
         return None
-    return UnpaddedForward(model)
+    return UnpaddedForward(base, implementation)
+
+
+def run_as_forward(module: torch.nn.Module, compute: Callable[[], T]) -> T:
+    """compute() as a forward of `module`: for an FSDP2 module inside its forward hooks (its own
+    parameters, the embeddings, final norm and LM head, gathered before; resharded and their
+    gradients reduced after, as for `module(...)`); otherwise simply compute(). The decoder
+    layers are called as modules, so their own FSDP2 hooks run in any case."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    if not isinstance(module, FSDPModule):
+        return compute()
+    if FSDP_METHOD not in vars(module):
+        setattr(module, FSDP_METHOD, types.MethodType(lambda self, f: f(), module))
+        register_fsdp_forward_method(module, FSDP_METHOD)
+    return getattr(module, FSDP_METHOD)(compute)
 
 
 class UnpaddedForward:
     """A causal LM of the Llama layout run over real tokens (see the module's docstring). Made
-    per forward: the attention implementation in force (`training_forward`'s) is read here."""
+    per forward: the attention implementation in force (`training_forward`'s) is the one the
+    packed attention pads for."""
 
-    def __init__(self, model) -> None:
-        base = model.model
-        self.embed, self.rotary, self.norm, self.lm_head = base.embed_tokens, base.rotary_emb, base.norm, model.lm_head
-        code = sys.modules[type(model).__module__]
-        self.apply_rotary = code.apply_rotary_pos_emb
+    def __init__(self, model, implementation: str) -> None:
+        self.model = model
+        self.decoder, self.lm_head = model.model, model.lm_head
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        implementation = model.config._attn_implementation
-        self.attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, code.eager_attention_forward)
+        code = sys.modules[layout_class(model).__module__]
+        self.attend = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, code.eager_attention_forward)
         self.additive_mask = implementation == "eager"
-        self.layers = [layer_parts(layer) for layer in base.layers]
 
     def states(self, batch) -> torch.Tensor:
         """The final norm's output at the positions predicting a `pack`ed batch's response tokens
@@ -122,7 +147,7 @@ class UnpaddedForward:
         hidden, _ = self.hidden(batch.input_ids, slots, batch.position_ids)
         rows, length = batch.input_ids.shape
         predicting = (torch.arange(rows, device=hidden.device).unsqueeze(-1) * length + batch.logit_index)[batch.response_mask]
-        return call(self.norm, hidden.index_select(0, slots.rank[predicting]))
+        return self.decoder.norm(hidden.index_select(0, slots.rank[predicting]))
 
     def states_sharing_prompts(
         self, prompts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows_of: Sequence[int], responses: torch.Tensor, response_mask: torch.Tensor,
@@ -152,7 +177,7 @@ class UnpaddedForward:
         previous = batch_rows + slots.rank[(flat - 1).clamp(min=0)]
         first = torch.arange(batch_rows, device=ids.device).unsqueeze(-1).expand(-1, width)
         where = torch.where(torch.arange(width, device=ids.device) == 0, first, previous)
-        return call(self.norm, candidates.index_select(0, where[response_mask.bool()]))
+        return self.decoder.norm(candidates.index_select(0, where[response_mask.bool()]))
 
     def logprobs(
         self, states: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, *, temperature: float, with_entropy: bool,
@@ -160,8 +185,7 @@ class UnpaddedForward:
         """The LM head on `states` [M, D] (`states`' output for the M response tokens of `mask`
         [B, T]): (log-probs, entropy or None) [B, T], zeros in the padded slots."""
         mask = mask.bool()
-        logits = call(self.lm_head, states)
-        logp, entropy = logprobs_and_entropy(logits=logits, tokens=tokens[mask], temperature=temperature, with_entropy=with_entropy)
+        logp, entropy = logprobs_and_entropy(logits=self.lm_head(states), tokens=tokens[mask], temperature=temperature, with_entropy=with_entropy)
         return scattered(mask, logp), (scattered(mask, entropy) if with_entropy else None)
 
     def hidden(
@@ -169,30 +193,24 @@ class UnpaddedForward:
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]] | None]:
         """The last decoder layer's output at the real tokens of `ids` [B, T] ([N, D], before the
         final norm), attending to `past` first; with `keep_kv` each layer's keys and values
-        [B, H_kv, T, d] (zeros in the padded slots)."""
-        hidden = call(self.embed, slots.compact(ids))
-        cos, sin = self.rotary(hidden, slots.compact(positions).unsqueeze(0))
-        cos, sin = cos[0], sin[0]
+        [B, H_kv, T, d] (zeros in the padded slots). The layers run as modules (their hooks, a
+        LoRA adapter's layers) on the real tokens packed as one sequence [1, N, D]."""
+        from rlctl.backends.hf import attention_implementation
+
+        if slots.index.numel() == 0:  # no real token (a pass of empty responses): one padded slot
+            # runs instead, its output never read, so every layer is still called (FSDP ranks gather together)
+            only_first = torch.zeros_like(slots.valid)
+            only_first[0, 0] = True
+            slots = Slots.of(only_first)
+        hidden = self.decoder.embed_tokens(slots.compact(ids)).unsqueeze(0)
+        position_embeddings = self.decoder.rotary_emb(hidden, slots.compact(positions).unsqueeze(0))
         mask = self._mask(slots.valid, None if past is None else past.valid, hidden.dtype)
-        kv: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if keep_kv else None
-        for i, layer in enumerate(self.layers):
-            x = call(layer.input_norm, hidden)
-            heads = (-1, layer.head_dim)  # unflattened from a row's width: no token at all (a pass of empty responses) is fine
-            q, k, v = (call(proj, x).unflatten(-1, heads) for proj in (layer.q_proj, layer.k_proj, layer.v_proj))
-            if layer.q_norm is not None:
-                q, k = call(layer.q_norm, q), call(layer.k_norm, k)
-            q, k = self.apply_rotary(q, k, cos, sin)
-            q, k, v = (slots.padded(t).transpose(1, 2) for t in (q, k, v))
-            if past is not None:
-                k, v = torch.cat([past.keys[i], k], dim=2), torch.cat([past.values[i], v], dim=2)
-            if kv is not None:
-                kv.append((k, v))
-            attention = layer.attention
-            dropout = attention.attention_dropout if attention.training else 0.0
-            attended, _ = self.attention(attention, q, k, v, mask, dropout=dropout, scaling=layer.scaling)
-            hidden = hidden + call(layer.o_proj, slots.compact(attended).flatten(1))
-            hidden = hidden + call(layer.mlp, call(layer.post_norm, hidden))
-        return hidden, kv
+        packing = Packing(slots, mask, self.attend, past, keep_kv)
+        with attention_implementation(self.model, register()):
+            for layer in self.decoder.layers:
+                hidden = layer(hidden, attention_mask=packing, position_embeddings=position_embeddings)
+        kv = None if packing.kept is None else [packing.kept[i] for i in range(len(self.decoder.layers))]
+        return hidden[0], kv
 
     def _mask(self, valid: torch.Tensor, past_valid: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """[B, 1, T, P + T]: a token attends to the real `past` positions, then causally to the
@@ -207,6 +225,55 @@ class UnpaddedForward:
         if not self.additive_mask:
             return allowed
         return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+class Packing:
+    """What the packed attention needs besides q, k and v; handed to the layers as their
+    `attention_mask`, which they pass on to the attention function untouched. A plain class, not
+    a dataclass: FSDP2's forward hooks rebuild the dataclasses, lists and dicts in a module's
+    arguments, so the keys and values `kept` here would go to a copy."""
+
+    __slots__ = ("slots", "mask", "attend", "past", "kept")
+
+    def __init__(self, slots: Slots, mask: torch.Tensor, attend: Callable, past: Past | None, keep_kv: bool) -> None:
+        self.slots = slots
+        self.mask = mask  # [B, 1, T, P + T] for `attend`
+        self.attend = attend  # the model's own attention function (SDPA's, eager, rlctl's decode attention)
+        self.past = past
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if keep_kv else None  # layer index → its padded keys and values
+
+
+def packed_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Packing,
+    dropout: float = 0.0, scaling: float | None = None, **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature over the packed layout: query [1, H, N, d],
+    key/value [1, H_kv, N, d] → [1, N, H, d]. Pads q, k and v to [B, H, T, d] (zeros in the
+    padded slots), prepends the past's keys and values, attends with the model's own function
+    and keeps the real tokens' outputs."""
+    packing = attention_mask
+    if not isinstance(packing, Packing):
+        raise TypeError(f"{NAME} attends only within rlctl's unpadded forward (got a {type(packing).__name__} mask)")
+    q, k, v = (packing.slots.padded(t[0].transpose(0, 1)).transpose(1, 2) for t in (query, key, value))
+    layer = module.layer_idx
+    if packing.past is not None:
+        k, v = torch.cat([packing.past.keys[layer], k], dim=2), torch.cat([packing.past.values[layer], v], dim=2)
+    if packing.kept is not None:
+        packing.kept[layer] = (k, v)
+    attended, _ = packing.attend(module, q, k, v, packing.mask, dropout=dropout, scaling=scaling)
+    return packing.slots.compact(attended).unsqueeze(0), None
+
+
+def register() -> str:
+    """Make NAME a transformers attention implementation (idempotent); returns it."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS.register(NAME, packed_attention)
+    return NAME
+
+
+def attention_modules(model) -> list[torch.nn.Module]:
+    return [layer.self_attn for layer in model.model.layers]
 
 
 def scattered(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ def rows(policy) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def forward_and_gradients(monkeypatch, policy, choice: str, *, shared: bool, bf16: bool = False):
-    """(log-probs, entropy, the mask, every parameter's gradient) of one training forward."""
+    """(log-probs, entropy, the mask, every trained parameter's gradient) of one training forward."""
     monkeypatch.setenv(unpadded.OVERRIDE_ENV, choice)
     prompts, responses = rows(policy)
     model = policy.model
@@ -45,7 +45,7 @@ def forward_and_gradients(monkeypatch, policy, choice: str, *, shared: bool, bf1
         m = batch.response_mask
         weights = torch.linspace(-1.0, 1.0, m.numel()).view(m.shape)
         (torch.where(m, logp * weights + 0.1 * entropy, 0).sum()).backward()
-        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
     finally:
         model.eval()
         model.zero_grad(set_to_none=True)
@@ -121,10 +121,7 @@ def test_the_products_run_on_real_tokens_only(monkeypatch, tiny_model):
     assert real < batch.input_ids.numel()  # the padded batch is larger
 
 
-@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft's call, transformers' warning
-def test_other_models_and_attention_keep_the_transformers_forward(monkeypatch, tiny_model):
-    from peft import LoraConfig, get_peft_model
-
+def test_other_models_attention_and_checkpointing_keep_the_transformers_forward(monkeypatch, tiny_model):
     from rlctl.backends.hf import attention_implementation
 
     policy = HFPolicy.load(tiny_model, "cpu")
@@ -134,17 +131,85 @@ def test_other_models_and_attention_keep_the_transformers_forward(monkeypatch, t
         assert unpadded.for_model(model) is not None  # the bf16 update's attention on the CPU
     with attention_implementation(model, "flex_attention"):
         assert unpadded.for_model(model) is None
-    handle = model.model.layers[1].mlp.up_proj.register_forward_hook(lambda *args: None)
-    assert unpadded.for_model(model) is None  # a hook (FSDP's) only the model's forward runs
-    handle.remove()
+    model.activation_checkpointing_enable()
+    assert unpadded.for_model(model) is None  # a checkpointed layer reruns its attention in the backward
+    model.activation_checkpointing_disable()
     monkeypatch.setenv(unpadded.OVERRIDE_ENV, "transformers")
     assert unpadded.for_model(model) is None
     monkeypatch.setenv(unpadded.OVERRIDE_ENV, "packed")
     with pytest.raises(InputError, match=unpadded.OVERRIDE_ENV):
         unpadded.for_model(model)
-    monkeypatch.delenv(unpadded.OVERRIDE_ENV)
-    lora = get_peft_model(HFPolicy.load(tiny_model, "cpu").model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"])).get_base_model()
-    assert unpadded.for_model(lora) is None
+
+
+def test_the_layers_run_as_modules_and_the_model_keeps_its_attention(tiny_model):
+    policy = HFPolicy.load(tiny_model, "cpu")
+    prompts, responses = rows(policy)
+    calls: list[tuple[int, ...]] = []
+    handle = policy.model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: calls.append(tuple(out.shape)))
+    before = policy.model.config._attn_implementation
+    with torch.no_grad():
+        policy.forward(pack(prompts, responses, policy.pad_id, policy.device), temperature=1.0)
+    handle.remove()
+    assert calls == [(1, sum(len(p) + len(r) for p, r in zip(prompts, responses)), policy.model.config.hidden_size)]
+    assert policy.model.config._attn_implementation == before
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft's call, transformers' warning
+@pytest.mark.parametrize("shared", [False, True], ids=["one-forward-per-row", "prompts-once"])
+def test_a_lora_adapter_trains_and_scores_as_through_transformers(monkeypatch, tiny_model, shared):
+    from peft import LoraConfig, get_peft_model
+
+    policy = HFPolicy.load(tiny_model, "cpu")
+    policy.model = get_peft_model(policy.model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    for name, p in policy.model.named_parameters():
+        if "lora_B" in name:  # a fresh adapter adds nothing: give it something to add
+            torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(len(name)))
+    assert isinstance(unpadded.for_model(policy.model), unpadded.UnpaddedForward)
+    ours = forward_and_gradients(monkeypatch, policy, "rlctl", shared=shared)
+    theirs = forward_and_gradients(monkeypatch, policy, "transformers", shared=shared)
+    m = ours[2]
+    torch.testing.assert_close(ours[0][m], theirs[0][m], rtol=0, atol=2e-5)
+    trained = {name for name, p in policy.model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in name for name in trained)
+    for name in trained:
+        assert_same_gradient(ours[3][name], theirs[3][name], name)
+    prompts, responses = rows(policy)
+    scores = {}
+    with policy.model.disable_adapter():  # a LoRA policy's reference: the base weights
+        for choice in ("rlctl", "transformers"):
+            monkeypatch.setenv(unpadded.OVERRIDE_ENV, choice)
+            scores[choice] = policy.logprobs(prompts, responses, temperature=1.0, batch_size=5)
+    for a, b in zip(scores["rlctl"], scores["transformers"]):
+        assert a == pytest.approx(b, abs=2e-5)
+    monkeypatch.setenv(unpadded.OVERRIDE_ENV, "rlctl")
+    assert scores["rlctl"] != policy.logprobs(prompts, responses, temperature=1.0, batch_size=5)  # the adapter's own differ
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["one-forward-per-row", "prompts-once"])
+def test_an_fsdp2_model_gathers_trains_and_reduces_as_through_transformers(monkeypatch, tiny_model, shared):
+    """A one-rank FSDP2 group in this process (a Ray rank's sharding, `_sharded`): the root's
+    parameters (embeddings, final norm, LM head) are gathered by run_as_forward, each layer's
+    by its own hooks, and every gradient comes back reduced onto the shards."""
+    import torch.distributed as dist
+
+    from rlctl.workers.ray import _sharded
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        policy = HFPolicy.load(tiny_model, "cpu")
+        plain = forward_and_gradients(monkeypatch, policy, "transformers", shared=shared)
+        mesh = dist.device_mesh.init_device_mesh("cpu", (1,))
+        policy.model = _sharded(policy.model, mesh)
+        for choice in ("rlctl", "transformers"):
+            logp, entropy, m, grads = forward_and_gradients(monkeypatch, policy, choice, shared=shared)
+            assert isinstance(unpadded.for_model(policy.model), unpadded.UnpaddedForward) == (choice == "rlctl")
+            torch.testing.assert_close(logp[m], plain[0][m], rtol=0, atol=2e-5)
+            assert grads.keys() == plain[3].keys()
+            for name, grad in grads.items():
+                assert isinstance(grad, dist.tensor.DTensor), name
+                assert_same_gradient(grad.full_tensor(), plain[3][name], name)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_critic_values_the_same_states(monkeypatch, tiny_model):
