@@ -185,31 +185,48 @@ def test_a_lora_adapter_trains_and_scores_as_through_transformers(monkeypatch, t
     assert scores["rlctl"] != policy.logprobs(prompts, responses, temperature=1.0, batch_size=5)  # the adapter's own differ
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["one-forward-per-row", "prompts-once"])
-def test_an_fsdp2_model_gathers_trains_and_reduces_as_through_transformers(monkeypatch, tiny_model, shared):
-    """A one-rank FSDP2 group in this process (a Ray rank's sharding, `_sharded`): the root's
-    parameters (embeddings, final norm, LM head) are gathered by run_as_forward, each layer's
-    by its own hooks, and every gradient comes back reduced onto the shards."""
+@pytest.fixture
+def one_rank_mesh():
+    """A one-rank FSDP2 group in this process (gloo): a Ray rank's sharding without a second rank."""
     import torch.distributed as dist
-
-    from rlctl.workers.ray import _sharded
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        policy = HFPolicy.load(tiny_model, "cpu")
-        plain = forward_and_gradients(monkeypatch, policy, "transformers", shared=shared)
-        mesh = dist.device_mesh.init_device_mesh("cpu", (1,))
-        policy.model = _sharded(policy.model, mesh)
-        for choice in ("rlctl", "transformers"):
-            logp, entropy, m, grads = forward_and_gradients(monkeypatch, policy, choice, shared=shared)
-            assert isinstance(unpadded.for_model(policy.model), unpadded.UnpaddedForward) == (choice == "rlctl")
-            torch.testing.assert_close(logp[m], plain[0][m], rtol=0, atol=2e-5)
-            assert grads.keys() == plain[3].keys()
-            for name, grad in grads.items():
-                assert isinstance(grad, dist.tensor.DTensor), name
-                assert_same_gradient(grad.full_tensor(), plain[3][name], name)
+        yield dist.device_mesh.init_device_mesh("cpu", (1,))
     finally:
         dist.destroy_process_group()
+
+
+def full(grad: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 gradient (a DTensor shard) as the whole tensor."""
+    assert isinstance(grad, torch.distributed.tensor.DTensor)
+    return grad.full_tensor()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["one-forward-per-row", "prompts-once"])
+def test_an_fsdp2_model_gathers_trains_and_reduces_as_through_transformers(monkeypatch, tiny_model, shared, one_rank_mesh):
+    """The root's parameters (embeddings, final norm, LM head) are gathered by run_as_forward,
+    each layer's by its own hooks, and every gradient comes back reduced onto the shards."""
+    from rlctl.workers.ray import _sharded
+
+    policy = HFPolicy.load(tiny_model, "cpu")
+    plain = forward_and_gradients(monkeypatch, policy, "transformers", shared=shared)
+    policy.model = _sharded(policy.model, one_rank_mesh)
+    for choice in ("rlctl", "transformers"):
+        logp, entropy, m, grads = forward_and_gradients(monkeypatch, policy, choice, shared=shared)
+        assert isinstance(unpadded.for_model(policy.model), unpadded.UnpaddedForward) == (choice == "rlctl")
+        torch.testing.assert_close(logp[m], plain[0][m], rtol=0, atol=2e-5)
+        assert grads.keys() == plain[3].keys()
+        for name, grad in grads.items():
+            assert_same_gradient(full(grad), plain[3][name], name)
+
+
+def critic_values_and_gradients(monkeypatch, critic, batch, choice: str):
+    monkeypatch.setenv(unpadded.OVERRIDE_ENV, choice)
+    critic.zero_grad(set_to_none=True)
+    values = critic(batch)
+    torch.where(batch.response_mask, values, 0).square().sum().backward()
+    return values.detach(), {n: p.grad.clone() for n, p in critic.named_parameters()}
 
 
 def test_a_critic_values_the_same_states(monkeypatch, tiny_model):
@@ -217,19 +234,30 @@ def test_a_critic_values_the_same_states(monkeypatch, tiny_model):
 
     critic = ValueModel.load(tiny_model, torch.device("cpu"))
     torch.nn.init.normal_(critic.value_head.weight, std=0.5)  # a fresh critic's head is zero
-    prompts, responses = rows(HFPolicy.load(tiny_model, "cpu"))
-    batch = pack(prompts, responses, 0, torch.device("cpu"))
-    results = {}
-    for choice in ("rlctl", "transformers"):
-        monkeypatch.setenv(unpadded.OVERRIDE_ENV, choice)
-        critic.zero_grad(set_to_none=True)
-        values = critic(batch)
-        torch.where(batch.response_mask, values, 0).square().sum().backward()
-        results[choice] = values.detach(), {n: p.grad.clone() for n, p in critic.named_parameters()}
+    batch = pack(*rows(HFPolicy.load(tiny_model, "cpu")), 0, torch.device("cpu"))
+    ours, theirs = (critic_values_and_gradients(monkeypatch, critic, batch, choice) for choice in ("rlctl", "transformers"))
     m = batch.response_mask
-    torch.testing.assert_close(results["rlctl"][0][m], results["transformers"][0][m], rtol=0, atol=2e-5)
-    for name, grad in results["rlctl"][1].items():
-        assert_same_gradient(grad, results["transformers"][1][name], name)
+    torch.testing.assert_close(ours[0][m], theirs[0][m], rtol=0, atol=2e-5)
+    for name, grad in ours[1].items():
+        assert_same_gradient(grad, theirs[1][name], name)
+
+
+def test_an_fsdp2_critic_values_and_reduces_as_the_plain_critic(monkeypatch, tiny_model, one_rank_mesh):
+    from rlctl.backends.hf import ValueModel
+    from rlctl.workers.ray import _sharded_critic
+
+    critic = ValueModel.load(tiny_model, torch.device("cpu"))
+    torch.nn.init.normal_(critic.value_head.weight, std=0.5)
+    batch = pack(*rows(HFPolicy.load(tiny_model, "cpu")), 0, torch.device("cpu"))
+    plain = critic_values_and_gradients(monkeypatch, critic, batch, "transformers")
+    critic = _sharded_critic(critic, one_rank_mesh)
+    ours = critic_values_and_gradients(monkeypatch, critic, batch, "rlctl")
+    assert unpadded.for_model(critic.lm) is not None
+    m = batch.response_mask
+    torch.testing.assert_close(ours[0][m], plain[0][m], rtol=0, atol=2e-5)
+    assert ours[1].keys() == plain[1].keys()
+    for name, grad in ours[1].items():
+        assert_same_gradient(full(grad), plain[1][name], name)
 
 
 def test_a_pass_without_response_tokens_adds_nothing(tiny_model):
