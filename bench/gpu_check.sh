@@ -96,6 +96,9 @@ within 90 "$PY" -m rlctl model init "$MODEL" --preset "$PRESET" || exit 1
 step "pipeline, local workers (16 prompts × 4 samples × $TOKENS tokens, GRPO + reference, dtype auto)"
 within 150 "$PY" "$REPO/bench/pipeline_bench.py" --model "$MODEL" --preset "$PRESET" --set model.device="$DEVICE" --runs 1 --iterations 3 --batch 16 --n 4 --tokens "$TOKENS"
 
+step "forwards over real tokens vs transformers' padded forward (64 rows, responses of ≤ $TOKENS tokens, bf16)"
+within 90 "$PY" -m bench.unpadded_bench --device "$DEVICE" --model "$MODEL" --dtype bf16 --tokens "$TOKENS" --spreads 1,0 --rounds 2
+
 if imports ray; then
   gpus=$([ "$DEVICE" = cuda ] && echo 1 || echo 0)
   step "pipeline, one Ray worker (gpus_per_worker = $gpus; NCCL on a GPU)"

@@ -30,14 +30,17 @@ from bench.pipeline_bench import machine_name, publish
 SETTINGS = ("transformers", "rlctl")
 
 
-def training_pass(policy, prompts: list[list[int]], responses: list[list[int]], micro_batch: int) -> None:
-    """Every distinct prompt once, the rows' forward and backward in micro-batches, as the update."""
-    from rlctl.backends.hf import batches_by_prompt
+def training_pass(policy, prompts: list[list[int]], responses: list[list[int]], micro_batch: int, bf16: bool = False) -> None:
+    """Every distinct prompt once, the rows' forward and backward in micro-batches, as the update
+    (in bf16: under the update's autocast and attention, `training_forward`)."""
+    from rlctl.backends.hf import batches_by_prompt, training_forward
 
     policy.model.train()
     try:
         for micro in batches_by_prompt(prompts, responses, micro_batch):
-            logp, entropy = policy.forward_sharing_prompts([prompts[i] for i in micro], [responses[i] for i in micro], temperature=1.0, with_entropy=True)
+            length = max(len(prompts[i]) + len(responses[i]) for i in micro)
+            with training_forward(policy.model, policy.device, bf16, rows=len(micro), length=length):
+                logp, entropy = policy.forward_sharing_prompts([prompts[i] for i in micro], [responses[i] for i in micro], temperature=1.0, with_entropy=True)
             (logp.sum() + entropy.sum()).backward()
     finally:
         policy.model.zero_grad(set_to_none=True)
@@ -54,6 +57,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--lora", type=int, default=0, help="train a LoRA adapter of this rank (q, v, down) instead of every weight")
     parser.add_argument("--fsdp", action="store_true", help="wrap the model in FSDP2 (one rank, gloo) as a Ray rank does")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="bf16: the update's autocast and the reference's bf16 copy")
     parser.add_argument("--append", help="append the Markdown result to this file")
     args = parser.parse_args()
 
@@ -64,7 +69,8 @@ def main() -> None:
     from rlctl.modelinit import init_model
 
     folder = Path(args.model) if args.model else init_model(Path(tempfile.mkdtemp()) / args.preset, args.preset, seed=0)
-    policy = HFPolicy.load(str(folder), "cpu")
+    policy = HFPolicy.load(str(folder), args.device)
+    cuda, bf16 = policy.device.type == "cuda", args.dtype == "bf16"
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -74,8 +80,8 @@ def main() -> None:
 
         from rlctl.workers.ray import _sharded
 
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        policy.model = _sharded(policy.model, dist.device_mesh.init_device_mesh("cpu", (1,)))
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+        policy.model = _sharded(policy.model, dist.device_mesh.init_device_mesh(policy.device.type, (1,)))
     prompts = [ids for ids in policy.tokenizer([f"{i} + {i + 3} =" for i in range(16)], add_special_tokens=False)["input_ids"] for _ in range(4)]
     rows = []
     for spread in [float(s) for s in args.spreads.split(",")]:
@@ -84,8 +90,12 @@ def main() -> None:
         lengths = torch.randint(shortest, args.tokens + 1, (len(prompts),), generator=g).tolist()
         responses = [torch.randint(4, policy.vocab_size, (n,), generator=g).tolist() for n in lengths]
 
-        train_s, _ = alternate_calls(lambda r=responses: training_pass(policy, prompts, r, args.micro_batch), env=OVERRIDE_ENV, settings=SETTINGS, rounds=args.rounds)
-        ref_s, scored = alternate_calls(lambda r=responses: policy.logprobs(prompts, r, temperature=1.0), env=OVERRIDE_ENV, settings=SETTINGS, rounds=args.rounds)
+        train_s, _ = alternate_calls(
+            lambda r=responses: training_pass(policy, prompts, r, args.micro_batch, bf16), env=OVERRIDE_ENV, settings=SETTINGS, rounds=args.rounds, cuda=cuda,
+        )
+        ref_s, scored = alternate_calls(
+            lambda r=responses: policy.logprobs(prompts, r, temperature=1.0, compute_dtype=args.dtype), env=OVERRIDE_ENV, settings=SETTINGS, rounds=args.rounds, cuda=cuda,
+        )
         apart = max(abs(a - b) for x, y in zip(scored["rlctl"], scored["transformers"]) for a, b in zip(x, y))
         real = sum(len(p) + n for p, n in zip(prompts, lengths))
         padded = len(prompts) * (max(map(len, prompts)) + max(lengths))
@@ -95,9 +105,9 @@ def main() -> None:
         return f"{min(values):.2f}–{max(values):.2f} ({statistics.median(values):.2f})"
 
     lines = [
-        f"- machine: {machine_name('cpu')}, fp32, Python {platform.python_version()}, torch {torch.__version__}",
+        f"- machine: {machine_name(args.device)}, {args.dtype}, Python {platform.python_version()}, torch {torch.__version__}",
         f"- command: `python -m bench.unpadded_bench {f'--model {args.model}' if args.model else f'--preset {args.preset}'} --tokens {args.tokens} "
-        f"--spreads {args.spreads} --micro-batch {args.micro_batch} --rounds {args.rounds}{f' --lora {args.lora}' if args.lora else ''}{' --fsdp' if args.fsdp else ''}`",
+        f"--spreads {args.spreads} --micro-batch {args.micro_batch} --rounds {args.rounds} --device {args.device} --dtype {args.dtype}{f' --lora {args.lora}' if args.lora else ''}{' --fsdp' if args.fsdp else ''}`",
         f"- 64 rows (16 prompts × 4); seconds per call over {args.rounds} rounds after a warm-up (min–max, median), the two forwards alternating",
         "",
         "| spread | response tokens | padding in a one-batch layout | training pass: transformers / unpadded (s) | ratio | reference: transformers / unpadded (s) | ratio | log-probs apart |",
