@@ -53,8 +53,10 @@ def llama_layout(model) -> bool:
 
 
 def layout_class(model) -> type | None:
-    """The class among MODEL_CLASSES `model` is an instance of (FSDP2 makes a subclass of it)."""
-    return next((cls for cls in type(model).__mro__ if cls.__name__ in MODEL_CLASSES), None)
+    """`model`'s class if it is one of MODEL_CLASSES (not a subclass that may change them), seen
+    through the subclass FSDP2 makes of a module it shards (FSDP<class>)."""
+    cls = next(c for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
+    return cls if cls.__name__ in MODEL_CLASSES else None
 
 
 def plain_layers(model) -> bool:

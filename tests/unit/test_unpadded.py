@@ -131,6 +131,10 @@ def test_other_models_attention_and_checkpointing_keep_the_transformers_forward(
         assert unpadded.for_model(model) is not None  # the bf16 update's attention on the CPU
     with attention_implementation(model, "flex_attention"):
         assert unpadded.for_model(model) is None
+    plain_class = type(model)
+    model.__class__ = type("CustomQwen2", (plain_class,), {})  # a subclass may change what its forward does
+    assert unpadded.for_model(model) is None
+    model.__class__ = plain_class
     model.activation_checkpointing_enable()
     assert unpadded.for_model(model) is None  # a checkpointed layer reruns its attention in the backward
     model.activation_checkpointing_disable()
