@@ -103,10 +103,10 @@ def for_model(model) -> UnpaddedForward | None:
     implementation = getattr(base.config, "_attn_implementation", None)
     if choice != "rlctl" or implementation not in ATTENTION or not llama_layout(base):
         return None
-    # `is_activation_checkpointing`: transformers ≥ 5's name; a checkpointed layer reruns its
-    # attention in the backward, after the forward has put the model's own attention back. The
-    # packed attention is switched on through the model's config, which every layer must read.
-    if getattr(base, "is_activation_checkpointing", False) or any(a.config is not base.config for a in attention_modules(base)):
+    # a checkpointed layer reruns its attention in the backward, after the forward has put the
+    # model's own attention back. The packed attention is switched on through the model's
+    # config, which every layer must read.
+    if checkpointing(base) or any(a.config is not base.config for a in attention_modules(base)):
         return None
     return UnpaddedForward(base, implementation)
 
@@ -270,6 +270,15 @@ def register() -> str:
 
     ALL_ATTENTION_FUNCTIONS.register(NAME, packed_attention)
     return NAME
+
+
+def checkpointing(model) -> bool:
+    """Whether `model`'s layers checkpoint their activations, by transformers' newer name for
+    the flag or, before it (transformers ≤ 5.19), the older one."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):  # on the class: the older name warns when read where both exist
+            return bool(getattr(model, name))
+    return False
 
 
 def attention_modules(model) -> list[torch.nn.Module]:

@@ -135,9 +135,11 @@ def test_other_models_attention_and_checkpointing_keep_the_transformers_forward(
     model.__class__ = type("CustomQwen2", (plain_class,), {})  # a subclass may change what its forward does
     assert unpadded.for_model(model) is None
     model.__class__ = plain_class
-    model.activation_checkpointing_enable()
+    newer = hasattr(model, "activation_checkpointing_enable")  # transformers ≥ 5.2x's name for it
+    (model.activation_checkpointing_enable if newer else model.gradient_checkpointing_enable)()
     assert unpadded.for_model(model) is None  # a checkpointed layer reruns its attention in the backward
-    model.activation_checkpointing_disable()
+    (model.activation_checkpointing_disable if newer else model.gradient_checkpointing_disable)()
+    assert unpadded.for_model(model) is not None
     monkeypatch.setenv(unpadded.OVERRIDE_ENV, "transformers")
     assert unpadded.for_model(model) is None
     monkeypatch.setenv(unpadded.OVERRIDE_ENV, "packed")
