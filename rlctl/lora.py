@@ -53,6 +53,11 @@ def adapter_base(uri: str | Path) -> str:
     return base
 
 
+def transformers_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model itself: a peft model's base (its LoRA layers in place), else `model`."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def is_lora(model: torch.nn.Module) -> bool:
     try:
         from peft import PeftModel

@@ -344,7 +344,9 @@ def accepts_logits_to_keep(model) -> bool:
     """Whether the causal LM's forward computes logits for the last N positions only."""
     import inspect
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model passes it on
+    from rlctl.lora import transformers_model
+
+    base = transformers_model(model)  # a peft model passes it on
     try:
         return "logits_to_keep" in inspect.signature(base.forward).parameters
     except (TypeError, ValueError):
@@ -491,7 +493,9 @@ class HFPolicy:
     def _cache_keyword(self) -> str:
         """transformers renamed `past_key_values` to `cache`; use whichever forward takes (a
         peft model's forward takes **kwargs and passes them on to its base model's)."""
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        from rlctl.lora import transformers_model
+
+        base = transformers_model(self.model)
         return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
     # -- scoring and training ---------------------------------------------------------

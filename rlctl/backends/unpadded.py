@@ -37,6 +37,7 @@ from rlctl.algos.logprobs import logprobs_and_entropy
 from rlctl.backends import decode_attention
 from rlctl.backends.llama_layers import layout_class, llama_layout
 from rlctl.errors import InputError
+from rlctl.lora import transformers_model
 
 OVERRIDE_ENV = "RLCTL_UNPADDED_FORWARD"
 CHOICES = ("rlctl", "transformers")
@@ -99,7 +100,7 @@ def for_model(model) -> UnpaddedForward | None:
     choice = os.environ.get(OVERRIDE_ENV, "").strip().lower() or "rlctl"
     if choice not in CHOICES:
         raise InputError(f"{OVERRIDE_ENV}={choice!r}: use one of {', '.join(CHOICES)}")
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model's
+    base = transformers_model(model)
     implementation = getattr(base.config, "_attn_implementation", None)
     if choice != "rlctl" or implementation not in ATTENTION or not llama_layout(base):
         return None

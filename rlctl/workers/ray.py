@@ -710,9 +710,9 @@ def _sharded(model, mesh):
     FSDP2 keeps frozen base weights and trained adapters in one group)."""
     from torch.distributed.fsdp import fully_shard
 
-    from rlctl.lora import is_lora
+    from rlctl.lora import transformers_model
 
-    for layer in (model.get_base_model() if is_lora(model) else model).model.layers:
+    for layer in transformers_model(model).model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
