@@ -24,6 +24,7 @@ from rlctl.algos.logprobs import logprobs_and_entropy, row_uniforms, sample_next
 from rlctl.backends import unpadded
 from rlctl.backends.base import Generation, SamplingParams
 from rlctl.errors import InputError
+from rlctl.lora import transformers_model
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 COMPUTE_DTYPES = ("fp32", "bf16")  # what "auto" becomes (rlctl.dtypes)
@@ -342,10 +343,6 @@ def response_hidden(hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
 
 def accepts_logits_to_keep(model) -> bool:
     """Whether the causal LM's forward computes logits for the last N positions only."""
-    import inspect
-
-    from rlctl.lora import transformers_model
-
     base = transformers_model(model)  # a peft model passes it on
     try:
         return "logits_to_keep" in inspect.signature(base.forward).parameters
@@ -493,8 +490,6 @@ class HFPolicy:
     def _cache_keyword(self) -> str:
         """transformers renamed `past_key_values` to `cache`; use whichever forward takes (a
         peft model's forward takes **kwargs and passes them on to its base model's)."""
-        from rlctl.lora import transformers_model
-
         base = transformers_model(self.model)
         return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
