@@ -424,6 +424,8 @@ def _map_errors(command):
         try:
             return command(*args, **kwargs)
         except RlctlError as exc:
+            if getattr(exc, "details", ""):  # what a dead worker printed last, above the one error line
+                _err(exc.details)
             _err(f"rlctl: error: {exc}")
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:

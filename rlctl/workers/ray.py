@@ -39,6 +39,7 @@ import os
 import shutil
 import socket
 import sys
+import textwrap
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -58,8 +59,33 @@ WORKER_SETUP_HOOK = "rlctl.mkl_kernels.enable"
 FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY")  # and every RLCTL_* (fault points, --no-verify) and VLLM_*
 
 
+LAST_OUTPUT_LINES = 30  # of a dead rank's stderr, shown above the error line
+LAST_OUTPUT_WIDTH = 300
+
+
 class WorkerDiedError(RlctlError):
-    """A worker process of the group ended (OOM, SIGKILL, node loss): exit code 1."""
+    """A worker process of the group ended (OOM, SIGKILL, a native crash, node loss): exit
+    code 1. `details`: the end of its stderr (a native abort's message, Python's fault
+    handler's stack), which the CLI prints above the error line."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
+
+
+def last_output(logs: str | None, pid: int | str) -> tuple[Path, str] | None:
+    """The end of worker process `pid`'s stderr in Ray's log folder `logs` (the file Ray
+    names worker-<id>-<job>-<pid>.err), or None when there is no such file or nothing in it."""
+    if not logs or not str(pid).isdigit():
+        return None
+    files = sorted(Path(logs).glob(f"worker-*-{pid}.err"), key=lambda f: f.stat().st_mtime)
+    if not files:
+        return None
+    try:
+        lines = [line.rstrip()[:LAST_OUTPUT_WIDTH] for line in files[-1].read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return None
+    return (files[-1], "\n".join(lines[-LAST_OUTPUT_LINES:])) if lines else None
 
 
 # --- starting and joining Ray ------------------------------------------------------------------
@@ -352,9 +378,13 @@ class RayWorkers:
                 rank = index[done[0]]
                 pid = self.pids[rank] if getattr(self, "pids", None) else "?"
                 logs = str(self.log_dir) if getattr(self, "log_dir", None) else ray_logs()  # before close(): an embedded Ray's session ends there
+                session_logs = ray_logs()
                 self.close()
+                output = last_output(logs, pid) or last_output(session_logs, pid)
+                details = f"rlctl: the last output of worker rank {rank} ({output[0]}):\n" + textwrap.indent(output[1], "  ") if output else ""
                 raise WorkerDiedError(
-                    f"worker rank {rank} (pid {pid}) died during {what}; nothing of this step was committed" + (f" (Ray's logs: {logs})" if logs else "")
+                    f"worker rank {rank} (pid {pid}) died during {what}; nothing of this step was committed" + (f" (Ray's logs: {logs})" if logs else ""),
+                    details,
                 ) from None
             except RayTaskError as exc:
                 self.close()
@@ -442,6 +472,7 @@ class RankWorker:
 
     def setup(self, spec: dict, *, rank: int, world: int) -> tuple[int, int, int | None]:
         import copy
+        import faulthandler
         from datetime import timedelta
 
         import torch
@@ -455,6 +486,7 @@ class RankWorker:
         from rlctl.trainer import RankGroup, Trainer
 
         quiet_transformers()
+        faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack to the rank's stderr (Ray's: only the crashing one)
         cfg = from_dict({k: v for k, v in spec["config"].items()})
         torch.set_num_threads(cfg.workers.cpus_per_worker)
         gpu = cfg.workers.gpus_per_worker > 0

@@ -245,6 +245,36 @@ def test_a_part_written_by_a_worker_that_then_died_is_never_committed(tmp_path, 
     assert shards.read(str(out), "rollouts").table.num_rows == 6
 
 
+@pytest.mark.slow
+def test_a_worker_that_aborts_in_native_code_shows_its_last_output_above_the_error(tmp_path, tiny_model, prompts_file):
+    from tests.e2e.test_pipeline import rlctl
+
+    args = ["rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", tmp_path / "r", "--n", "2", "--max-new-tokens", "4", "--workers-backend", "ray", "--workers", "2"]
+    aborted = rlctl(*args, env={"RLCTL_FAULT_ABORT_AT": "rank-1:rollouts-part-written"}, check=False)
+    assert aborted.returncode == 1
+    *above, line = aborted.stderr.strip().splitlines()
+    assert "worker rank 1 (pid" in line and "died during rollout_part" in line, aborted.stderr[-3000:]
+    shown = "\n".join(above)
+    assert "the last output of worker rank 1" in shown and "fault injected: abort at rank-1:rollouts-part-written" in shown
+    assert "Fatal Python error: Aborted" in shown and "in _write_part" in shown  # the fault handler's stack of the rank's threads
+
+
+def test_a_dead_workers_last_output_is_the_end_of_its_stderr_file(tmp_path):
+    from rlctl.workers.ray import LAST_OUTPUT_LINES, last_output
+
+    lines = [f"line {i}" for i in range(LAST_OUTPUT_LINES + 5)] + ["", "malloc(): unaligned tcache chunk detected", "Fatal Python error: Aborted", ""]
+    (tmp_path / "worker-0a1b-01000000-4242.err").write_text("\n".join(lines))
+    (tmp_path / "worker-9f8e-01000000-4243.err").write_text("another rank's output\n")
+    (tmp_path / "worker-0a1b-01000000-4242.out").write_text("stdout is not shown\n")
+    file, text = last_output(str(tmp_path), 4242)
+    assert file.name == "worker-0a1b-01000000-4242.err"
+    assert text.splitlines()[-2:] == ["malloc(): unaligned tcache chunk detected", "Fatal Python error: Aborted"]
+    assert len(text.splitlines()) == LAST_OUTPUT_LINES and "line 4" not in text.splitlines()
+    (tmp_path / "worker-7c6d-01000000-4244.err").write_text("\n\n")
+    assert last_output(str(tmp_path), 4244) is None  # nothing written
+    assert last_output(str(tmp_path), 4245) is None and last_output(str(tmp_path), "?") is None and last_output(None, 4242) is None
+
+
 def test_two_workers_train_the_lora_adapter_one_process_trains(ray_session, tiny_model, gae_batch, tmp_path, monkeypatch):
     from rlctl.config import LoraConfig
     from rlctl.workers import make_workers
