@@ -51,6 +51,7 @@ from rlctl.config import Config, WorkersConfig
 from rlctl.dispatch import gather, row_slices
 from rlctl.errors import InputError, RlctlError
 from rlctl.manifest import Manifest
+from rlctl.workers.gather import full_model_state, full_optimizer_state
 
 CONNECT_TIMEOUT = 5.0
 # run in every worker process of our Ray job before anything of ours: MKL's kernels are chosen
@@ -576,11 +577,9 @@ class RankWorker:
         if self.ref_shards is None:
             yield self.ref
             return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         from rlctl.backends.hf import HFPolicy
 
-        full = get_model_state_dict(self.ref_shards.model, options=StateDictOptions(full_state_dict=True))
+        full = full_model_state(self.ref_shards.model)
         model = _plain_copy(self.ref_shards.model, full)
         del full
         try:
@@ -651,15 +650,12 @@ class RankWorker:
 
     def _gather(self) -> None:
         """Every rank gathers the full trained parameters into its plain engine copy."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         if self.shared:
             return  # the engine is the trained module
-        full = StateDictOptions(full_state_dict=True)
         if self.train_policy is not None:
-            self.engine.model.load_state_dict(get_model_state_dict(self.train_policy.model, options=full))
+            self.engine.model.load_state_dict(full_model_state(self.train_policy.model))
         if self.train_critic is not None:
-            self.critic_engine.load_state_dict(get_model_state_dict(self.train_critic, options=full))
+            self.critic_engine.load_state_dict(full_model_state(self.train_critic))
 
     def digest(self, which: str) -> str:
         from rlctl.workers.local import module_digest
@@ -708,8 +704,8 @@ class RankWorker:
             return self.trainer.state_dict()
         return {
             "step": self.trainer.step,
-            "optimizer": _full_optimizer_state(self.train_policy.model, self.trainer.optimizer) if self.train_policy is not None else None,
-            "critic_optimizer": _full_optimizer_state(self.train_critic, self.trainer.critic_optimizer) if self.train_critic is not None else None,
+            "optimizer": full_optimizer_state(self.train_policy.model, self.trainer.optimizer) if self.train_policy is not None else None,
+            "critic_optimizer": full_optimizer_state(self.train_critic, self.trainer.critic_optimizer) if self.train_critic is not None else None,
         }
 
     def _load_trainer_state(self, state: dict) -> None:
@@ -775,18 +771,6 @@ def _sharded_critic(critic, mesh):
         fully_shard(layer, mesh=mesh)
     fully_shard(critic, mesh=mesh)
     return critic
-
-
-def _full_optimizer_state(model, optimizer) -> dict:
-    """The optimizer's full state, keyed by parameter index like a single-process AdamW."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
-    index = {name: i for i, name in enumerate(_trained_names(model))}
-    return {
-        "state": {index[name]: values for name, values in full["state"].items()},
-        "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in full["param_groups"]],
-    }
 
 
 def _set_full_optimizer_state(model, optimizer, state: dict | None) -> None:
