@@ -62,11 +62,13 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's whole state as a single-process optimizer of `model`'s trained
     parameters holds it: {"state": {index: {name: tensor}}, "param_groups": [...]}, parameters
-    numbered in `model.named_parameters()` order (those that require grad); `step` and other
+    numbered in `model.parameters()` order (those that require grad); `step` and other
     plain tensors as they are, moments gathered."""
     import torch
 
-    trained = [p for _, p in model.named_parameters() if p.requires_grad]
+    from rlctl.trainer import trainable
+
+    trained = trainable(model)
     index = {id(p): i for i, p in enumerate(trained)}
     state = {}
     for param in trained:  # every rank gathers the same tensors in the same order
