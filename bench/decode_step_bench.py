@@ -1,12 +1,13 @@
-"""Benchmark: generation with rlctl's direct decode step against transformers' forward.
+"""Benchmark: generation with rlctl's direct decode step against transformers' forward, or
+with its products from packed weights against the modules' (`--compare products`).
 
-The HF engine's `generate` on the same prompts with RLCTL_DECODE_STEP=transformers and =rlctl
-alternating in one process (bench.alternating), for each batch size asked (the fewer the rows,
-the more a step's fixed cost weighs), seconds per generation and the paired ratio per round. The
-direct step must give transformers' tokens and log-probs bit for bit; the bench checks it and
-says so.
+The HF engine's `generate` on the same prompts with the two settings of the switch alternating
+in one process (bench.alternating): RLCTL_DECODE_STEP=transformers and =rlctl, or
+RLCTL_DECODE_PRODUCTS=modules and =packed; for each batch size asked (the fewer the rows, the
+more a step's fixed cost weighs), seconds per generation and the paired ratio per round. Both
+must give the same tokens and log-probs bit for bit; the bench checks it and says so.
 
-    python -m bench.decode_step_bench --preset small --rows 1,8,64 --rounds 7
+    python -m bench.decode_step_bench --preset small --rows 1,8,64 --rounds 7 [--compare products]
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from pathlib import Path
 from bench.alternating import alternate, paired_ratios
 from bench.pipeline_bench import machine_name, publish
 
+# --compare: (the switch, (its old setting, its new one))
+SWITCHES = {"step": ("RLCTL_DECODE_STEP", ("transformers", "rlctl")), "products": ("RLCTL_DECODE_PRODUCTS", ("modules", "packed"))}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -29,13 +33,13 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,64", help="comma-separated batch sizes, one table row each")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per row")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--compare", default="step", choices=tuple(SWITCHES), help="the direct step against transformers' forward, or packed products against the modules'")
     parser.add_argument("--append", help="append the Markdown result to this file")
     args = parser.parse_args()
 
     import torch
 
     from rlctl.backends.base import SamplingParams
-    from rlctl.backends.decode_step import OVERRIDE_ENV
     from rlctl.backends.hf import HFPolicy
     from rlctl.dtypes import compute_dtype
     from rlctl.modelinit import init_model
@@ -45,16 +49,17 @@ def main() -> None:
     dtype = compute_dtype(args.dtype, "cpu")
     texts = [f"{i} + {i + 3} =" for i in range(16)]
     params = SamplingParams(args.tokens, temperature=1.0, seed=1)
+    env, (old, new) = SWITCHES[args.compare]
     rows = []
     for count in [int(r) for r in args.rows.split(",")]:
         prompts = [ids for ids in policy.tokenizer(texts, add_special_tokens=False)["input_ids"] for _ in range(4)] * (count // 64 + 1)
         seconds, outputs = alternate(
-            policy, prompts[:count], params, env=OVERRIDE_ENV, settings=("transformers", "rlctl"), rounds=args.rounds, dtype=dtype, batch_size=count,
+            policy, prompts[:count], params, env=env, settings=(old, new), rounds=args.rounds, dtype=dtype, batch_size=count,
         )
-        same = all((a.response_ids, a.logprobs) == (b.response_ids, b.logprobs) for a, b in zip(outputs["transformers"], outputs["rlctl"]))
-        ratios = paired_ratios(seconds, "rlctl", "transformers")
-        generated = sum(len(g.response_ids) for g in outputs["rlctl"])
-        rows.append((count, generated, seconds["transformers"], seconds["rlctl"], ratios, same))
+        same = all((a.response_ids, a.logprobs) == (b.response_ids, b.logprobs) for a, b in zip(outputs[old], outputs[new]))
+        ratios = paired_ratios(seconds, new, old)
+        generated = sum(len(g.response_ids) for g in outputs[new])
+        rows.append((count, generated, seconds[old], seconds[new], ratios, same))
 
     def spread(values: list[float], digits: int = 2) -> str:
         return f"{min(values):.{digits}f}–{max(values):.{digits}f} (median {statistics.median(values):.{digits}f})"
@@ -62,10 +67,10 @@ def main() -> None:
     lines = [
         f"- machine: {machine_name('cpu')}, compute {dtype}, Python {platform.python_version()}, torch {torch.__version__}",
         f"- command: `python -m bench.decode_step_bench {f'--model {args.model}' if args.model else f'--preset {args.preset}'} --dtype {args.dtype} "
-        f"--rows {args.rows} --tokens {args.tokens} --rounds {args.rounds}`",
+        f"--rows {args.rows} --tokens {args.tokens} --rounds {args.rounds} --compare {args.compare}`",
         f"- seconds per generation of {args.tokens} new tokens per row, {args.rounds} rounds after a warm-up, the two settings alternating",
         "",
-        "| rows | tokens generated | transformers' forward (s) | direct step (s) | paired ratio | same tokens and log-probs |",
+        f"| rows | tokens generated | {env}={old} (s) | {env}={new} (s) | paired ratio | same tokens and log-probs |",
         "|---|---|---|---|---|---|",
         *(f"| {n} | {g} | {spread(t)} | {spread(d)} | {spread(r)} | {'yes' if same else 'NO'} |" for n, g, t, d, r, same in rows),
     ]

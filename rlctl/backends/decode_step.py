@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from rlctl.backends import decode_attention
+from rlctl.backends.decode_products import DecodeProducts
 from rlctl.backends.llama_layers import call as _call
 from rlctl.backends.llama_layers import layer_parts, plain_layers
 from rlctl.errors import InputError
@@ -43,11 +44,12 @@ class DecodeStep:
     and the rotary embedding are the model's own code; the attention block is its code's
     operations in its order."""
 
-    def __init__(self, model, cache) -> None:
+    def __init__(self, model, cache, products: DecodeProducts | None = None) -> None:
         base = model.model
-        self.embed, self.rotary, self.norm, self.lm_head = base.embed_tokens, base.rotary_emb, base.norm, model.lm_head
+        self.embed, self.rotary, self.norm = base.embed_tokens, base.rotary_emb, base.norm
         self.apply_rotary = sys.modules[type(model).__module__].apply_rotary_pos_emb
         self.cache_layers = cache.layers
+        self.products = products or DecodeProducts(model, packed=False)
         self.layers = [layer_parts(layer) for layer in base.layers]
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -55,34 +57,40 @@ class DecodeStep:
         hidden = _call(self.embed, tokens.unsqueeze(-1))
         cos, sin = self.rotary(hidden, positions.unsqueeze(-1))
         mask = None
-        for layer, cache_layer in zip(self.layers, self.cache_layers):
+        for layer, products, cache_layer in zip(self.layers, self.products.layers, self.cache_layers):
             x = _call(layer.input_norm, hidden)
             shape = (rows, 1, -1, layer.head_dim)
-            q, k = _call(layer.q_proj, x).view(shape), _call(layer.k_proj, x).view(shape)
+            q, k, v = (p.view(shape) for p in products.qkv(x))
             if layer.q_norm is not None:
                 q, k = _call(layer.q_norm, q), _call(layer.k_norm, k)
-            v = _call(layer.v_proj, x).view(shape).transpose(1, 2)
+            v = v.transpose(1, 2)
             q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             keys, values = cache_layer.update(k, v)
             if mask is None:  # the cache's length (a block's multiple): its unwritten positions masked
                 length = keys.shape[-2]
                 mask = F.pad(attention_mask, (0, length - attention_mask.shape[1])).bool().view(rows, 1, 1, length)
             attended = decode_attention.decode_step_attention(q, keys, values, mask, layer.scaling)
-            hidden = hidden + _call(layer.o_proj, attended.reshape(rows, 1, -1).contiguous())
-            hidden = hidden + _call(layer.mlp, _call(layer.post_norm, hidden))
-        return _call(self.lm_head, _call(self.norm, hidden))[:, -1, :]
+            hidden = hidden + products.o(attended.reshape(rows, 1, -1).contiguous())
+            hidden = hidden + products.mlp(_call(layer.post_norm, hidden))
+        return self.products.lm_head(_call(self.norm, hidden))[:, -1, :]
 
 
-def for_model(model, cache) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    """The direct decode step for `model` decoding into `cache`, or None where the model's own
-    forward must run: another model class or layer kind, linear layers that are not plain (LoRA)
-    or have hooks, attention other than rlctl's CPU decode attention, or RLCTL_DECODE_STEP."""
+def for_model(model, cache, products: DecodeProducts | None = None) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """The direct decode step for `model` decoding into `cache` (its products: `products`, the
+    modules' own if None), or None where the model's own forward must run: another model class
+    or layer kind, linear layers that are not plain (LoRA) or have hooks, attention other than
+    rlctl's CPU decode attention, or RLCTL_DECODE_STEP."""
+    if not enabled() or not supports(model) or not _plain_cache(cache, model):
+        return None
+    return DecodeStep(model, cache, products)
+
+
+def enabled() -> bool:
+    """Whether RLCTL_DECODE_STEP lets the direct step run (the default)."""
     choice = os.environ.get(OVERRIDE_ENV, "").strip().lower() or "rlctl"
     if choice not in CHOICES:
         raise InputError(f"{OVERRIDE_ENV}={choice!r}: use one of {', '.join(CHOICES)}")
-    if choice != "rlctl" or not supports(model) or not _plain_cache(cache, model):
-        return None
-    return DecodeStep(model, cache)
+    return choice == "rlctl"
 
 
 def supports(model) -> bool:

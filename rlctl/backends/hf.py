@@ -407,16 +407,27 @@ class HFPolicy:
         model = self._bf16.of(self.model) if decide_dtype(self.device, compute_dtype) == "bf16" else self.model
         results: list[Generation | None] = [None] * len(prompt_ids)
         with decoding_attention(model, self.device):
+            products = self._decode_products(model, rows=min(batch_size, len(prompt_ids)))
             for rows in batches_by_length(prompt_ids, [()] * len(prompt_ids), batch_size):  # prompts of similar length pad less
                 uniforms = row_uniforms(params.seed, [first_row + i for i in rows], params.max_new_tokens)
-                for i, generation in zip(rows, self._generate_batch(model, [prompt_ids[i] for i in rows], params, uniforms, on_tokens)):
+                generations = self._generate_batch(model, [prompt_ids[i] for i in rows], params, uniforms, on_tokens, products)
+                for i, generation in zip(rows, generations):
                     results[i] = generation
         return results
 
-    def _generate_batch(self, model, prompt_ids, params: SamplingParams, uniforms: torch.Tensor, on_tokens) -> list[Generation]:
+    def _decode_products(self, model, rows: int):
+        """The direct decode step's products for this `generate` call (weights packed once for
+        all its batches: rlctl.backends.decode_products), or None where the step does not run."""
+        from rlctl.backends import decode_products, decode_step
+
+        if not (decode_step.enabled() and decode_step.supports(model)):
+            return None
+        return decode_products.for_generation(model, self.device, rows)
+
+    def _generate_batch(self, model, prompt_ids, params: SamplingParams, uniforms: torch.Tensor, on_tokens, products=None) -> list[Generation]:
         """`uniforms` [B, max_new_tokens]: row i's random numbers, one per step. The loop's work
         per step is tensor operations over the rows still generating; the rows' Python lists are
-        built once at the end."""
+        built once at the end. `products`: the direct decode step's (`_decode_products`)."""
         from rlctl.backends import decode_step
         from rlctl.backends.kv_cache import decoding_cache
 
@@ -430,7 +441,7 @@ class HFPolicy:
         active = torch.arange(B, device=self.device)  # original row of each batch row
         cache_kw = self._cache_keyword()
         logits, cache, attention_mask, position_ids = self._prompt_pass(model, prompt_ids, decoding_cache(self.model.config))
-        direct_step = decode_step.for_model(model, cache)  # None: the model's own forward decodes
+        direct_step = decode_step.for_model(model, cache, products)  # None: the model's own forward decodes
         next_position = position_ids[:, -1] + 1
         for step in range(steps):
             new_tokens, new_logprobs = sample_next(
