@@ -40,12 +40,15 @@ def decode_step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     groups = heads // kv_heads
     q = query.reshape(rows * kv_heads, groups, dim)
     keys, values = key.reshape(rows * kv_heads, length, dim), value.reshape(rows * kv_heads, length, dim)
-    scores = torch.bmm(q, keys.transpose(1, 2)).float().mul_(dim**-0.5 if scaling is None else scaling)
+    scores = torch.bmm(q, keys.transpose(1, 2))
+    scores = (scores if scores.dtype == torch.float32 else scores.float()).mul_(dim**-0.5 if scaling is None else scaling)
     if mask is not None:
         scores = scores.view(rows, kv_heads, groups, length)
-        mask = mask[..., -length:].reshape(rows, kv_heads if mask.shape[1] > 1 else 1, -1, length)
+        if mask.shape != (rows, 1, 1, length):  # else one mask over every head, as the decode step makes it
+            mask = mask[..., -length:].reshape(rows, kv_heads if mask.shape[1] > 1 else 1, -1, length)
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = scores.softmax(dim=-1).to(value.dtype).view(rows * kv_heads, groups, length)
+    probs = scores.softmax(dim=-1)
+    probs = (probs if probs.dtype == value.dtype else probs.to(value.dtype)).view(rows * kv_heads, groups, length)
     return torch.bmm(probs, values).view(rows, 1, heads, dim)
 
 

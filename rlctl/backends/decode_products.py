@@ -37,14 +37,15 @@ MEMORY_SHARE = 0.25  # the most of the available memory a packed copy may take
 
 
 class ModuleProducts:
-    """One decoder layer's products as the model's modules compute them."""
+    """One decoder layer's products as the model's modules compute them, for rows [B, width]."""
 
     def __init__(self, layer) -> None:
         self.parts = layer_parts(layer)
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """q, k and v side by side: [B, q width + k width + v width]."""
         parts = self.parts
-        return _call(parts.q_proj, x), _call(parts.k_proj, x), _call(parts.v_proj, x)
+        return torch.cat((_call(parts.q_proj, x), _call(parts.k_proj, x), _call(parts.v_proj, x)), dim=-1)
 
     def o(self, x: torch.Tensor) -> torch.Tensor:
         return _call(self.parts.o_proj, x)
@@ -54,8 +55,8 @@ class ModuleProducts:
 
 
 class PackedProduct:
-    """x·[W₁; W₂; …]ᵀ + [b₁; b₂; …] for linear layers that read the same input, as one oneDNN
-    product of their stacked, packed weights; `__call__` returns one view of its output per layer."""
+    """x·[W₁; W₂; …]ᵀ + [b₁; b₂; …] for linear layers that read the same input rows [B, width],
+    as one oneDNN product of their stacked, packed weights: [B, Σ out widths]."""
 
     def __init__(self, modules: Sequence[torch.nn.Linear], rows: int) -> None:
         with torch.no_grad():
@@ -65,13 +66,9 @@ class PackedProduct:
                 self.bias = None
             else:  # a layer without a bias adds zeros: x + 0 is x
                 self.bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules])
-        self.sizes = [m.out_features for m in modules]
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        flat = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
-        out = out.view(*x.shape[:-1], out.shape[-1])
-        return list(out.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [out]
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
 class PackedLayerProducts(ModuleProducts):
@@ -85,21 +82,19 @@ class PackedLayerProducts(ModuleProducts):
         self.packed_o = PackedProduct([parts.o_proj], rows)
         self.packed_gate_up = PackedProduct([mlp.gate_proj, mlp.up_proj], rows)
         self.packed_down = PackedProduct([mlp.down_proj], rows)
+        self.intermediate = mlp.gate_proj.out_features
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if _single_row(x):
-            return super().qkv(x)
-        q, k, v = self.packed_qkv(x)
-        return q, k, v
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        return super().qkv(x) if _single_row(x) else self.packed_qkv(x)
 
     def o(self, x: torch.Tensor) -> torch.Tensor:
-        return super().o(x) if _single_row(x) else self.packed_o(x)[0]
+        return super().o(x) if _single_row(x) else self.packed_o(x)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if _single_row(x):
             return super().mlp(x)
-        gate, up = self.packed_gate_up(x)
-        return self.packed_down(self.parts.mlp.act_fn(gate) * up)[0]
+        gate_up = self.packed_gate_up(x)
+        return self.packed_down(self.parts.mlp.act_fn(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])
 
 
 class DecodeProducts:
@@ -116,7 +111,7 @@ class DecodeProducts:
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed_head is None or _single_row(x):
             return _call(self._lm_head, x)
-        return self._packed_head(x)[0]
+        return self._packed_head(x)
 
 
 def for_generation(model, device: torch.device, rows: int) -> DecodeProducts:
@@ -169,4 +164,4 @@ def _available() -> bool:
 
 
 def _single_row(x: torch.Tensor) -> bool:
-    return x.numel() == x.shape[-1]
+    return x.shape[0] == 1

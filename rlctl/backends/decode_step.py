@@ -42,7 +42,9 @@ class DecodeStep:
     one token per row through `model`, its keys and values written into `cache` (the 2-D mask
     covers the cached tokens and the new one, as for transformers' forward). The norms, the MLPs
     and the rotary embedding are the model's own code; the attention block is its code's
-    operations in its order."""
+    operations in its order. Rows are 2-D ([B, width]: one token each) and what is the same for
+    every layer (the additive attention mask, the rotary cos/sin) is made once per step: a step's
+    fixed cost is its count of tensor operations."""
 
     def __init__(self, model, cache, products: DecodeProducts | None = None) -> None:
         base = model.model
@@ -54,25 +56,41 @@ class DecodeStep:
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         rows = tokens.shape[0]
-        hidden = _call(self.embed, tokens.unsqueeze(-1))
-        cos, sin = self.rotary(hidden, positions.unsqueeze(-1))
+        hidden = _call(self.embed, tokens)  # [B, width]
+        cos, sin = self.rotary(hidden, positions.unsqueeze(-1))  # [B, 1, head_dim]
+        cos_heads, sin_heads = cos.unsqueeze(1), sin.unsqueeze(1)  # over [B, heads, 1, head_dim]
         mask = None
         for layer, products, cache_layer in zip(self.layers, self.products.layers, self.cache_layers):
-            x = _call(layer.input_norm, hidden)
-            shape = (rows, 1, -1, layer.head_dim)
-            q, k, v = (p.view(shape) for p in products.qkv(x))
-            if layer.q_norm is not None:
-                q, k = _call(layer.q_norm, q), _call(layer.k_norm, k)
-            v = v.transpose(1, 2)
-            q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            keys, values = cache_layer.update(k, v)
+            heads, kv_heads = layer.q_proj.out_features // layer.head_dim, layer.k_proj.out_features // layer.head_dim
+            qkv = products.qkv(_call(layer.input_norm, hidden)).view(rows, -1, 1, layer.head_dim)  # [B, heads + 2·kv_heads, 1, head_dim]
+            if layer.q_norm is None:  # q and k rotated as one tensor: the same operations on each element
+                qk = rotated(qkv[:, : heads + kv_heads], cos_heads, sin_heads)
+                q, k = qk[:, :heads], qk[:, heads:]
+            else:
+                q, k = _call(layer.q_norm, qkv[:, :heads]), _call(layer.k_norm, qkv[:, heads : heads + kv_heads])
+                q, k = self.apply_rotary(q, k, cos, sin)
+            keys, values = cache_layer.update(k, qkv[:, heads + kv_heads :])
             if mask is None:  # the cache's length (a block's multiple): its unwritten positions masked
-                length = keys.shape[-2]
-                mask = F.pad(attention_mask, (0, length - attention_mask.shape[1])).bool().view(rows, 1, 1, length)
+                mask = additive_mask(attention_mask, keys.shape[-2])
             attended = decode_attention.decode_step_attention(q, keys, values, mask, layer.scaling)
-            hidden = hidden + products.o(attended.reshape(rows, 1, -1).contiguous())
+            hidden = hidden + products.o(attended.view(rows, -1))
             hidden = hidden + products.mlp(_call(layer.post_norm, hidden))
-        return self.products.lm_head(_call(self.norm, hidden))[:, -1, :]
+        return self.products.lm_head(_call(self.norm, hidden))
+
+
+def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of `x` [..., head_dim] as the Llama-family code computes it:
+    x·cos + rotate_half(x)·sin, rotate_half(x) = (−x₂, x₁) of its halves."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def additive_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """The 2-D mask [B, L ≤ length] (1 attends) as 0 / −inf [B, 1, 1, length] (positions past L
+    masked), added to the attention scores: what masking them with −inf gives, bit for bit."""
+    rows = attention_mask.shape[0]
+    attends = F.pad(attention_mask, (0, length - attention_mask.shape[1])).bool().view(rows, 1, 1, length)
+    return torch.zeros((), dtype=torch.float32, device=attention_mask.device).masked_fill(~attends, float("-inf"))
 
 
 def for_model(model, cache, products: DecodeProducts | None = None) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
