@@ -4,19 +4,19 @@ A decode step multiplies a few rows (one token per sequence) by every weight mat
 model. oneDNN (in every x86 torch build) runs such a product faster from a weight it reordered
 into its own blocked layout ahead of time than from a row-major weight it re-blocks at every
 call, and one product of q, k and v's weights stacked (of gate and up's) faster than two or
-three small ones. Small preset, 64 rows, per layer, on a Zen 5: q/k/v 242 → 160 µs and gate/up
-571 → 399 µs in fp32, 149 → 88 and 273 → 212 µs in bf16 (bench/RESULTS.md, "Packed decode
-products"). The weights change with every optimizer step, so `generate` packs them once per
-call (≈10 ms for the small preset) and holds the packed copy only while it runs: one more copy
-of the weights the step multiplies by, made only where it takes at most a quarter of the memory
-available.
+three small ones. Small preset, 64 rows, per layer, on a Zen 5: q/k/v 196 → 148 µs and gate/up
+449 → 390 µs in fp32, 129 → 80 and 235 → 195 µs in bf16, a third to a half less at 8 rows; a
+64 × 64 generation 0.90× the time (bench/RESULTS.md, "Packed decode products"). The weights
+change with every optimizer step, so `generate` packs them once per call (≈10 ms for the small
+preset) and holds the packed copy only while it runs: one more copy of the weights the step
+multiplies by, made only where it takes at most a quarter of the memory available.
 
 The packed product sums in the order the row-major one does for two rows or more (bit for bit,
 tests/unit/test_decode_products.py); for a single row oneDNN's packed kernel sums in another
 order, so one-row steps use the model's own modules. Where: fp32 where rlctl computes fp32 linear
-layers in oneDNN (rlctl.cpu_linear: non-Intel x86 CPUs with AVX-512), bf16 where the CPU has
-native bf16 (oneDNN computes torch's CPU bf16 products there anyway); elsewhere (MKL's fp32,
-GPUs) the modules. `RLCTL_DECODE_PRODUCTS=modules` keeps the modules (to compare, or to debug).
+layers in oneDNN (rlctl.cpu_linear: non-Intel x86 CPUs with AVX-512), bf16 where oneDNN
+computes it (torch's CPU bf16 products run there anyway); elsewhere (MKL's fp32, GPUs) the
+modules. `RLCTL_DECODE_PRODUCTS=modules` keeps the modules (to compare, or to debug).
 """
 
 from __future__ import annotations
@@ -103,7 +103,6 @@ class DecodeProducts:
 
     def __init__(self, model, *, packed: bool, rows: int = 64) -> None:
         layers = model.model.layers
-        self.packed = packed
         self.layers = [PackedLayerProducts(layer, rows) if packed else ModuleProducts(layer) for layer in layers]
         self._lm_head = model.lm_head
         self._packed_head = PackedProduct([model.lm_head], rows) if packed else None
@@ -123,7 +122,7 @@ def for_generation(model, device: torch.device, rows: int) -> DecodeProducts:
 def packs(model, device: torch.device, rows: int) -> bool:
     """Whether decoding through `model` multiplies by packed weights: on the CPU where oneDNN
     packs them, for batches of more than one row, in fp32 where rlctl's fp32 linear layers run in
-    oneDNN, in bf16 where the CPU has native bf16, where the copy fits (`fits_in_memory`); never
+    oneDNN, in bf16 where oneDNN computes bf16, where the copy fits (`fits_in_memory`); never
     with RLCTL_DECODE_PRODUCTS=modules."""
     choice = os.environ.get(OVERRIDE_ENV, "").strip().lower() or "packed"
     if choice not in CHOICES:

@@ -6,11 +6,13 @@ CPU that is ~10 ms per decode step on the small preset's 8 layers (measured with
 to 64, where the products cost nothing: 12.5 → 8.7 ms per step of 64 rows, 10 → 4.7 ms for one
 row). `DecodeStep` runs the decoder layers that Llama, Qwen2, Qwen3 and Mistral share (RMSNorm,
 rotary q/k, grouped-query attention, gated MLP) without that Python: it calls the modules'
-forwards directly (the norms, MLPs and rotary embedding are the model's own code) and does the
-attention block's operations in its code's order, with rlctl's decode attention
-(rlctl.backends.decode_attention) and the generation cache's layers (rlctl.backends.kv_cache),
-so its logits are transformers' bit for bit (tests/unit/test_decode_step.py). Generation, small
-preset, 64 × 64 tokens, fp32: bench/RESULTS.md.
+forwards directly (the norms, the rotary cos/sin, the MLPs) and does the attention block's
+operations in its code's order, with rlctl's decode attention (rlctl.backends.decode_attention),
+the generation cache's layers (rlctl.backends.kv_cache) and, where oneDNN packs them, products
+from packed weights (rlctl.backends.decode_products), so its logits are transformers' bit for bit
+(tests/unit/test_decode_step.py). Per step it makes ~430 tensor operations on the small preset
+(from ~600 before rows were kept 2-D and q/k rotated as one tensor). Generation, small preset,
+64 × 64 tokens, fp32: bench/RESULTS.md.
 
 It runs where the HF engine decodes with rlctl's CPU decode attention, for those model classes
 only, and for plain linear layers without hooks (a LoRA adapter's layers, or anything else,
@@ -40,9 +42,10 @@ CHOICES = ("rlctl", "transformers")
 class DecodeStep:
     """`step(tokens [B], positions [B], attention_mask [B, L]) → next-token logits [B, V]`:
     one token per row through `model`, its keys and values written into `cache` (the 2-D mask
-    covers the cached tokens and the new one, as for transformers' forward). The norms, the MLPs
-    and the rotary embedding are the model's own code; the attention block is its code's
-    operations in its order. Rows are 2-D ([B, width]: one token each) and what is the same for
+    covers the cached tokens and the new one, as for transformers' forward). The norms, the
+    rotary cos/sin and the MLPs are the model's own code or its operations (`products`); the
+    attention block is its code's operations in its order, q and k rotated as the Llama family's
+    code rotates them (`rotated`; Qwen3's, normed first, by the model's function). Rows are 2-D ([B, width]: one token each) and what is the same for
     every layer (the additive attention mask, the rotary cos/sin) is made once per step: a step's
     fixed cost is its count of tensor operations."""
 
