@@ -148,12 +148,10 @@ def fits_in_memory(copy_bytes: int, available: int | None = None) -> bool:
 def _available_memory() -> int | None:
     try:
         with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+            lines = meminfo.readlines()
+    except OSError:  # not Linux: nothing to go by
+        return None
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")), None)
 
 
 def _available() -> bool:

@@ -56,6 +56,8 @@ class DecodeStep:
         self.cache_layers = cache.layers
         self.products = products or DecodeProducts(model, packed=False)
         self.layers = [layer_parts(layer) for layer in base.layers]
+        # (query heads, key/value heads) per layer
+        self.heads = [(layer.q_proj.out_features // layer.head_dim, layer.k_proj.out_features // layer.head_dim) for layer in self.layers]
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         rows = tokens.shape[0]
@@ -63,8 +65,7 @@ class DecodeStep:
         cos, sin = self.rotary(hidden, positions.unsqueeze(-1))  # [B, 1, head_dim]
         cos_heads, sin_heads = cos.unsqueeze(1), sin.unsqueeze(1)  # over [B, heads, 1, head_dim]
         mask = None
-        for layer, products, cache_layer in zip(self.layers, self.products.layers, self.cache_layers):
-            heads, kv_heads = layer.q_proj.out_features // layer.head_dim, layer.k_proj.out_features // layer.head_dim
+        for layer, (heads, kv_heads), products, cache_layer in zip(self.layers, self.heads, self.products.layers, self.cache_layers):
             qkv = products.qkv(_call(layer.input_norm, hidden)).view(rows, -1, 1, layer.head_dim)  # [B, heads + 2·kv_heads, 1, head_dim]
             if layer.q_norm is None:  # q and k rotated as one tensor: the same operations on each element
                 qk = rotated(qkv[:, : heads + kv_heads], cos_heads, sin_heads)
