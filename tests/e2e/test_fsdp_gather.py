@@ -58,7 +58,8 @@ def _exit_without_finalizing() -> None:
     free releases a tensor Python has seen, it takes the GIL, and if the process is finalizing by
     then, CPython ends the thread inside a destructor and C++ aborts ("terminate called without
     an active exception": 3 of ~45 runs of this test on 2 cores, a core dump's gloo thread in
-    ~AsyncAllgatherWork; bench/RESULTS.md). rlctl's Ray ranks are killed, never finalized."""
+    ~AsyncAllgatherWork; bench/RESULTS.md; upstream: pytorch/pytorch#179291). rlctl's Ray ranks
+    are killed, never finalized."""
     import os
     import sys
 
