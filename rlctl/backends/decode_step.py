@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from rlctl.backends import decode_attention
 from rlctl.backends.decode_products import DecodeProducts
 from rlctl.backends.llama_layers import call as _call
-from rlctl.backends.llama_layers import layer_parts, plain_layers
+from rlctl.backends.llama_layers import plain_layers
 from rlctl.errors import InputError
 
 OVERRIDE_ENV = "RLCTL_DECODE_STEP"
@@ -55,7 +55,7 @@ class DecodeStep:
         self.apply_rotary = sys.modules[type(model).__module__].apply_rotary_pos_emb
         self.cache_layers = cache.layers
         self.products = products or DecodeProducts(model, packed=False)
-        self.layers = [layer_parts(layer) for layer in base.layers]
+        self.layers = [layer.parts for layer in self.products.layers]  # each decoder layer's parts, as its products found them
         # (query heads, key/value heads) per layer
         self.heads = [(layer.q_proj.out_features // layer.head_dim, layer.k_proj.out_features // layer.head_dim) for layer in self.layers]
 
