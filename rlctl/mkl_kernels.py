@@ -51,8 +51,17 @@ _state: str | None = None
 
 def is_non_intel_x86(cpuinfo: str) -> bool:
     """An x86 CPU (its /proc/cpuinfo names a vendor) of another vendor than Intel."""
-    vendors = {value.strip() for name, _, value in (line.partition(":") for line in cpuinfo.splitlines()) if name.strip() == "vendor_id"}
+    vendors = _vendors(cpuinfo)
     return bool(vendors) and "GenuineIntel" not in vendors
+
+
+def is_intel(cpuinfo: str) -> bool:
+    """An Intel CPU (its /proc/cpuinfo names the vendor GenuineIntel)."""
+    return "GenuineIntel" in _vendors(cpuinfo)
+
+
+def _vendors(cpuinfo: str) -> set[str]:
+    return {value.strip() for name, _, value in (line.partition(":") for line in cpuinfo.splitlines()) if name.strip() == "vendor_id"}
 
 
 def is_avx2_only(cpuinfo: str) -> bool:
@@ -162,6 +171,12 @@ def state() -> str | None:
 def active() -> bool:
     """Whether MKL runs its Intel kernels in this process (the library was loaded before torch)."""
     return _state == INTEL
+
+
+def runs_intel_kernels(cpuinfo: str) -> bool:
+    """Whether MKL computes with its Intel kernels in this process: on an Intel CPU by its own
+    choice, on another vendor's x86 CPU where the library was loaded (`active`)."""
+    return active() or is_intel(cpuinfo)
 
 
 def recorded() -> str:

@@ -8,9 +8,10 @@ row). `DecodeStep` runs the decoder layers that Llama, Qwen2, Qwen3 and Mistral 
 rotary q/k, grouped-query attention, gated MLP) without that Python: it calls the modules'
 forwards directly (the norms, the rotary cos/sin, the MLPs) and does the attention block's
 operations in its code's order, with rlctl's decode attention (rlctl.backends.decode_attention),
-the generation cache's layers (rlctl.backends.kv_cache) and, where oneDNN packs them, products
-from packed weights (rlctl.backends.decode_products), so its logits are transformers' bit for bit
-(tests/unit/test_decode_step.py). Per step it makes ~430 tensor operations on the small preset
+the generation cache's layers (rlctl.backends.kv_cache) and, where a GEMM library packs them,
+products from packed weights (rlctl.backends.decode_products). With the modules' products its
+logits are transformers' bit for bit (tests/unit/test_decode_step.py), and with oneDNN's packed
+ones too (MKL's packed products sum in another order in places: log-probs within ~2e-6). Per step it makes ~430 tensor operations on the small preset
 (from ~600 before rows were kept 2-D and q/k rotated as one tensor). Generation, small preset,
 64 × 64 tokens, fp32: bench/RESULTS.md.
 
@@ -54,7 +55,7 @@ class DecodeStep:
         self.embed, self.rotary, self.norm = base.embed_tokens, base.rotary_emb, base.norm
         self.apply_rotary = sys.modules[type(model).__module__].apply_rotary_pos_emb
         self.cache_layers = cache.layers
-        self.products = products or DecodeProducts(model, packed=False)
+        self.products = products or DecodeProducts(model)
         self.layers = [layer.parts for layer in self.products.layers]  # each decoder layer's parts, as its products found them
         # (query heads, key/value heads) per layer
         self.heads = [(layer.q_proj.out_features // layer.head_dim, layer.k_proj.out_features // layer.head_dim) for layer in self.layers]

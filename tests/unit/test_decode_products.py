@@ -1,16 +1,22 @@
-"""A decode step's products from packed weights: the modules' products bit for bit where rlctl
-packs them, one product per stacked group (q/k/v, gate/up), the modules' own for one row, packed
-only where measured to pay, and generation's tokens and log-probs unchanged."""
+"""A decode step's products from packed weights: one product per stacked group (q/k/v, gate/up),
+the modules' own for one row, packed by the library that computes the products where measured to
+pay; oneDNN's the modules' products bit for bit, MKL's to float rounding for any row count (padded
+or repacked), and generation's tokens and log-probs unchanged (MKL: to ~2e-6)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rlctl import cpu_linear
+from rlctl import cpu_linear, mkl_kernels
 from rlctl.backends import decode_products
 from rlctl.backends.base import SamplingParams
-from rlctl.backends.decode_products import DecodeProducts, PackedProduct, packs
+from rlctl.backends.decode_products import (
+    DecodeProducts,
+    MKLPackedProduct,
+    OneDNNPackedProduct,
+    packing,
+)
 from rlctl.backends.hf import HFPolicy, decoding_attention
 from rlctl.errors import InputError
 from tests.conftest import model_folder
@@ -30,14 +36,23 @@ def linear_path(monkeypatch):
     cpu_linear.linear_path.cache_clear()
 
 
-def packed_here(dtype: torch.dtype) -> bool:
+def head_only(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """What `packing` reads of a model: its LM head's dtype and its parameters' bytes."""
     model = torch.nn.Module()
     model.lm_head = torch.nn.Linear(4, 4, dtype=dtype)
-    return packs(model, CPU, rows=64)
+    return model
+
+
+def packed_here(dtype: torch.dtype) -> bool:
+    """Does rlctl pack `dtype` decode products with oneDNN on this CPU?"""
+    return packing(head_only(dtype), CPU, rows=64) == "onednn"
 
 
 def needs_packing(dtype: torch.dtype):
-    return pytest.mark.skipif(not packed_here(dtype), reason=f"rlctl does not pack {dtype} decode products on this CPU")
+    return pytest.mark.skipif(not packed_here(dtype), reason=f"rlctl does not pack {dtype} decode products with oneDNN on this CPU")
+
+
+needs_mkl = pytest.mark.skipif(not decode_products._available("mkl", torch.float32), reason="this torch build has no MKL packed products")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +67,7 @@ def test_a_packed_product_is_the_stacked_modules_products_bit_for_bit(dtype):
     torch.manual_seed(0)
     layers = torch.nn.ModuleList(torch.nn.Linear(64, n, bias=bias, dtype=dtype) for n, bias in ((64, True), (32, True), (32, False)))
     q, k, v = cpu_linear.install(layers)  # as rlctl's models hold them
-    product = PackedProduct([q, k, v], rows=16)
+    product = OneDNNPackedProduct([q, k, v], rows=16)
     for rows in (2, 3, 16, 64):
         x = torch.randn(rows, 64, dtype=dtype)
         with torch.no_grad():
@@ -62,19 +77,33 @@ def test_a_packed_product_is_the_stacked_modules_products_bit_for_bit(dtype):
 
 
 def test_packing_is_chosen_where_it_was_measured_to_pay(monkeypatch, linear_path):
-    model = torch.nn.Module()
-    model.lm_head = torch.nn.Linear(4, 4)
-    linear_path("blas")  # MKL's fp32 products (Intel CPUs, AVX2-only CPUs): not measured packed
-    assert not packs(model, CPU, rows=64)
+    model = head_only()
+    linear_path("onednn")  # non-Intel x86 CPUs with AVX-512
+    assert packing(model, CPU, rows=64) == ("onednn" if decode_products._available("onednn", torch.float32) else None)
+    assert packing(model, CPU, rows=1) is None  # one row: the modules
+    assert packing(model, torch.device("meta"), rows=64) is None  # GPUs: the modules
+    linear_path("blas")  # MKL's fp32 products: packed where it runs its Intel kernels (Intel CPUs, AVX2-only AMD with the library)
+    monkeypatch.setattr(mkl_kernels, "runs_intel_kernels", lambda cpuinfo: True)
+    assert packing(model, CPU, rows=64) == ("mkl" if decode_products._available("mkl", torch.float32) else None)
+    monkeypatch.setattr(mkl_kernels, "runs_intel_kernels", lambda cpuinfo: False)
+    assert packing(model, CPU, rows=64) is None  # MKL's generic kernels: measured no faster packed
+    linear_path("weight-first")
+    assert packing(model, CPU, rows=64) is None
+
+
+def test_the_override_keeps_the_modules_or_names_the_library(monkeypatch, linear_path):
+    model = head_only()
     linear_path("onednn")
-    assert packs(model, CPU, rows=64) == decode_products._available()
-    assert not packs(model, CPU, rows=1)  # one row: oneDNN's packed kernel sums in another order
-    assert not packs(model, torch.device("meta"), rows=64)  # GPUs: the modules
     monkeypatch.setenv(decode_products.OVERRIDE_ENV, "modules")
-    assert not packs(model, CPU, rows=64)
+    assert packing(model, CPU, rows=64) is None
+    for library in ("onednn", "mkl"):
+        monkeypatch.setenv(decode_products.OVERRIDE_ENV, library)
+        assert packing(model, CPU, rows=64) == (library if decode_products._available(library, torch.float32) else None)
+    monkeypatch.setenv(decode_products.OVERRIDE_ENV, "mkl")
+    assert packing(head_only(torch.bfloat16), CPU, rows=64) is None  # MKL packs fp32 only
     monkeypatch.setenv(decode_products.OVERRIDE_ENV, "prepacked")
     with pytest.raises(InputError, match=decode_products.OVERRIDE_ENV):
-        packs(model, CPU, rows=64)
+        packing(model, CPU, rows=64)
 
 
 def test_a_packed_copy_is_made_only_where_it_leaves_most_memory_free(monkeypatch):
@@ -86,13 +115,19 @@ def test_a_packed_copy_is_made_only_where_it_leaves_most_memory_free(monkeypatch
     monkeypatch.setattr(decode_products, "_available_memory", lambda: 1024)
     model = torch.nn.Module()
     model.lm_head = torch.nn.Linear(64, 64)
-    assert not packs(model, CPU, rows=64)
+    assert packing(model, CPU, rows=64) is None
+    bytes_ = sum(p.numel() * p.element_size() for p in model.parameters())
+    monkeypatch.setattr(decode_products, "_available_memory", lambda: int(1.5 * bytes_ / decode_products.MEMORY_SHARE))
+    monkeypatch.setenv(decode_products.OVERRIDE_ENV, "mkl")  # MKL holds the stacked weights too: two copies
+    assert packing(model, CPU, rows=64) is None
+    monkeypatch.setenv(decode_products.OVERRIDE_ENV, "onednn")
+    assert packing(model, CPU, rows=64) == ("onednn" if decode_products._available("onednn", torch.float32) else None)
 
 
 @needs_packing(torch.float32)
 def test_a_layers_products_are_the_modules_for_one_row_or_many(qwen2):
     model = qwen2.model
-    packed, modules = DecodeProducts(model, packed=True, rows=8), DecodeProducts(model, packed=False)
+    packed, modules = DecodeProducts(model, packing="onednn", rows=8), DecodeProducts(model)
     hidden = model.config.hidden_size
     with torch.no_grad():
         for rows in (1, 2, 8):
@@ -110,7 +145,7 @@ def test_generation_from_packed_products_gives_the_modules_tokens_and_logprobs(m
     batch = [qwen2.tokenizer(t)["input_ids"] for t in texts for _ in range(3)]
     qwen2.stop_ids = list(range(0, 512, 29))  # rows finish early: steps of fewer rows, down to one
     calls = []
-    monkeypatch.setattr(PackedProduct, "__call__", _counting(PackedProduct.__call__, calls))
+    monkeypatch.setattr(OneDNNPackedProduct, "__call__", _counting(OneDNNPackedProduct.__call__, calls))
     results = {}
     for choice in ("modules", "packed"):
         monkeypatch.setenv(decode_products.OVERRIDE_ENV, choice)
@@ -118,6 +153,37 @@ def test_generation_from_packed_products_gives_the_modules_tokens_and_logprobs(m
         assert bool(calls) == (choice == "packed" and (dtype == "fp32" or packed_here(torch.bfloat16)))
     for a, b in zip(results["modules"], results["packed"]):
         assert (a.response_ids, a.logprobs, a.finish_reason) == (b.response_ids, b.logprobs, b.finish_reason)
+
+
+@needs_mkl
+def test_an_mkl_packed_product_is_the_modules_products_to_rounding_as_rows_leave_and_return():
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(96, n, bias=bias) for n, bias in ((64, True), (32, False))]
+    product = MKLPackedProduct(layers, rows=16)
+    for rows, packed_for in ((16, 16), (13, 16), (12, 12), (10, 12), (9, 9), (2, 2), (16, 16), (40, 40)):
+        x = torch.randn(rows, 96)
+        with torch.no_grad():
+            got = product(x)
+            expected = torch.cat([layer(x) for layer in layers], dim=-1)
+        assert got.shape == (rows, 96) and product.rows == packed_for  # fewer rows padded, a quarter fewer or more repacked
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_mkl
+def test_generation_from_mkl_packed_products_gives_the_modules_tokens_and_logprobs_to_rounding(monkeypatch, qwen2):
+    texts = ["hello there", "12 + 3 =", "a"]
+    batch = [qwen2.tokenizer(t)["input_ids"] for t in texts for _ in range(3)]
+    qwen2.stop_ids = list(range(0, 512, 29))  # rows finish early: padded steps, repacks, one row
+    calls = []
+    monkeypatch.setattr(MKLPackedProduct, "__call__", _counting(MKLPackedProduct.__call__, calls))
+    results = {}
+    for choice in ("modules", "mkl"):
+        monkeypatch.setenv(decode_products.OVERRIDE_ENV, choice)
+        results[choice] = qwen2.generate(batch, SamplingParams(max_new_tokens=20, seed=3), batch_size=9, compute_dtype="fp32")
+        assert bool(calls) == (choice == "mkl")
+    for a, b in zip(results["modules"], results["mkl"]):
+        assert (a.response_ids, a.finish_reason) == (b.response_ids, b.finish_reason)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
 
 
 def test_nothing_is_packed_where_the_direct_step_does_not_run(monkeypatch, qwen2):

@@ -36,6 +36,14 @@ def test_the_override_asks_for_them_on_any_non_intel_x86_cpu_or_never():
     assert not mkl_kernels.wanted(AMD_ZEN3, "default")
 
 
+def test_mkl_runs_its_intel_kernels_on_intel_cpus_or_where_the_library_is_loaded(monkeypatch):
+    assert mkl_kernels.runs_intel_kernels(INTEL_XEON)
+    monkeypatch.setattr(mkl_kernels, "_state", mkl_kernels.DEFAULT)
+    assert not mkl_kernels.runs_intel_kernels(AMD_ZEN3) and not mkl_kernels.runs_intel_kernels(GRAVITON3)
+    monkeypatch.setattr(mkl_kernels, "_state", mkl_kernels.INTEL)
+    assert mkl_kernels.runs_intel_kernels(AMD_ZEN3)
+
+
 def test_a_bad_override_is_refused_with_the_choices():
     assert mkl_kernels.requested_mode({}) == "auto"
     assert mkl_kernels.requested_mode({"RLCTL_MKL_KERNELS": " Intel "}) == "intel"
