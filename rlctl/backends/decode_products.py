@@ -19,9 +19,9 @@ computes the model's products here (`packing`):
   Intel kernels (Intel CPUs; AMD CPUs with AVX2 only, where rlctl.mkl_kernels selects them). Its
   packed weight serves exactly the row count it was packed for, so a product pads a batch that
   lost rows up to that count, and repacks for the rows left when a quarter of them are gone.
-  Intel's AVX-512 kernels, run on a Zen 5: 64 × 64 tokens at 1.3× the tokens/s of the modules (MKL
-  re-packs a weight at every call, and takes 600–800 µs for gate/up at 16–56 rows against 490 at
-  64); AVX2 kernels: 8 rows 1.4×, 64 rows about even. Its sums leave the row-major product's order
+  Intel's AVX-512 kernels, run on a Zen 5 as on a Xeon: a 64 × 64 generation 0.81× the time (MKL
+  re-packs a weight at every row-major call, and takes 600–800 µs for gate/up at 16–56 rows against
+  490 at 64); its AVX2 kernels: 8–16 rows 0.67–0.78×, 64 rows about even. Its sums leave the row-major product's order
   where the reduction is long (the MLP's down projection) and below 13 rows: the same tokens,
   log-probs within ~2e-6.
 
