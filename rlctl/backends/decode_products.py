@@ -21,9 +21,9 @@ computes the model's products here (`packing`):
   lost rows up to that count, and repacks for the rows left when a quarter of them are gone.
   Intel's AVX-512 kernels, run on a Zen 5 as on a Xeon: a 64 × 64 generation 0.81× the time (MKL
   re-packs a weight at every row-major call, and takes 600–800 µs for gate/up at 16–56 rows against
-  490 at 64); its AVX2 kernels: 8–16 rows 0.67–0.78×, 64 rows about even. Its sums leave the row-major product's order
-  where the reduction is long (the MLP's down projection) and below 13 rows: the same tokens,
-  log-probs within ~2e-6.
+  490 at 64); its AVX2 kernels: 8–16 rows 0.67–0.78×, 64 rows about even. Its sums leave the
+  row-major product's order where the reduction is long (the MLP's down projection) and below 13
+  rows: the same tokens, log-probs within ~2e-6.
 
 bench/RESULTS.md, "Packed decode products" and "MKL's packed products". One-row steps use the
 modules with either library; GPUs always do. `RLCTL_DECODE_PRODUCTS=modules` keeps the modules,
@@ -87,8 +87,7 @@ class MKLPackedProduct:
     quarter fewer (`REPACK_SHARE`) or more rows than it repack."""
 
     def __init__(self, modules: Sequence[torch.nn.Linear], rows: int) -> None:
-        with torch.no_grad():
-            self.weight = stacked_weight(modules)  # what a repack packs (a stacked copy; a module's own weight alone)
+        self.weight = stacked_weight(modules)  # what a repack packs (a stacked copy; a module's own weight alone)
         self.bias = stacked_bias(modules)
         self.rows = 0
         self._pack(rows)
