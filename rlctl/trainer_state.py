@@ -108,8 +108,11 @@ def _state_dict(name: str, described: dict, tensors: dict[str, torch.Tensor], st
 
 
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The file's tensors in the process's own memory: `load_file` hands out views of a private
+    mapping of the file, and the optimizer writes its state in place at its first step, a
+    copy-on-write fault per page (small preset, 194 MB: 0.46 s against 0.06 s to copy)."""
     try:
-        return load_file(str(path))
+        return {name: tensor.clone() for name, tensor in load_file(str(path)).items()}
     except (OSError, SafetensorError, ValueError) as exc:
         raise InputError(f"{path}: unreadable safetensors file: {exc}") from exc
 

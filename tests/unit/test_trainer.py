@@ -1,11 +1,14 @@
 """The update: micro-batching is exactly one big batch; updates are deterministic and
-continue one another through the saved optimizer state."""
+continue one another through the saved optimizer state; what an optimizer writes in place (the
+trained weights, restored state) lives in the process's memory, not a file's mapping."""
 
+import os
 
 import numpy as np
 import pytest
 import torch
 
+from rlctl import trainer_state
 from rlctl.algos.losses import LOSS_AGG_MODES
 from rlctl.backends.hf import HFPolicy
 from rlctl.config import UpdateConfig
@@ -347,3 +350,39 @@ def test_a_token_cap_gives_the_same_gradient(policy, cap):
         grads.append(flat_gradients(policy.model))
     np.testing.assert_allclose(grads[1], grads[0], atol=1e-6 * max(np.abs(grads[0]).max(), 1.0), rtol=0)
 
+
+
+def mapped_file(tensor: torch.Tensor) -> str | None:
+    """The file whose mapping holds `tensor`'s memory (/proc/self/maps), None for the process's own."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5] if len(fields) > 5 and fields[5].startswith("/") else None
+    return None
+
+
+linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+
+
+@linux_only
+def test_the_trained_weights_leave_the_checkpoints_file_mapping_before_the_first_step(tiny_model):
+    policy = HFPolicy.load(tiny_model, "cpu")
+    if not any(str(mapped_file(p) or "").endswith(".safetensors") for p in policy.model.parameters()):
+        pytest.skip("this transformers copies the weights out of the file when loading")
+    before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
+    Trainer(policy, UpdateConfig(lr=1e-3))
+    assert all(mapped_file(p) is None for p in policy.model.parameters())  # an in-place step faults no page
+    assert all(torch.equal(before[name], p) for name, p in policy.model.named_parameters())
+
+
+@linux_only
+def test_restored_optimizer_state_lives_in_the_processs_memory(tmp_path, tiny_model):
+    _, trainer, _ = run_update(tiny_model, make_batch(0), UpdateConfig(lr=1e-3, micro_batch_size=4))
+    state = trainer.state_dict()
+    trainer_state.save(tmp_path, step=state["step"], optimizers={n: state.get(n) for n in trainer_state.OPTIMIZER_NAMES})
+    restored = trainer_state.load(tmp_path)["optimizer"]["state"]
+    tensors = [t for entry in restored.values() for t in entry.values() if isinstance(t, torch.Tensor) and t.numel() > 1024]
+    assert tensors and all(mapped_file(t) is None for t in tensors)
