@@ -448,12 +448,12 @@ for _info in [*app.registered_commands, *model_app.registered_commands, *config_
 
 def main() -> None:
     """Console entry point."""
-    from rlctl import mkl_kernels
+    from rlctl import process_setup
     from rlctl.threads import configure_openmp
 
     configure_openmp()  # before any command imports torch
     try:
-        mkl_kernels.enable()  # likewise: MKL's kernels are chosen when torch loads it
+        process_setup.prepare()  # likewise: MKL's kernels are chosen when torch loads it
     except InputError as exc:
         _err(f"rlctl: error: {exc}")
         sys.exit(2)

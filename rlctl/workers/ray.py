@@ -45,7 +45,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from rlctl import faults, mkl_kernels
+from rlctl import faults, malloc, mkl_kernels
 from rlctl.backends.base import Generation, SamplingParams
 from rlctl.config import Config, WorkersConfig
 from rlctl.dispatch import gather, row_slices
@@ -55,8 +55,8 @@ from rlctl.workers.gather import full_model_state, full_optimizer_state
 
 CONNECT_TIMEOUT = 5.0
 # run in every worker process of our Ray job before anything of ours: MKL's kernels are chosen
-# when torch loads it (rlctl.mkl_kernels; Ray takes this hook only for a whole job, at ray.init)
-WORKER_SETUP_HOOK = "rlctl.mkl_kernels.enable"
+# when torch loads it (rlctl.process_setup; Ray takes this hook only for a whole job, at ray.init)
+WORKER_SETUP_HOOK = "rlctl.process_setup.prepare"
 FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY")  # and every RLCTL_* (fault points, --no-verify) and VLLM_*
 
 
@@ -106,7 +106,8 @@ def start_ray(cfg: WorkersConfig, pools: int = 1) -> bool:
         check_reachable(cfg.address)
     if ray.is_initialized():  # a Python API user's own ray.init(): use that session
         return False
-    mkl_kernels.requested_mode()  # a bad RLCTL_MKL_KERNELS: one clear line here, not a worker failing to start
+    mkl_kernels.requested_mode()  # a bad RLCTL_MKL_KERNELS or RLCTL_MALLOC: one clear line here, not a worker failing to start
+    malloc.requested()
     options: dict[str, Any] = {
         "include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR", "configure_logging": True,
         "runtime_env": {"worker_process_setup_hook": WORKER_SETUP_HOOK},

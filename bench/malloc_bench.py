@@ -1,0 +1,118 @@
+"""Benchmark: the update's page faults and seconds with glibc's malloc thresholds kept
+(rlctl.malloc) and with glibc's own policy.
+
+Each setting in fresh processes (the thresholds are set once, at start), alternating: a `Trainer`
+on the TRL harness's batch shape (64 rows, 16 prompts of 12 tokens × 4 samples, responses of 40–64
+tokens, fp32 unless `--bf16`, the small preset by default) makes `--calls` updates; per call the minor page
+faults (getrusage) and seconds. The table gives each round's median over the calls after the
+first two (the first ones fault the process's memory in either way).
+
+    python -m bench.malloc_bench --rounds 2 --calls 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.pipeline_bench import machine_name, publish
+
+SETTINGS = ("default", "keep")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=7)
+    parser.add_argument("--bf16", default="false", choices=("false", "true", "auto"), help="the update's bf16 autocast (update.bf16)")
+    parser.add_argument("--append", help="append the Markdown result to this file")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one process's measurement, for this model folder
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(Path(args.one), args.calls, args.bf16)))
+        return
+
+    from rlctl.modelinit import init_model
+
+    folder = init_model(Path(tempfile.mkdtemp()) / args.preset, args.preset, seed=0)
+    rows = []
+    for r in range(args.rounds):
+        for setting in SETTINGS:
+            env = {**os.environ, "RLCTL_MALLOC": setting}
+            done = subprocess.run(
+                [sys.executable, "-m", "bench.malloc_bench", "--one", str(folder), "--calls", str(args.calls), "--bf16", args.bf16],
+                capture_output=True, text=True, env=env, check=True,
+            )
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            rows.append((r + 1, setting, result))
+
+    def cell(result: dict) -> str:
+        later = result["calls"][2:]
+        seconds = statistics.median(c["seconds"] for c in later)
+        faults = statistics.median(c["faults"] for c in later)
+        return f"{seconds:.2f} s, {faults / 1000:.0f}k faults ({result['state']})"
+
+    lines = [
+        f"- machine: {machine_name('cpu')}, Python {platform.python_version()}",
+        f"- command: `python -m bench.malloc_bench --preset {args.preset} --rounds {args.rounds} --calls {args.calls} --bf16 {args.bf16}`",
+        f"- per update call, median over calls 3–{args.calls} of one process; settings alternating",
+        "",
+        "| round | RLCTL_MALLOC=default | RLCTL_MALLOC=keep |",
+        "|---|---|---|",
+        *(f"| {r} | {cell(_pick(rows, r, 'default'))} | {cell(_pick(rows, r, 'keep'))} |" for r in range(1, args.rounds + 1)),
+    ]
+    publish(lines, args.append)
+
+
+def _pick(rows: list, round_: int, setting: str) -> dict:
+    return next(result for r, s, result in rows if r == round_ and s == setting)
+
+
+def measure(folder: Path, calls: int, bf16: str) -> dict:
+    """In this process: rlctl's process setup, then `calls` updates on the harness's shape."""
+    from rlctl import malloc, process_setup
+
+    process_setup.prepare()
+    import resource
+    import time
+
+    import torch
+
+    from rlctl.backends.hf import HFPolicy
+    from rlctl.config import UpdateConfig
+    from rlctl.trainer import TrainBatch, Trainer
+
+    policy = HFPolicy.load(str(folder), "cpu")
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 64, min(1000, policy.model.config.vocab_size)
+    prompt_ids = [torch.randint(3, vocab, (12,), generator=g).tolist() for _ in range(16) for _ in range(4)]
+    response_ids = [torch.randint(3, vocab, (40 + (i * 7) % 25,), generator=g).tolist() for i in range(rows)]
+    width = max(len(r) for r in response_ids)
+    mask = torch.tensor([[t < len(r) for t in range(width)] for r in response_ids])
+
+    def noise(scale: float) -> torch.Tensor:
+        return torch.where(mask, torch.randn(rows, width, generator=g) * scale, 0)
+
+    batch = TrainBatch(
+        prompt_ids=prompt_ids, response_ids=response_ids, response_mask=mask, advantages=noise(1.0),
+        old_logprobs=noise(0.1) - 6.0, ref_logprobs=noise(0.1) - 6.0, old_values=None, returns=None,
+    )
+    trainer = Trainer(policy, UpdateConfig(lr=1e-6, micro_batch_size=rows, use_kl_loss=True, kl_loss_coef=0.04, bf16=bf16))
+    results = []
+    for _ in range(calls):
+        faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+        trainer.train(batch)
+        results.append({"seconds": time.perf_counter() - start, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults})
+    return {"state": malloc.state(), "calls": results}
+
+
+if __name__ == "__main__":
+    main()
