@@ -14,7 +14,6 @@ first thing; `RLCTL_MALLOC=default` leaves glibc's own policy. Other C libraries
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 from rlctl.errors import InputError
@@ -65,9 +64,10 @@ def state() -> str | None:
 
 
 def _glibc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
+    """The C library this process runs on, if it is glibc (its own symbols: no library search,
+    which would spawn `ldconfig` at every start)."""
     try:
-        libc = ctypes.CDLL(name) if name else None
+        libc = ctypes.CDLL(None)
     except OSError:
         return None
-    return libc if libc is not None and hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt") else None
+    return libc if hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt") else None
