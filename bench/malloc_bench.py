@@ -3,8 +3,8 @@
 
 Each setting in fresh processes (the thresholds are set once, at start), alternating: a `Trainer`
 on the TRL harness's batch shape (64 rows, 16 prompts of 12 tokens × 4 samples, responses of 40–64
-tokens, fp32 unless `--bf16`, the small preset by default) makes `--calls` updates; per call the minor page
-faults (getrusage) and seconds. The table gives each round's median over the calls after the
+tokens, fp32 unless `--bf16`, the small preset by default) makes `--calls` updates; per call the
+minor page faults (getrusage) and seconds. The table gives each round's median over the calls after the
 first two (the first ones fault the process's memory in either way).
 
     python -m bench.malloc_bench --rounds 2 --calls 7
@@ -43,16 +43,15 @@ def main() -> None:
     from rlctl.modelinit import init_model
 
     folder = init_model(Path(tempfile.mkdtemp()) / args.preset, args.preset, seed=0)
-    rows = []
-    for r in range(args.rounds):
+    results: dict[tuple[int, str], dict] = {}  # (round, setting) → one process's measurement
+    for r in range(1, args.rounds + 1):
         for setting in SETTINGS:
             env = {**os.environ, "RLCTL_MALLOC": setting}
             done = subprocess.run(
                 [sys.executable, "-m", "bench.malloc_bench", "--one", str(folder), "--calls", str(args.calls), "--bf16", args.bf16],
                 capture_output=True, text=True, env=env, check=True,
             )
-            result = json.loads(done.stdout.strip().splitlines()[-1])
-            rows.append((r + 1, setting, result))
+            results[r, setting] = json.loads(done.stdout.strip().splitlines()[-1])
 
     def cell(result: dict) -> str:
         later = result["calls"][2:]
@@ -67,13 +66,9 @@ def main() -> None:
         "",
         "| round | RLCTL_MALLOC=default | RLCTL_MALLOC=keep |",
         "|---|---|---|",
-        *(f"| {r} | {cell(_pick(rows, r, 'default'))} | {cell(_pick(rows, r, 'keep'))} |" for r in range(1, args.rounds + 1)),
+        *(f"| {r} | {cell(results[r, 'default'])} | {cell(results[r, 'keep'])} |" for r in range(1, args.rounds + 1)),
     ]
     publish(lines, args.append)
-
-
-def _pick(rows: list, round_: int, setting: str) -> dict:
-    return next(result for r, s, result in rows if r == round_ and s == setting)
 
 
 def measure(folder: Path, calls: int, bf16: str) -> dict:

@@ -3,9 +3,10 @@
 torch's CPU tensors come from malloc. glibc serves a block above its mmap threshold from a
 mapping of its own and unmaps it when freed, and gives the heap's free top back once it passes
 the trim threshold, so every training pass faults its activations' pages in again (small
-preset, the TRL harness's update: 30–120 thousand minor faults per update after the first).
+preset, the TRL harness's update: 16–180 thousand minor faults per update after the first two).
 With the mmap threshold at glibc's maximum (32 MB) and trimming only past 1 GiB, the same
-update faults almost no page and takes 4–5% less (bench/RESULTS.md, "Freed memory kept").
+update faults 0–3 thousand pages and takes 3–14% less (bench/malloc_bench.py; bench/RESULTS.md,
+"Freed memory kept").
 What it costs: memory freed in blocks under 32 MB stays with the process, up to its peak use,
 instead of going back while it runs. The CLI and rlctl's Ray workers call `keep_freed_memory()`
 first thing; `RLCTL_MALLOC=default` leaves glibc's own policy. Other C libraries: nothing changes.
