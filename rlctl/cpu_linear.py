@@ -1,17 +1,20 @@
 """fp32 linear layers on the CPU, computed the way this CPU runs them fastest.
 
 torch's x86 CPU build does fp32 matmuls in MKL, and MKL picks its kernels by CPU vendor: on
-an AMD EPYC with full-width AVX-512 (Zen 5) it runs its AVX2 path at about 210 GFLOP/s on two
-cores, while oneDNN (also in every x86 torch build) runs the same fp32 GEMMs with AVX-512 at
-about 460 (bench/RESULTS.md). So on a non-Intel x86 CPU with AVX-512 the `nn.Linear` layers of
-the models rlctl holds compute their fp32 forward and both backward GEMMs with oneDNN ("onednn").
-On a non-Intel x86 CPU with AVX2 only (Zen 3) oneDNN is no faster end to end, but MKL's x·Wᵀ
-for a few rows is: as W·xᵀ (the weight first) the small preset's shapes ran 40–50% faster at
-64 rows. Outside the MLP the result's layout costs what that saves, so only the gated MLP's
-projections (gate, up, down) go weight-first, for inference calls of few rows: generation's
-decode steps and prompt passes ("weight-first": 4–10% less per generation, the same tokens) —
-unless MKL runs its Intel kernels there (rlctl.mkl_kernels, the default where a C compiler
-is found): those run x·Wᵀ for few rows as fast, and weight-first was then 8% slower ("blas").
+an AMD EPYC with full-width AVX-512 (Zen 5) its own choice is its AVX2 path, about 210 GFLOP/s
+on two cores, while oneDNN (also in every x86 torch build) runs the same fp32 GEMMs with
+AVX-512 at about 460 (bench/RESULTS.md). rlctl.mkl_kernels makes MKL run its Intel kernels
+there (its AVX-512 ones, ~430 GFLOP/s, and an fp32 update 37% faster than with oneDNN's
+products); only where that library could not be loaded (no C compiler) do the `nn.Linear`
+layers of the models rlctl holds on a non-Intel x86 CPU with AVX-512 compute their fp32
+forward and both backward GEMMs with oneDNN ("onednn").
+On a non-Intel x86 CPU with AVX2 only (Zen 3) oneDNN is no faster end to end, but MKL's own
+x·Wᵀ for a few rows is slower: as W·xᵀ (the weight first) the small preset's shapes ran 40–50%
+faster at 64 rows. Outside the MLP the result's layout costs what that saves, so only the gated
+MLP's projections (gate, up, down) go weight-first, for inference calls of few rows:
+generation's decode steps and prompt passes ("weight-first": 4–10% less per generation, the
+same tokens) — unless MKL runs its Intel kernels there (the default where a C compiler is
+found): those run x·Wᵀ for few rows as fast, and weight-first was then 8% slower ("blas").
 On Intel CPUs (where MKL runs its own kernels), under autocast, in bf16, for training and on
 GPUs nothing changes ("blas"). The results are fp32 either way (other summation orders: within ~1e-6).
 `RLCTL_CPU_LINEAR=onednn|weight-first|blas` overrides the choice; it is made once per process.
@@ -33,10 +36,12 @@ MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # gated MLPs: Llama, Qw
 WEIGHT_FIRST_MAX_ROWS = 256  # up to here W·xᵀ measured faster than x·Wᵀ for every shape (Zen 3)
 
 
-def prefers_onednn(cpuinfo: str) -> bool:
+def prefers_onednn(cpuinfo: str, *, mkl_intel_kernels: bool = False) -> bool:
     """Does this CPU (the text of /proc/cpuinfo) run fp32 GEMMs faster in oneDNN than in MKL?
-    Yes for x86 CPUs of another vendor than Intel that have AVX-512."""
-    return mkl_kernels.is_non_intel_x86(cpuinfo) and "avx512f" in cpu_flags(cpuinfo)
+    Yes for x86 CPUs of another vendor than Intel that have AVX-512, where MKL runs its own
+    choice of kernels (AVX2 at most); not where it runs its Intel ones (`mkl_intel_kernels`:
+    rlctl.mkl_kernels), its AVX-512 kernels there."""
+    return mkl_kernels.is_non_intel_x86(cpuinfo) and "avx512f" in cpu_flags(cpuinfo) and not mkl_intel_kernels
 
 
 def prefers_weight_first(cpuinfo: str, *, mkl_intel_kernels: bool = False) -> bool:
@@ -53,9 +58,10 @@ def linear_path() -> str:
     if override in CHOICES:
         return "blas" if override == "onednn" and not _available() else override
     cpuinfo = cpuinfo_text()
-    if _available() and prefers_onednn(cpuinfo):
+    intel_kernels = mkl_kernels.active()
+    if _available() and prefers_onednn(cpuinfo, mkl_intel_kernels=intel_kernels):
         return "onednn"
-    return "weight-first" if prefers_weight_first(cpuinfo, mkl_intel_kernels=mkl_kernels.active()) else "blas"
+    return "weight-first" if prefers_weight_first(cpuinfo, mkl_intel_kernels=intel_kernels) else "blas"
 
 
 def _available() -> bool:

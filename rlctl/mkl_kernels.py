@@ -1,24 +1,29 @@
-"""MKL's Intel kernels on AMD CPUs with AVX2 and no AVX-512 (Zen 2, Zen 3).
+"""MKL's Intel kernels on x86 CPUs of other vendors (AMD Zen 2 to Zen 5).
 
 torch's x86 build does its fp32 GEMMs in MKL, and MKL picks its kernels by CPU vendor: on a
-CPU that is not Intel it runs a slower generic path. Measured on a 2-core Zen 3 (AVX2 + FMA,
-no AVX-512, no native bf16: rlctl trains in fp32 there): with MKL's Intel AVX2 kernels a
-2048³ GEMM runs at ~128 instead of ~98 GFLOP/s, the small preset's 64-row GEMMs 15–35% faster,
-and the work of one GRPO iteration takes 10–17% less (bench/RESULTS.md, "MKL's Intel kernels").
+CPU that is not Intel it runs a slower generic path (AVX2 at most). Measured on a 2-core Zen 3
+(AVX2 + FMA, no AVX-512, no native bf16: rlctl trains in fp32 there): with MKL's Intel AVX2
+kernels a 2048³ GEMM runs at ~128 instead of ~98 GFLOP/s, the small preset's 64-row GEMMs
+15–35% faster, and the work of one GRPO iteration takes 10–17% less. On a 2-core Zen 5
+(AVX-512) MKL then runs its AVX-512 kernels (2048³: ~430 instead of ~200 GFLOP/s), and an fp32
+iteration of the TRL harness's work takes ~26% less than with oneDNN computing the products,
+which rlctl did there before (update −37%); bf16 runs in oneDNN either way (bench/RESULTS.md,
+"MKL's Intel kernels", "MKL's AVX-512 kernels on an AMD CPU with AVX-512").
 
 MKL asks one exported function, `mkl_serv_intel_cpu_true`, whether the CPU is an Intel one.
 A one-line library that defines it to answer yes, loaded with RTLD_GLOBAL before torch is,
 comes first in the dynamic linker's search, and MKL then chooses its kernels from the CPU's
-feature flags as it does on Intel CPUs (AVX2 here: the CPU has every instruction they use).
+feature flags as it does on Intel CPUs (the CPU has every instruction they use).
 The library is compiled from `SOURCE` with the system's C compiler once, into rlctl's cache;
-without a compiler MKL keeps its own choice, and everything still works.
+without a compiler MKL keeps its own choice (and rlctl.cpu_linear moves fp32 products to
+oneDNN where the CPU has AVX-512), and everything still works.
 
 Where: the CLI (`rlctl.cli.main`) and rlctl's Ray workers call `enable()` before they import
-torch; a Python program using rlctl as a library may call it first thing. On Intel CPUs, on
-AMD CPUs with AVX-512 (oneDNN runs their fp32 GEMMs: rlctl.cpu_linear), off x86 and on GPUs
-nothing changes. `RLCTL_MKL_KERNELS=auto|intel|default` overrides: `intel` on any non-Intel
-x86 CPU, `default` never. Results are fp32 either way (other kernels: other summation orders,
-within ~1e-6), and a pipeline records the choice in each stage's manifest (`mkl_kernels`).
+torch (`rlctl.process_setup`); a Python program using rlctl as a library may call it first
+thing. On Intel CPUs, on x86 CPUs without AVX2, off x86 and on GPUs nothing changes.
+`RLCTL_MKL_KERNELS=auto|intel|default` overrides: `intel` on any non-Intel x86 CPU, `default`
+never. Results are fp32 either way (other kernels: other summation orders, within ~1e-6), and
+a pipeline records the choice in each stage's manifest (`mkl_kernels`).
 """
 
 from __future__ import annotations
@@ -79,12 +84,18 @@ def requested_mode(environ: dict | None = None) -> str:
     return mode
 
 
+def is_non_intel_with_avx2(cpuinfo: str) -> bool:
+    """A non-Intel x86 CPU with AVX2 (with or without AVX-512: Zen 2 to Zen 5)."""
+    return is_non_intel_x86(cpuinfo) and "avx2" in cpu_flags(cpuinfo)
+
+
 def wanted(cpuinfo: str, mode: str) -> bool:
-    """Whether MKL should run its Intel kernels on this CPU: measured faster on AVX2-only AMD
-    CPUs ("auto"); on any non-Intel x86 CPU when asked ("intel")."""
+    """Whether MKL should run its Intel kernels on this CPU: measured faster on AMD CPUs with
+    AVX2 only (Zen 3) and with AVX-512 (Zen 5) ("auto"); on any non-Intel x86 CPU when asked
+    ("intel")."""
     if mode == "default":
         return False
-    return is_non_intel_x86(cpuinfo) if mode == "intel" else is_avx2_only(cpuinfo)
+    return is_non_intel_x86(cpuinfo) if mode == "intel" else is_non_intel_with_avx2(cpuinfo)
 
 
 def cache_dir(environ: dict | None = None) -> Path:

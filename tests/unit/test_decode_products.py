@@ -44,12 +44,28 @@ def head_only(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 
 
 def packed_here(dtype: torch.dtype) -> bool:
-    """Does rlctl pack `dtype` decode products with oneDNN on this CPU?"""
+    """Does rlctl pack `dtype` decode products with oneDNN on this CPU where its fp32 layers run
+    in oneDNN (bf16: where oneDNN has native bf16; fp32: where this torch has oneDNN's layers)?"""
+    if dtype == torch.float32:
+        return cpu_linear._available() and decode_products._available("onednn", dtype)
     return packing(head_only(dtype), CPU, rows=64) == "onednn"
 
 
 def needs_packing(dtype: torch.dtype):
     return pytest.mark.skipif(not packed_here(dtype), reason=f"rlctl does not pack {dtype} decode products with oneDNN on this CPU")
+
+
+@pytest.fixture(scope="module")
+def qwen2_onednn(tmp_path_factory, tiny_model):
+    """The qwen2 test model with rlctl's fp32 layers in oneDNN, as an AMD CPU with AVX-512 holds it
+    where MKL's Intel kernels could not be loaded (tests that decode with it choose that path too:
+    the `linear_path` fixture)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(cpu_linear.OVERRIDE_ENV, "onednn")
+        cpu_linear.linear_path.cache_clear()
+        policy = HFPolicy.load(model_folder(tmp_path_factory, tiny_model, "qwen2"), "cpu")
+    cpu_linear.linear_path.cache_clear()
+    return policy
 
 
 needs_mkl = pytest.mark.skipif(not decode_products._available("mkl", torch.float32), reason="this torch build has no MKL packed products")
@@ -61,9 +77,10 @@ def qwen2(tmp_path_factory, tiny_model):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_packed_product_is_the_stacked_modules_products_bit_for_bit(dtype):
+def test_a_packed_product_is_the_stacked_modules_products_bit_for_bit(dtype, linear_path):
     if not packed_here(dtype):
         pytest.skip(f"rlctl does not pack {dtype} decode products on this CPU")
+    linear_path("onednn")
     torch.manual_seed(0)
     layers = torch.nn.ModuleList(torch.nn.Linear(64, n, bias=bias, dtype=dtype) for n, bias in ((64, True), (32, True), (32, False)))
     q, k, v = cpu_linear.install(layers)  # as rlctl's models hold them
@@ -78,11 +95,11 @@ def test_a_packed_product_is_the_stacked_modules_products_bit_for_bit(dtype):
 
 def test_packing_is_chosen_where_it_was_measured_to_pay(monkeypatch, linear_path):
     model = head_only()
-    linear_path("onednn")  # non-Intel x86 CPUs with AVX-512
+    linear_path("onednn")  # non-Intel x86 CPUs with AVX-512 where MKL's Intel kernels could not be loaded
     assert packing(model, CPU, rows=64) == ("onednn" if decode_products._available("onednn", torch.float32) else None)
     assert packing(model, CPU, rows=1) is None  # one row: the modules
     assert packing(model, torch.device("meta"), rows=64) is None  # GPUs: the modules
-    linear_path("blas")  # MKL's fp32 products: packed where it runs its Intel kernels (Intel CPUs, AVX2-only AMD with the library)
+    linear_path("blas")  # MKL's fp32 products: packed where it runs its Intel kernels (Intel CPUs, AMD CPUs with the library)
     monkeypatch.setattr(mkl_kernels, "runs_intel_kernels", lambda cpuinfo: True)
     assert packing(model, CPU, rows=64) == ("mkl" if decode_products._available("mkl", torch.float32) else None)
     monkeypatch.setattr(mkl_kernels, "runs_intel_kernels", lambda cpuinfo: False)
@@ -125,8 +142,8 @@ def test_a_packed_copy_is_made_only_where_it_leaves_most_memory_free(monkeypatch
 
 
 @needs_packing(torch.float32)
-def test_a_layers_products_are_the_modules_for_one_row_or_many(qwen2):
-    model = qwen2.model
+def test_a_layers_products_are_the_modules_for_one_row_or_many(qwen2_onednn):
+    model = qwen2_onednn.model
     packed, modules = DecodeProducts(model, packing="onednn", rows=8), DecodeProducts(model)
     hidden = model.config.hidden_size
     with torch.no_grad():
@@ -140,7 +157,9 @@ def test_a_layers_products_are_the_modules_for_one_row_or_many(qwen2):
 
 @needs_packing(torch.float32)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_generation_from_packed_products_gives_the_modules_tokens_and_logprobs(monkeypatch, qwen2, dtype):
+def test_generation_from_packed_products_gives_the_modules_tokens_and_logprobs(monkeypatch, linear_path, qwen2_onednn, dtype):
+    qwen2 = qwen2_onednn
+    linear_path("onednn")
     texts = ["hello there", "12 + 3 =", "a"]
     batch = [qwen2.tokenizer(t)["input_ids"] for t in texts for _ in range(3)]
     qwen2.stop_ids = list(range(0, 512, 29))  # rows finish early: steps of fewer rows, down to one
