@@ -16,6 +16,13 @@ def effective_temperature(temperature: float) -> float:
     return temperature if temperature > 0 else 1.0
 
 
+def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature in float32, without the division where temperature is 1 (x / 1 is
+    x exactly): over a [positions, V] tensor it is a pass of its own, and one more in backward."""
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature
+
+
 # float32 elements of one chunk's [rows, V] work tensors (64 MiB): a 151,936-token vocabulary
 # is taken ~110 positions at a time, a small one all at once
 CHUNK_ELEMENTS = 1 << 24
@@ -36,7 +43,7 @@ def logprobs_and_entropy(
     shape = tokens.shape
     temperature = effective_temperature(temperature)
     if logits.numel() <= CHUNK_ELEMENTS:
-        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        logp = torch.log_softmax(scaled(logits, temperature), dim=-1)
         entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
         return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), entropy
     flat_logits, flat_tokens = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)
@@ -58,7 +65,7 @@ def _chunked_forward(logits: torch.Tensor, tokens: torch.Tensor, temperature: fl
     step = _chunk_rows(logits.shape[-1])
     for start in range(0, logits.shape[0], step):
         rows = slice(start, start + step)
-        chunk = torch.log_softmax(logits[rows].float() / temperature, dim=-1)
+        chunk = torch.log_softmax(scaled(logits[rows], temperature), dim=-1)
         logp[rows] = chunk.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)
         if with_entropy:
             entropy[rows] = -(chunk.exp() * chunk).sum(-1)
@@ -90,7 +97,7 @@ class ChunkedLogSoftmax(torch.autograd.Function):
         step = _chunk_rows(logits.shape[-1])
         for start in range(0, logits.shape[0], step):
             rows = slice(start, start + step)
-            logp = torch.log_softmax(logits[rows].float() / ctx.temperature, dim=-1)
+            logp = torch.log_softmax(scaled(logits[rows], ctx.temperature), dim=-1)
             p = logp.exp()
             g = torch.zeros_like(p)
             if grad_logp is not None:
@@ -98,7 +105,7 @@ class ChunkedLogSoftmax(torch.autograd.Function):
                 g.scatter_add_(-1, tokens[rows].unsqueeze(-1), grad_logp[rows].unsqueeze(-1).float())
             if grad_entropy is not None:
                 g -= p * (logp + entropy[rows].unsqueeze(-1)) * grad_entropy[rows].unsqueeze(-1)
-            grad[rows] = g / ctx.temperature
+            grad[rows] = g if ctx.temperature == 1.0 else g / ctx.temperature
         return grad, None, None
 
 
@@ -109,12 +116,12 @@ def sample_next(
 
     Sampling is by inverse CDF from one uniform number per row, so a row's token depends only
     on its own logits and its own random stream, not on which other rows share the batch."""
-    scaled = logits.float() / effective_temperature(temperature)
-    logp = torch.log_softmax(scaled, dim=-1)
+    x = scaled(logits, effective_temperature(temperature))
+    logp = torch.log_softmax(x, dim=-1)
     if temperature <= 0:
-        tokens = scaled.argmax(-1)
+        tokens = x.argmax(-1)
     else:
-        filtered = truncate_logits(logits=scaled, top_p=top_p, top_k=top_k)
+        filtered = truncate_logits(logits=x, top_p=top_p, top_k=top_k)
         cdf = torch.softmax(filtered, dim=-1).cumsum(-1)
         threshold = uniform.to(cdf.device, cdf.dtype).unsqueeze(-1) * cdf[:, -1:]  # < the total mass, so a token always wins
         tokens = (cdf < threshold).sum(-1).clamp(max=cdf.shape[-1] - 1)

@@ -73,8 +73,9 @@ def reference_logprobs_and_entropy(logits, tokens, temperature):
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_log_probs_and_entropy_a_chunk_at_a_time_have_the_values_and_gradients_of_one_log_softmax(monkeypatch, dtype):
+def test_log_probs_and_entropy_a_chunk_at_a_time_have_the_values_and_gradients_of_one_log_softmax(monkeypatch, dtype, temperature):
     """Chunks of positions (here 3 of a 2 × 5 batch) give the values of one log_softmax over
     all positions bit for bit, and their hand-written backward autograd's gradients, in float32
     math from bf16 logits too; an output the loss does not use adds nothing."""
@@ -86,8 +87,8 @@ def test_log_probs_and_entropy_a_chunk_at_a_time_have_the_values_and_gradients_o
     tokens = torch.randint(0, 13, (2, 5), generator=g)
     w_logp, w_entropy = torch.randn(2, 5, generator=g), torch.randn(2, 5, generator=g)
     grads = {}
-    for name, fn in (("chunked", lambda x: logprobs_and_entropy(logits=x, tokens=tokens, temperature=0.7)),
-                     ("reference", lambda x: reference_logprobs_and_entropy(x, tokens, 0.7))):
+    for name, fn in (("chunked", lambda x: logprobs_and_entropy(logits=x, tokens=tokens, temperature=temperature)),
+                     ("reference", lambda x: reference_logprobs_and_entropy(x, tokens, temperature))):
         for uses in ("both", "logp"):
             x = logits.clone().requires_grad_(True)
             logp, entropy = fn(x)
@@ -100,4 +101,30 @@ def test_log_probs_and_entropy_a_chunk_at_a_time_have_the_values_and_gradients_o
         assert grad.dtype == dtype
         torch.testing.assert_close(grad.float(), want_grad.float(), atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-5 if dtype == torch.float32 else 1e-2)
     with torch.no_grad():
-        assert torch.equal(token_logprobs(logits=logits, tokens=tokens, temperature=0.7), grads["reference", "both"][0])
+        assert torch.equal(token_logprobs(logits=logits, tokens=tokens, temperature=temperature), grads["reference", "both"][0])
+
+
+@pytest.mark.parametrize("chunk_elements", [None, 3 * 13])
+def test_at_temperature_one_nothing_is_divided(monkeypatch, chunk_elements):
+    """x / 1 is x: no pass over the [positions, V] logits for it, forward or backward, whole or
+    a chunk at a time, nor when sampling."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rlctl.algos import logprobs
+
+    class Divisions(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Divisions.count += func.overloadpacket in (torch.ops.aten.div, torch.ops.aten.div_)
+            return func(*args, **(kwargs or {}))
+
+    if chunk_elements:
+        monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", chunk_elements)
+    logits = torch.randn(2, 5, 13, requires_grad=True)
+    tokens = torch.randint(0, 13, (2, 5))
+    with Divisions():
+        logp, entropy = logprobs_and_entropy(logits=logits, tokens=tokens, temperature=1.0)
+        (logp.sum() + entropy.sum()).backward()
+        sample_next(logits=logits.detach()[0], temperature=1.0, top_p=0.9, top_k=5, uniform=torch.rand(5))
+    assert Divisions.count == 0
