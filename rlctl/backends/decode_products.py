@@ -10,20 +10,20 @@ it takes at most a quarter of the memory available. Which library packs follows 
 computes the model's products here (`packing`):
 
 - oneDNN: fp32 where rlctl computes fp32 linear layers in oneDNN (rlctl.cpu_linear: non-Intel x86
-  CPUs with AVX-512 where MKL's Intel kernels could not be loaded), bf16 where oneDNN computes it. Small preset, 64 rows, per layer, on a Zen 5:
-  q/k/v 196 → 148 µs and gate/up 449 → 390 µs in fp32, a third to a half less at 8 rows; a 64 × 64
-  generation 0.90× the time. For two rows or more it sums in the order of the row-major product
-  (bit for bit); for one row its packed kernel sums in another order, so one-row steps use the
-  modules.
+  CPUs with AVX-512 where MKL's Intel kernels could not be loaded), bf16 where oneDNN computes it.
+  Small preset, 64 rows, per layer, on a Zen 5: q/k/v 196 → 148 µs and gate/up 449 → 390 µs in
+  fp32, a third to a half less at 8 rows; a 64 × 64 generation 0.90× the time. For two rows or
+  more it sums in the order of the row-major product (bit for bit); for one row its packed kernel
+  sums in another order, so one-row steps use the modules.
 - MKL (`cblas_sgemm_pack` / `cblas_sgemm_compute`): fp32 where MKL computes the products with its
-  Intel kernels (Intel CPUs; AMD CPUs, where rlctl.mkl_kernels selects them). Its
-  packed weight serves exactly the row count it was packed for, so a product pads a batch that
-  lost rows up to that count, and repacks for the rows left when a quarter of them are gone.
-  Intel's AVX-512 kernels, run on a Zen 5 as on a Xeon: a 64 × 64 generation 0.81× the time (MKL
-  re-packs a weight at every row-major call, and takes 600–800 µs for gate/up at 16–56 rows against
-  490 at 64); its AVX2 kernels: 8–16 rows 0.67–0.78×, 64 rows about even. Its sums leave the
-  row-major product's order where the reduction is long (the MLP's down projection) and below 13
-  rows: the same tokens, log-probs within ~2e-6.
+  Intel kernels (Intel CPUs; AMD CPUs, where rlctl.mkl_kernels selects them). Its packed weight
+  serves exactly the row count it was packed for, so a product pads a batch that lost rows up to
+  that count, and repacks for the rows left when a quarter of them are gone. Intel's AVX-512
+  kernels, run on a Zen 5 as on a Xeon: a 64 × 64 generation 0.81× the time (MKL re-packs a weight
+  at every row-major call, and takes 600–800 µs for gate/up at 16–56 rows against 490 at 64); its
+  AVX2 kernels: 8–16 rows 0.67–0.78×, 64 rows about even. Its sums leave the row-major product's
+  order where the reduction is long (the MLP's down projection) and below 13 rows: the same
+  tokens, log-probs within ~2e-6.
 
 bench/RESULTS.md, "Packed decode products" and "MKL's packed products". One-row steps use the
 modules with either library; GPUs always do. `RLCTL_DECODE_PRODUCTS=modules` keeps the modules,

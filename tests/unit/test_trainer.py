@@ -351,7 +351,6 @@ def test_a_token_cap_gives_the_same_gradient(policy, cap):
     np.testing.assert_allclose(grads[1], grads[0], atol=1e-6 * max(np.abs(grads[0]).max(), 1.0), rtol=0)
 
 
-
 def mapped_file(tensor: torch.Tensor) -> str | None:
     """The file whose mapping holds `tensor`'s memory (/proc/self/maps), None for the process's own."""
     address = tensor.data_ptr()
