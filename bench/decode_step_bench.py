@@ -1,19 +1,23 @@
 """Benchmark: generation with rlctl's direct decode step against transformers' forward, or
-with its products from packed weights against the modules' (`--compare products`).
+with its products from packed weights against the modules' (`--compare products`), or its decode
+loop in inference mode against plain no-grad mode (`--compare inference`).
 
 The HF engine's `generate` on the same prompts with the two settings of the switch alternating
-in one process (bench.alternating): RLCTL_DECODE_STEP=transformers and =rlctl, or
-RLCTL_DECODE_PRODUCTS=modules and =packed; for each batch size asked (the fewer the rows, the
-more a step's fixed cost weighs), seconds per generation and the paired ratio per round. The
-two settings give the same tokens, and log-probs bit for bit (MKL's packed products: to ~2e-6);
-the bench checks it and says which.
+in one process (bench.alternating): RLCTL_DECODE_STEP=transformers and =rlctl,
+RLCTL_DECODE_PRODUCTS=modules and =packed, or inference mode off and on (rlctl has no switch
+for it: the bench makes `torch.inference_mode` a no-op while INFERENCE_SWITCH says "off"); for
+each batch size asked (the fewer the rows, the more a step's fixed cost weighs), seconds per
+generation and the paired ratio per round. The two settings give the same tokens, and log-probs
+bit for bit (MKL's packed products: to ~2e-6); the bench checks it and says which.
 
-    python -m bench.decode_step_bench --preset small --rows 1,8,64 --rounds 7 [--compare products]
+    python -m bench.decode_step_bench --preset small --rows 1,8,64 --rounds 7 [--compare products|inference]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import platform
 import statistics
 import tempfile
@@ -22,8 +26,14 @@ from pathlib import Path
 from bench.alternating import alternate, paired_ratios
 from bench.pipeline_bench import machine_name, publish
 
+INFERENCE_SWITCH = "BENCH_INFERENCE_MODE"  # the bench's own: "off" makes torch.inference_mode a no-op
+
 # --compare: (the switch, (its old setting, its new one))
-SWITCHES = {"step": ("RLCTL_DECODE_STEP", ("transformers", "rlctl")), "products": ("RLCTL_DECODE_PRODUCTS", ("modules", "packed"))}
+SWITCHES = {
+    "step": ("RLCTL_DECODE_STEP", ("transformers", "rlctl")),
+    "products": ("RLCTL_DECODE_PRODUCTS", ("modules", "packed")),
+    "inference": (INFERENCE_SWITCH, ("off", "on")),
+}
 
 
 def main() -> None:
@@ -34,12 +44,14 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,64", help="comma-separated batch sizes, one table row each")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per row")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--compare", default="step", choices=tuple(SWITCHES), help="the direct step against transformers' forward, or packed products against the modules'")
+    parser.add_argument("--compare", default="step", choices=tuple(SWITCHES), help="the direct step against transformers' forward, packed products against the modules', or the decode loop in inference mode against no-grad mode")
     parser.add_argument("--append", help="append the Markdown result to this file")
     args = parser.parse_args()
 
     import torch
 
+    if args.compare == "inference":
+        switch_inference_mode(torch)
     from rlctl.backends.base import SamplingParams
     from rlctl.backends.hf import HFPolicy
     from rlctl.dtypes import compute_dtype
@@ -76,6 +88,17 @@ def main() -> None:
         *(f"| {n} | {g} | {spread(t)} | {spread(d)} | {spread(r)} | {same} |" for n, g, t, d, r, same in rows),
     ]
     publish(lines, args.append)
+
+
+def switch_inference_mode(torch) -> None:
+    """Make `torch.inference_mode` follow INFERENCE_SWITCH: plain no-grad mode (what `generate`
+    runs in otherwise) while it says "off", torch's own else."""
+    own = torch.inference_mode
+
+    def switched(mode: bool = True):
+        return contextlib.nullcontext() if os.environ.get(INFERENCE_SWITCH) == "off" else own(mode)
+
+    torch.inference_mode = switched
 
 
 def agreement(a: list, b: list) -> str:

@@ -13,7 +13,9 @@ products from packed weights (rlctl.backends.decode_products). With the modules'
 logits are transformers' bit for bit (tests/unit/test_decode_step.py), and with oneDNN's packed
 ones too (MKL's packed products sum in another order in places: log-probs within ~2e-6). Per
 step it makes ~430 tensor operations on the small preset (from ~600 before rows were kept 2-D
-and q/k rotated as one tensor). Generation, small preset, 64 × 64 tokens, fp32: bench/RESULTS.md.
+and q/k rotated as one tensor). Where this step decodes, `generate` runs its loop in inference mode
+(the model is plain: nothing keeps a tensor the loop makes), so those operations skip autograd's
+bookkeeping: 2–11% less per generation. Generation, small preset, 64 × 64 tokens: bench/RESULTS.md.
 
 It runs where the HF engine decodes with rlctl's CPU decode attention, for those model classes
 only, and for plain linear layers without hooks (a LoRA adapter's layers, or anything else,

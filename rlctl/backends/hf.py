@@ -408,11 +408,14 @@ class HFPolicy:
         results: list[Generation | None] = [None] * len(prompt_ids)
         with decoding_attention(model, self.device):
             products = self._decode_products(model, rows=min(batch_size, len(prompt_ids)))
-            for rows in batches_by_length(prompt_ids, [()] * len(prompt_ids), batch_size):  # prompts of similar length pad less
-                uniforms = row_uniforms(params.seed, [first_row + i for i in rows], params.max_new_tokens)
-                generations = self._generate_batch(model, [prompt_ids[i] for i in rows], params, uniforms, on_tokens, products)
-                for i, generation in zip(rows, generations):
-                    results[i] = generation
+            # where the direct step decodes, the model is plain (no hooks, no adapters: nothing
+            # keeps a tensor the loop makes): its tensor operations skip autograd's bookkeeping
+            with torch.inference_mode(products is not None):
+                for rows in batches_by_length(prompt_ids, [()] * len(prompt_ids), batch_size):  # prompts of similar length pad less
+                    uniforms = row_uniforms(params.seed, [first_row + i for i in rows], params.max_new_tokens)
+                    generations = self._generate_batch(model, [prompt_ids[i] for i in rows], params, uniforms, on_tokens, products)
+                    for i, generation in zip(rows, generations):
+                        results[i] = generation
         return results
 
     def _decode_products(self, model, rows: int):

@@ -42,6 +42,37 @@ def test_the_direct_step_generates_transformers_tokens_and_logprobs_bit_for_bit(
         assert (d.response_ids, d.logprobs, d.finish_reason) == (t.response_ids, t.logprobs, t.finish_reason)
 
 
+def test_the_direct_step_decodes_in_inference_mode_and_leaves_the_model_trainable(monkeypatch, tiny_model):
+    policy = HFPolicy.load(tiny_model, "cpu")
+    modes = []
+    monkeypatch.setattr(decode_step.DecodeStep, "__call__", _recording(decode_step.DecodeStep.__call__, modes))
+    generate_with(monkeypatch, policy, "rlctl", "fp32")
+    assert modes and all(modes)  # no autograd bookkeeping in the decode loop
+    model = policy.model
+    assert not any(t.is_inference() for t in [*model.parameters(), *model.buffers()])
+    model.train()
+    ids = torch.tensor([policy.tokenizer("12 + 3 =")["input_ids"]])
+    model(input_ids=ids).logits.float().logsumexp(-1).sum().backward()  # a training step's backward after generation
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_a_model_with_hooks_generates_outside_inference_mode(monkeypatch, tiny_model):
+    policy = HFPolicy.load(tiny_model, "cpu")
+    modes = []
+    # a hook (as FSDP's are) may keep what the forward makes: no inference tensors for it
+    policy.model.model.layers[0].register_forward_hook(lambda *args: modes.append(torch.is_inference_mode_enabled()))
+    generate_with(monkeypatch, policy, "rlctl", "fp32")
+    assert modes and not any(modes)
+
+
+def _recording(call, modes: list):
+    def recorded(self, *args):
+        modes.append(torch.is_inference_mode_enabled())
+        return call(self, *args)
+
+    return recorded
+
+
 def _counting(call, calls: list):
     def counted(self, *args):
         calls.append(1)
