@@ -31,7 +31,7 @@ def test_the_direct_step_generates_transformers_tokens_and_logprobs_bit_for_bit(
         monkeypatch.setenv(decode_products.OVERRIDE_ENV, "modules")
     policy.stop_ids = list(range(0, 512, 29))  # rows finish at different steps and leave the batch
     steps = []
-    monkeypatch.setattr(decode_step.DecodeStep, "__call__", _counting(decode_step.DecodeStep.__call__, steps))
+    monkeypatch.setattr(decode_step.DecodeStep, "__call__", _recording(decode_step.DecodeStep.__call__, steps))
     direct = generate_with(monkeypatch, policy, "rlctl", dtype)
     assert steps  # the direct step decoded, not the model's forward
     used = len(steps)
@@ -66,19 +66,13 @@ def test_a_model_with_hooks_generates_outside_inference_mode(monkeypatch, tiny_m
 
 
 def _recording(call, modes: list):
+    """`call`, appending to `modes` whether each call ran in inference mode."""
+
     def recorded(self, *args):
         modes.append(torch.is_inference_mode_enabled())
         return call(self, *args)
 
     return recorded
-
-
-def _counting(call, calls: list):
-    def counted(self, *args):
-        calls.append(1)
-        return call(self, *args)
-
-    return counted
 
 
 def with_decoding_cache(policy):
