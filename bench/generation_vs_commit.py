@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -70,21 +71,24 @@ def main() -> None:
         if library is None:
             sys.exit("generation_vs_commit: --commit-kernels intel needs rlctl.mkl_kernels' library, and no C compiler could build it")
         preload = ["--preload", str(library)]
-    scratch = Path(tempfile.mkdtemp(prefix="rlctl-gen-vs-commit-"))
-    old_tree = export(args.commit, scratch / "tree")
-    model = args.model or str(init_model(scratch / "small", "small", seed=0))
-    trees = {args.commit: old_tree, describe(): REPO}
-    names = list(trees)
+    this = describe()
+    names = [args.commit, this if this != args.commit else f"{this} (this tree)"]
     runs: dict[str, list[dict]] = {name: [] for name in names}
-    for pair in range(args.pairs):
-        for name in names if pair % 2 == 0 else names[::-1]:
-            command = [sys.executable, str(Path(__file__).resolve()), "--one", str(trees[name]), "--model", model, "--dtype", args.dtype,
-                       "--rows", str(args.rows), "--tokens", str(args.tokens), "--generations", str(args.generations)]
-            command += preload if name == args.commit else []
-            done = subprocess.run(command, capture_output=True, text=True, cwd=scratch)
-            if done.returncode:
-                sys.exit(f"generation_vs_commit: the process for {name} failed:\n{done.stderr[-2000:]}")
-            runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    scratch = Path(tempfile.mkdtemp(prefix="rlctl-gen-vs-commit-"))
+    try:
+        trees = dict(zip(names, (export(args.commit, scratch / "tree"), REPO)))
+        model = args.model or str(init_model(scratch / "small", "small", seed=0))
+        for pair in range(args.pairs):
+            for name in names if pair % 2 == 0 else names[::-1]:
+                command = [sys.executable, str(Path(__file__).resolve()), "--one", str(trees[name]), "--model", model, "--dtype", args.dtype,
+                           "--rows", str(args.rows), "--tokens", str(args.tokens), "--generations", str(args.generations)]
+                command += preload if name == args.commit else []
+                done = subprocess.run(command, capture_output=True, text=True, cwd=scratch)
+                if done.returncode:
+                    sys.exit(f"generation_vs_commit: the process for {name} failed:\n{done.stderr[-2000:]}")
+                runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
     def steady(run: dict) -> float:
         return statistics.median(run["seconds"][-args.steady :])
@@ -143,7 +147,7 @@ def measure(tree: Path, model: str, dtype: str, rows: int, tokens: int, generati
         import os
 
         ctypes.CDLL(preload, mode=os.RTLD_GLOBAL | os.RTLD_NOW)
-    elif has_setup:  # the command's setup, before torch loads
+    if has_setup:  # the command's setup, before torch loads
         from rlctl import process_setup
 
         process_setup.prepare()
@@ -167,7 +171,7 @@ def measure(tree: Path, model: str, dtype: str, rows: int, tokens: int, generati
         seconds.append(time.perf_counter() - began)
         count = sum(len(r.response_ids) for r in results)
     setup = "no process setup" + (", MKL's Intel kernels loaded by the bench" if preload else "")
-    if has_setup and not preload:
+    if has_setup:
         from rlctl import cpu_linear, mkl_kernels
 
         setup = f"MKL kernels {mkl_kernels.state()}, fp32 products {cpu_linear.linear_path()}"
