@@ -1,11 +1,11 @@
 """Benchmark: the update's page faults and seconds with glibc's malloc thresholds kept
 (rlctl.malloc) and with glibc's own policy.
 
-Each setting in fresh processes (the thresholds are set once, at start), alternating: a `Trainer`
-on the TRL harness's batch shape (64 rows, 16 prompts of 12 tokens × 4 samples, responses of 40–64
-tokens, fp32 unless `--bf16`, the small preset by default) makes `--calls` updates; per call the
-minor page faults (getrusage) and seconds. The table gives each round's median over the calls after the
-first two (the first ones fault the process's memory in either way).
+Each setting in fresh processes (the thresholds are set once, at start), alternating: the TRL
+harness's update (bench.update_batch; fp32 unless `--bf16`, the small preset by default) makes
+`--calls` updates; per call the minor page faults (getrusage) and seconds. The table gives each
+round's median over the calls after the first two (the first ones fault the process's memory in
+either way).
 
     python -m bench.malloc_bench --rounds 2 --calls 7
 """
@@ -79,28 +79,11 @@ def measure(folder: Path, calls: int, bf16: str) -> dict:
     import resource
     import time
 
-    import torch
-
+    from bench.update_batch import harness_batch, harness_trainer
     from rlctl.backends.hf import HFPolicy
-    from rlctl.config import UpdateConfig
-    from rlctl.trainer import TrainBatch, Trainer
 
     policy = HFPolicy.load(str(folder), "cpu")
-    g = torch.Generator().manual_seed(0)
-    rows, vocab = 64, min(1000, policy.model.config.vocab_size)
-    prompt_ids = [torch.randint(3, vocab, (12,), generator=g).tolist() for _ in range(16) for _ in range(4)]
-    response_ids = [torch.randint(3, vocab, (40 + (i * 7) % 25,), generator=g).tolist() for i in range(rows)]
-    width = max(len(r) for r in response_ids)
-    mask = torch.tensor([[t < len(r) for t in range(width)] for r in response_ids])
-
-    def noise(scale: float) -> torch.Tensor:
-        return torch.where(mask, torch.randn(rows, width, generator=g) * scale, 0)
-
-    batch = TrainBatch(
-        prompt_ids=prompt_ids, response_ids=response_ids, response_mask=mask, advantages=noise(1.0),
-        old_logprobs=noise(0.1) - 6.0, ref_logprobs=noise(0.1) - 6.0, old_values=None, returns=None,
-    )
-    trainer = Trainer(policy, UpdateConfig(lr=1e-6, micro_batch_size=rows, use_kl_loss=True, kl_loss_coef=0.04, bf16=bf16))
+    batch, trainer = harness_batch(policy), harness_trainer(policy, bf16)
     results = []
     for _ in range(calls):
         faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
