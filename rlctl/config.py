@@ -217,7 +217,7 @@ class UpdateConfig:
     use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style) instead of in the reward
     kl_loss_coef: float = 0.001  # weight of that KL loss
     kl_loss_estimator: str = "k3"  # estimator of that KL loss (as advantage.kl_estimator)
-    entropy_coef: float = 0.0  # entropy bonus weight; 0 = off
+    entropy_coef: float = 0.0  # entropy bonus weight; 0 = off (the entropy is still reported, with no backward through it)
     cliprange_value: float = 0.5  # critic: clip of the value change per update
     vf_coef: float = 1.0  # critic loss weight
     max_grad_norm: float = 1.0  # gradient clipping by global norm; 0 = off

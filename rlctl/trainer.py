@@ -365,8 +365,9 @@ class Trainer:
             token_loss = pg.loss * weights
             stats["rollout_is_weight"] += weight * float(torch.where(m, weights, 0).sum()) / tokens
         pg_loss = aggregate(loss=token_loss, response_mask=m, mode=cfg.loss_agg_mode, **norms)
-        entropy_loss = aggregate(loss=entropy, response_mask=m, mode=cfg.loss_agg_mode, **norms)
-        loss = pg_loss - cfg.entropy_coef * entropy_loss
+        loss = pg_loss
+        if cfg.entropy_coef:  # a bonus of 0 stays out of the graph: no backward through the entropy's [tokens, V] softmax work
+            loss = loss - cfg.entropy_coef * aggregate(loss=entropy, response_mask=m, mode=cfg.loss_agg_mode, **norms)
         if batch.ref_logprobs is not None:
             kl = KL_ESTIMATORS.get(cfg.kl_loss_estimator)(logprobs=logp, ref_logprobs=take(batch.ref_logprobs))
             if cfg.use_kl_loss:

@@ -116,6 +116,26 @@ def test_mini_batch_that_does_not_divide_is_an_input_error(policy):
         Trainer(policy, UpdateConfig(mini_batch_size=3)).train(make_batch())
 
 
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_an_entropy_bonus_of_zero_runs_no_backward_through_the_entropy(tiny_model, monkeypatch, entropy_coef):
+    """The entropy is still reported, but with a coefficient of 0 it stays out of the loss: the
+    chunked log-softmax's backward gets no entropy gradient to push through [tokens, V]."""
+    from rlctl.algos import logprobs
+
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 64)  # the tiny model's logits through the chunked path
+    received = []
+    backward = logprobs.ChunkedLogSoftmax.backward
+
+    def recording(ctx, grad_logp, grad_entropy):
+        received.append(grad_entropy)
+        return backward(ctx, grad_logp, grad_entropy)
+
+    monkeypatch.setattr(logprobs.ChunkedLogSoftmax, "backward", staticmethod(recording))
+    _, _, metrics = run_update(tiny_model, make_batch(), UpdateConfig(lr=1e-3, micro_batch_size=8, entropy_coef=entropy_coef))
+    assert received and metrics["entropy"] > 0
+    assert all((grad is None) == (entropy_coef == 0) for grad in received)
+
+
 def test_bf16_autocast_trains_with_finite_gradients(tiny_model):
     before = weights(HFPolicy.load(tiny_model, "cpu"))
     policy, _, metrics = run_update(tiny_model, make_batch(), UpdateConfig(lr=1e-3, micro_batch_size=4, bf16=True))
