@@ -15,6 +15,11 @@ On a CPU that is not Intel's, an older commit's process ran MKL's own (generic) 
 compute on MKL's Intel kernels, as both do on an Intel Xeon (the CPU issue 12 was filed on).
 
     python -m bench.generation_vs_commit --pairs 3 --generations 12 --dtype fp32 [--commit 8cab09b] [--commit-kernels intel]
+    python -m bench.generation_vs_commit --dtype default   # each tree with its own default settings
+
+With `--dtype default` each tree generates in its own default rollout.dtype as its rollout stage
+decides it on this machine: the code issue 12 was filed on in fp32 (it had no "auto"), today's
+tree in "auto" (bf16 where the CPU has it natively).
 
 This file is also the measuring process (`--one TREE`): run by path, it imports nothing of rlctl
 before it has put TREE first on the import path (the `bench` package itself loads rlctl).
@@ -41,7 +46,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--commit", default=FILED_ON, help="the commit to compare with (its rlctl/ folder)")
     parser.add_argument("--model", help="a model folder (default: the small preset, made here)")
-    parser.add_argument("--dtype", default="fp32", help="compute dtype of both trees (a tree without the option generates as it did)")
+    parser.add_argument("--dtype", default="fp32",
+                        help="compute dtype of both trees (a tree without the option generates as it did); default: each tree's "
+                        "default rollout.dtype, decided for this machine as its rollout stage decides it")
     parser.add_argument("--rows", type=int, default=64, help="rows per generation (a multiple of 4: prompts × 4 samples)")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per row")
     parser.add_argument("--generations", type=int, default=12, help="generations per process")
@@ -163,19 +170,34 @@ def measure(tree: Path, model: str, dtype: str, rows: int, tokens: int, generati
     texts = [f"{i} + {i + 3} =" for i in range(rows // 4)]
     prompts = [ids for ids in policy.tokenizer(texts, add_special_tokens=False)["input_ids"] for _ in range(4)]
     params = SamplingParams(tokens, temperature=1.0, seed=1)
-    options = {"compute_dtype": dtype} if "compute_dtype" in inspect.signature(policy.generate).parameters else {}
+    if dtype == "default":
+        dtype = tree_default_dtype()
+    accepts_dtype = "compute_dtype" in inspect.signature(policy.generate).parameters
+    options = {"compute_dtype": dtype} if accepts_dtype else {}
     seconds, count = [], 0
     for _ in range(generations):
         began = time.perf_counter()
         results = policy.generate(prompts, params, **options)
         seconds.append(time.perf_counter() - began)
         count = sum(len(r.response_ids) for r in results)
-    setup = "no process setup" + (", MKL's Intel kernels loaded by the bench" if preload else "")
+    setup = (f"{dtype}, " if accepts_dtype else "fp32, ") + "no process setup" + (", MKL's Intel kernels loaded by the bench" if preload else "")
     if has_setup:
         from rlctl import cpu_linear, mkl_kernels
 
-        setup = f"MKL kernels {mkl_kernels.state()}, fp32 products {cpu_linear.linear_path()}"
+        setup = f"{dtype}, MKL kernels {mkl_kernels.state()}, fp32 products {cpu_linear.linear_path()}"
     return {"seconds": seconds, "tokens": count, "setup": setup}
+
+
+def tree_default_dtype() -> str:
+    """The imported tree's default rollout.dtype, "auto" decided for this machine's CPU."""
+    from rlctl.config import RolloutConfig
+
+    dtype = RolloutConfig().dtype
+    if dtype != "auto":
+        return dtype
+    from rlctl.dtypes import compute_dtype
+
+    return compute_dtype(dtype, "cpu")
 
 
 if __name__ == "__main__":
