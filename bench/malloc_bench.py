@@ -8,6 +8,7 @@ round's median over the calls after the first two (the first ones fault the proc
 either way).
 
     python -m bench.malloc_bench --rounds 2 --calls 7
+    python -m bench.malloc_bench --preset medium --prompts 4 --rounds 2 --calls 6   # blocks past 32 MB
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ def main() -> None:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--calls", type=int, default=7)
+    parser.add_argument("--prompts", type=int, default=16, help="prompts of the update batch (4 samples each)")
     parser.add_argument("--bf16", default="false", choices=("false", "true", "auto"), help="the update's bf16 autocast (update.bf16)")
     parser.add_argument("--append", help="append the Markdown result to this file")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one process's measurement, for this model folder
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure(Path(args.one), args.calls, args.bf16)))
+        print(json.dumps(measure(Path(args.one), args.calls, args.bf16, args.prompts)))
         return
 
     from rlctl.modelinit import init_model
@@ -48,7 +50,8 @@ def main() -> None:
         for setting in SETTINGS:
             env = {**os.environ, "RLCTL_MALLOC": setting}
             done = subprocess.run(
-                [sys.executable, "-m", "bench.malloc_bench", "--one", str(folder), "--calls", str(args.calls), "--bf16", args.bf16],
+                [sys.executable, "-m", "bench.malloc_bench", "--one", str(folder), "--calls", str(args.calls), "--bf16", args.bf16,
+                 "--prompts", str(args.prompts)],
                 capture_output=True, text=True, env=env, check=True,
             )
             results[r, setting] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -57,11 +60,11 @@ def main() -> None:
         later = result["calls"][2:]
         seconds = statistics.median(c["seconds"] for c in later)
         faults = statistics.median(c["faults"] for c in later)
-        return f"{seconds:.2f} s, {faults / 1000:.0f}k faults ({result['state']})"
+        return f"{seconds:.2f} s, {faults / 1000:.0f}k faults, largest RSS {result['max_rss_gb']:.2f} GB ({result['state']})"
 
     lines = [
         f"- machine: {machine_name('cpu')}, Python {platform.python_version()}",
-        f"- command: `python -m bench.malloc_bench --preset {args.preset} --rounds {args.rounds} --calls {args.calls} --bf16 {args.bf16}`",
+        f"- command: `python -m bench.malloc_bench --preset {args.preset} --prompts {args.prompts} --rounds {args.rounds} --calls {args.calls} --bf16 {args.bf16}`",
         f"- per update call, median over calls 3–{args.calls} of one process; settings alternating",
         "",
         "| round | RLCTL_MALLOC=default | RLCTL_MALLOC=keep |",
@@ -71,7 +74,7 @@ def main() -> None:
     publish(lines, args.append)
 
 
-def measure(folder: Path, calls: int, bf16: str) -> dict:
+def measure(folder: Path, calls: int, bf16: str, prompts: int) -> dict:
     """In this process: rlctl's process setup, then `calls` updates on the harness's shape."""
     from rlctl import malloc, process_setup
 
@@ -83,13 +86,15 @@ def measure(folder: Path, calls: int, bf16: str) -> dict:
     from rlctl.backends.hf import HFPolicy
 
     policy = HFPolicy.load(str(folder), "cpu")
-    batch, trainer = harness_batch(policy), harness_trainer(policy, bf16)
+    batch = harness_batch(policy, prompts=prompts)
+    trainer = harness_trainer(policy, bf16, rows=batch.size)
     results = []
     for _ in range(calls):
         faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
         trainer.train(batch)
         results.append({"seconds": time.perf_counter() - start, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults})
-    return {"state": malloc.state(), "calls": results}
+    max_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # KiB on Linux
+    return {"state": malloc.state(), "calls": results, "max_rss_gb": max_rss_gb}
 
 
 if __name__ == "__main__":

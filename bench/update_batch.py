@@ -13,22 +13,23 @@ PROMPTS, SAMPLES, PROMPT_TOKENS = 16, 4, 12
 ROWS = PROMPTS * SAMPLES
 
 
-def harness_batch(policy, seed: int = 0):
-    """A `TrainBatch` of the harness's shape for `policy`'s vocabulary."""
+def harness_batch(policy, seed: int = 0, prompts: int = PROMPTS):
+    """A `TrainBatch` of the harness's shape for `policy`'s vocabulary (`prompts` × SAMPLES rows)."""
     import torch
 
     from rlctl.trainer import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     vocab = min(1000, policy.model.config.vocab_size)
-    prompts = [torch.randint(3, vocab, (PROMPT_TOKENS,), generator=g).tolist() for _ in range(PROMPTS)]
-    prompt_ids = [prompt for prompt in prompts for _ in range(SAMPLES)]  # each prompt's samples side by side
-    response_ids = [torch.randint(3, vocab, (40 + (i * 7) % 25,), generator=g).tolist() for i in range(ROWS)]
+    rows = prompts * SAMPLES
+    distinct = [torch.randint(3, vocab, (PROMPT_TOKENS,), generator=g).tolist() for _ in range(prompts)]
+    prompt_ids = [prompt for prompt in distinct for _ in range(SAMPLES)]  # each prompt's samples side by side
+    response_ids = [torch.randint(3, vocab, (40 + (i * 7) % 25,), generator=g).tolist() for i in range(rows)]
     width = max(len(r) for r in response_ids)
     mask = torch.tensor([[t < len(r) for t in range(width)] for r in response_ids])
 
     def noise(scale: float) -> torch.Tensor:
-        return torch.where(mask, torch.randn(ROWS, width, generator=g) * scale, 0)
+        return torch.where(mask, torch.randn(rows, width, generator=g) * scale, 0)
 
     return TrainBatch(
         prompt_ids=prompt_ids, response_ids=response_ids, response_mask=mask, advantages=noise(1.0),
@@ -36,9 +37,10 @@ def harness_batch(policy, seed: int = 0):
     )
 
 
-def harness_trainer(policy, bf16: str):
-    """The harness's trainer for `policy`; `bf16`: update.bf16 ("false", "true" or "auto")."""
+def harness_trainer(policy, bf16: str, rows: int = ROWS):
+    """The harness's trainer for `policy` (one micro-batch of `rows` rows); `bf16`: update.bf16
+    ("false", "true" or "auto")."""
     from rlctl.config import UpdateConfig
     from rlctl.trainer import Trainer
 
-    return Trainer(policy, UpdateConfig(lr=1e-6, micro_batch_size=ROWS, use_kl_loss=True, kl_loss_coef=0.04, bf16=bf16))
+    return Trainer(policy, UpdateConfig(lr=1e-6, micro_batch_size=rows, use_kl_loss=True, kl_loss_coef=0.04, bf16=bf16))

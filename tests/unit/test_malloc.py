@@ -1,6 +1,7 @@
 """glibc's malloc kept from returning freed tensor memory between passes: asked by default, off
-with RLCTL_MALLOC=default, a bad value refused with the choices, decided once per process, glibc's
-thresholds set to what was measured (the faults and seconds it saves: bench/malloc_bench.py)."""
+with RLCTL_MALLOC=default, a bad value refused with the choices, decided once per process, every
+block served from glibc's heap and the heap never trimmed, so a large tensor freed and made again
+faults no pages in (the faults and seconds it saves: bench/malloc_bench.py)."""
 
 from __future__ import annotations
 
@@ -39,12 +40,12 @@ class RecordingLibc:
         return 1
 
 
-def test_it_sets_the_mmap_threshold_to_glibcs_largest_and_trims_only_past_a_gib(monkeypatch):
+def test_it_serves_no_block_from_a_mapping_of_its_own_and_never_trims(monkeypatch):
     libc = RecordingLibc()
     monkeypatch.setattr(malloc, "_state", None)
     monkeypatch.setattr(malloc, "_glibc", lambda: libc)
     assert malloc.keep_freed_memory({}) == malloc.KEPT
-    assert libc.calls == [(-3, 32 << 20), (-1, 1 << 30)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD (malloc.h)
+    assert libc.calls == [(-4, 0), (-1, -1)]  # M_MMAP_MAX = 0, M_TRIM_THRESHOLD = -1 (never; malloc.h)
 
 
 def test_another_c_library_keeps_its_own_policy(monkeypatch):
@@ -60,3 +61,28 @@ def test_a_fresh_rlctl_process_keeps_freed_memory_unless_told_not_to():
         env = {**os.environ, "RLCTL_MALLOC": choice}
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, check=True)
         assert done.stdout.split()[-1] == expected
+
+
+REMADE_TENSOR_FAULTS = """
+import resource, sys
+from rlctl import process_setup
+process_setup.prepare()
+import torch
+big = torch.ones(16 << 20)  # 64 MiB: past glibc's largest mmap threshold (32 MiB)
+del big
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+again = torch.ones(16 << 20)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(malloc._glibc() is None, reason="not glibc")
+def test_a_large_tensor_freed_and_made_again_reuses_its_pages():
+    faults = {}
+    for choice in ("keep", "default"):
+        env = {**os.environ, "RLCTL_MALLOC": choice}
+        done = subprocess.run([sys.executable, "-c", REMADE_TENSOR_FAULTS], capture_output=True, text=True, env=env, timeout=120, check=True)
+        faults[choice] = int(done.stdout.split()[-1])
+    pages = (64 << 20) // os.sysconf("SC_PAGESIZE")
+    assert faults["default"] > pages // 2  # glibc maps it anew: every page faulted in again
+    assert faults["keep"] < pages // 20  # the freed block's pages, reused
