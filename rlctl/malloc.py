@@ -7,11 +7,11 @@ activations, logits and gradients of any real model, each pass and each decode s
 product: 11,000 faults, 12 ms instead of 2.7). With no block served from a mapping of its own
 (M_MMAP_MAX = 0: every block from the heap, reused once freed) and the heap never trimmed, a
 process faults its memory in once, up to its peak use, and reuses it: the medium preset's update
-(Qwen2.5-0.5B's shape, 16 rows, fp32) faults ~1 million pages less per call and takes 0.75× the
-time, its largest resident size +2%; the small preset's update (blocks under 32 MB, which a
-32 MB mmap threshold with a 1 GiB trim threshold already kept) faults 0–3 thousand pages
-instead of 16–180 thousand and takes 3–14% less (bench/malloc_bench.py; bench/RESULTS.md,
-"Freed memory kept" and "Large blocks from the heap").
+(Qwen2.5-0.5B's shape, 16 rows, fp32) faults ~2 million pages less per call and takes 0.70× the
+time of glibc's policy (~0.79× that of a 32 MB mmap threshold with a 1 GiB trim threshold), its
+generation 0.76×, the largest resident size +3–9%; the small preset's update (blocks under
+32 MB) faults 0–8 thousand pages instead of 16–180 thousand and takes 3–14% less
+(bench/malloc_bench.py; bench/RESULTS.md, "Freed memory kept" and "Large blocks from the heap").
 What it costs: memory the process freed stays with it, up to its peak use, instead of going
 back while it runs (a long-lived process keeps the pages of its largest pass: a pipeline's
 stages reuse them every iteration). The CLI and rlctl's Ray workers call `keep_freed_memory()`
