@@ -93,7 +93,7 @@ def measure(folder: Path, calls: int, bf16: str, prompts: int) -> dict:
         faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
         trainer.train(batch)
         results.append({"seconds": time.perf_counter() - start, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults})
-    max_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # KiB on Linux
+    max_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # ru_maxrss: KiB on Linux
     return {"state": malloc.state(), "calls": results, "max_rss_gb": max_rss_gb}
 
 
