@@ -9,7 +9,7 @@ no block is served from a mapping of its own (M_MMAP_MAX = 0: every block from t
 once freed) and the heap is never trimmed: a process faults its memory in once and reuses it.
 The medium preset's update (Qwen2.5-0.5B's shape, 16 rows, fp32) faults ~2 million pages less
 per call and takes 0.70× the time of glibc's policy (~0.79× that of the small-block policy
-below), its generation 0.76×; the small preset's update faults 0–8 thousand pages instead of
+below), and its generation 0.76× the small-block policy's; the small preset's update faults 0–8 thousand pages instead of
 16–180 thousand and takes 3–14% less (bench/malloc_bench.py; bench/RESULTS.md, "Freed memory
 kept" and "Large blocks from the heap").
 What it costs: memory the process freed stays with it, and a heap reused by blocks of many sizes
