@@ -9,9 +9,9 @@ no block is served from a mapping of its own (M_MMAP_MAX = 0: every block from t
 once freed) and the heap is never trimmed: a process faults its memory in once and reuses it.
 The medium preset's update (Qwen2.5-0.5B's shape, 16 rows, fp32) faults ~2 million pages less
 per call and takes 0.70× the time of glibc's policy (~0.79× that of the small-block policy
-below), and its generation 0.76× the small-block policy's; the small preset's update faults 0–8 thousand pages instead of
-16–180 thousand and takes 3–14% less (bench/malloc_bench.py; bench/RESULTS.md, "Freed memory
-kept" and "Large blocks from the heap").
+below), and its generation 0.76× the small-block policy's; the small preset's update faults
+0–8 thousand pages instead of 16–180 thousand and takes 3–14% less (bench/malloc_bench.py;
+bench/RESULTS.md, "Freed memory kept" and "Large blocks from the heap").
 What it costs: memory the process freed stays with it, and a heap reused by blocks of many sizes
 leaves holes: the largest resident size +3–9% in those runs, up to a few times the largest
 block in a small process (settled after ~6 passes; bounded, not a leak). On a machine that shows
@@ -71,7 +71,7 @@ def keep_freed_memory(environ: dict | None = None, *, gpu: bool | None = None) -
         return _state
     small_blocks = shows_gpu() if gpu is None else gpu
     settings = SMALL_BLOCKS if small_blocks else HEAP_ONLY
-    all_set = all([libc.mallopt(parameter, value) == 1 for parameter, value in settings])
+    all_set = all([libc.mallopt(parameter, value) == 1 for parameter, value in settings])  # a list: every one applied
     _state = (KEPT_SMALL if small_blocks else KEPT) if all_set else NOT_GLIBC
     return _state
 
