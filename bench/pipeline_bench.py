@@ -25,7 +25,11 @@ PROMPTS = [{"id": f"b{i}", "prompt": f"Benchmark prompt number {i}: explain step
 STAGES = ("prompts", "rollout", "score", "advantage", "update", "handover")
 
 
-def one_run(workdir: Path, model: Path, iterations: int, batch: int, n: int, tokens: int, overrides: list[str]) -> dict[str, float]:
+def one_run(
+    workdir: Path, model: Path, iterations: int, batch: int, n: int, tokens: int, overrides: list[str], *, save_every: int | None = None, env: dict | None = None
+) -> dict[str, float]:
+    """One `rlctl pipeline` process (`env`: its environment; a checkpoint every `save_every`
+    iterations, at the end only by default): per-stage seconds, tokens/s, the process's wall time."""
     prompts = workdir / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     config = workdir / "bench.toml"
@@ -36,12 +40,12 @@ def one_run(workdir: Path, model: Path, iterations: int, batch: int, n: int, tok
         '[score]\nreward = "builtin:length"\n'
         '[advantage]\nestimator = "grpo"\nkl_coef = 0.01\n'
         f'[update]\nlr = 1e-5\nmicro_batch_size = {batch * n // 2}\n'
-        f'[pipeline]\niterations = {iterations}\nsave_every = {iterations}\nkeep_checkpoints = 1\n'
+        f'[pipeline]\niterations = {iterations}\nsave_every = {save_every or iterations}\nkeep_checkpoints = 1\n'
     )
     run = workdir / "run"
     started = time.perf_counter()
     sets = [arg for item in overrides for arg in ("--set", item)]
-    subprocess.run([sys.executable, "-m", "rlctl", "pipeline", str(config), "--run-dir", str(run), "--quiet", *sets], check=True, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "rlctl", "pipeline", str(config), "--run-dir", str(run), "--quiet", *sets], check=True, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
     wall = time.perf_counter() - started
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     out = {f"{s} s/iter": statistics.mean(r.get(f"seconds/{s}", 0.0) for r in rows) for s in STAGES}
