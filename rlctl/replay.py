@@ -231,13 +231,25 @@ def _update(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> di
         manifest.metrics = metrics
         manifest.state = {"replay_of": str(iter_dir / "update")}
         workers.save(target, manifest, {"iteration": recorded.state.get("iteration")})
-        return {"weights_sha256": workers.weights_digest(), "metrics": metrics}
+        key, _ = recorded_weights(recorded)
+        return {key: workers.weights_digest(stream=key == STREAM_DIGEST_KEY), "metrics": metrics}
+
+
+DIGEST_KEY = "weights_digest"  # the hand-over's record of the trained weights (rlctl.digests.module_digest)
+STREAM_DIGEST_KEY = "weights_sha256"  # what runs recorded before it hold (rlctl.digests.stream_digest)
+
+
+def recorded_weights(recorded: Manifest) -> tuple[str, str | None]:
+    """(the key, the digest) the recorded hand-over names the trained weights by."""
+    handover = recorded.state.get("handover", {})
+    key = DIGEST_KEY if DIGEST_KEY in handover or STREAM_DIGEST_KEY not in handover else STREAM_DIGEST_KEY
+    return key, handover.get(key)
 
 
 def _compare_update(result: dict, recorded: Manifest) -> str:
-    expected = recorded.state.get("handover", {}).get("weights_sha256")
-    if expected != result["weights_sha256"]:
-        return f"differs: weights after the update have sha256 {result['weights_sha256'][:16]}…, recorded {str(expected)[:16]}…"
+    key, expected = recorded_weights(recorded)
+    if expected != result[key]:
+        return f"differs: weights after the update have digest {result[key][:16]}…, recorded {str(expected)[:16]}…"
     recorded_metrics = recorded.state.get("train_metrics", {})
     for key, value in result["metrics"].items():
         if any(t in key for t in TIMING_KEYS) or key not in recorded_metrics:

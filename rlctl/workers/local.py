@@ -11,7 +11,6 @@ same methods.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from rlctl import faults
 from rlctl.backends.hf import HFPolicy, ValueModel, resolve_device
 from rlctl.checkpoint import CRITIC_DIR, load_trainer_state, same_folder, save_checkpoint
 from rlctl.config import Config
+from rlctl.digests import module_digest, stream_digest
 from rlctl.errors import InputError
 from rlctl.lora import (
     AdapterDisabledReference,
@@ -79,14 +79,17 @@ class LocalWorkers:
     def hand_over_weights(self) -> dict:
         """Make the rollout engine generate with the just-trained weights, for the manifest.
         hf: shared module, nothing moves. vllm: push in place, then the probe check."""
-        handed = {"mode": "in-memory (shared module)", "policy_version": self.trainer.step, "weights_sha256": self.weights_digest()}
+        handed = {"mode": "in-memory (shared module)", "policy_version": self.trainer.step, "weights_digest": self.weights_digest()}
         if self.generator is None:
             return handed
         return {**handed, "mode": "in-place push into the vLLM engine", **push_and_check(self.generator, self.policy.model, self.trainer.step)}
 
-    def weights_digest(self) -> str:
-        """sha256 over the policy's parameters: identifies the weights a stage used. The
-        weights change only when the trainer steps, so the hash is kept per step."""
+    def weights_digest(self, *, stream: bool = False) -> str:
+        """The policy's weights' digest (rlctl.digests), kept per optimizer step since the
+        weights change only when the trainer steps. `stream`: the one-stream digest that runs
+        recorded before name their weights by (replay of such a run)."""
+        if stream:
+            return stream_digest(self.policy.model)
         return self._digest("policy", self.policy.model)
 
     def critic_digest(self) -> str:
@@ -148,14 +151,6 @@ def sync_record(engine, trainer_model: torch.nn.Module, seconds: float) -> dict:
     if not check.in_sync:
         raise WeightsOutOfSyncError(f"the vLLM engine is not generating with the trainer's weights: {check.reason()}; stopping before the next rollout")
     return {"weights_in_sync": True, "weight_sync_seconds": seconds, "probe_max_logprob_diff": check.max_logprob_diff}
-
-
-def module_digest(module: torch.nn.Module) -> str:
-    digest = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def checkpoint_sources(checkpoint: str | None, cfg: Config) -> tuple[str, str | None]:

@@ -267,7 +267,7 @@ class RayWorkers:
         ranks = self._all("hand_over")
         mode = "in-memory (shared module on the one rank)" if self.size == 1 else "gathered full parameters into each rank's engine (FSDP2 all-gather)"
         handed = {"mode": mode, "workers": self.size, "seconds": max(r["seconds"] for r in ranks),
-                  "policy_version": self.trainer.step, "weights_sha256": self.weights_digest()}
+                  "policy_version": self.trainer.step, "weights_digest": self.weights_digest()}
         if "weights_in_sync" in ranks[0]:  # a rank out of sync raised (exit 1) before this
             handed.update(
                 mode=mode + ", pushed in place into each rank's vLLM engine", weights_in_sync=all(r["weights_in_sync"] for r in ranks),
@@ -280,7 +280,10 @@ class RayWorkers:
         if self.cfg.rollout.backend == "vllm" and self.engine is not None:
             self._all("pause_engine")
 
-    def weights_digest(self) -> str:
+    def weights_digest(self, *, stream: bool = False) -> str:
+        """As LocalWorkers.weights_digest, computed on rank 0's engine copy."""
+        if stream:
+            return self._call([self.actors[0].digest.remote("policy", stream=True)])[0]
         return self._digest("policy")
 
     def critic_digest(self) -> str:
@@ -658,10 +661,11 @@ class RankWorker:
         if self.train_critic is not None:
             self.critic_engine.load_state_dict(full_model_state(self.train_critic))
 
-    def digest(self, which: str) -> str:
-        from rlctl.workers.local import module_digest
+    def digest(self, which: str, stream: bool = False) -> str:
+        from rlctl.digests import module_digest, stream_digest
 
-        return module_digest(self.engine.model if which == "policy" else self.critic_engine)
+        module = self.engine.model if which == "policy" else self.critic_engine
+        return stream_digest(module) if stream else module_digest(module)
 
     def save(self, directory: str, manifest_json: str, critic: list | None = None) -> str:
         """Gather the trained weights and the full optimizer state (all ranks); rank 0 writes
