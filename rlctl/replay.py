@@ -231,8 +231,8 @@ def _update(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> di
         manifest.metrics = metrics
         manifest.state = {"replay_of": str(iter_dir / "update")}
         workers.save(target, manifest, {"iteration": recorded.state.get("iteration")})
-        key, _ = recorded_weights(recorded)
-        return {key: workers.weights_digest(stream=key == STREAM_DIGEST_KEY), "metrics": metrics}
+        digest_key, _ = recorded_weights(recorded)
+        return {digest_key: workers.weights_digest(stream=digest_key == STREAM_DIGEST_KEY), "metrics": metrics}
 
 
 DIGEST_KEY = "weights_digest"  # the hand-over's record of the trained weights (rlctl.digests.module_digest)
@@ -247,9 +247,9 @@ def recorded_weights(recorded: Manifest) -> tuple[str, str | None]:
 
 
 def _compare_update(result: dict, recorded: Manifest) -> str:
-    key, expected = recorded_weights(recorded)
-    if expected != result[key]:
-        return f"differs: weights after the update have digest {result[key][:16]}…, recorded {str(expected)[:16]}…"
+    digest_key, expected = recorded_weights(recorded)
+    if expected != result[digest_key]:
+        return f"differs: weights after the update have digest {result[digest_key][:16]}…, recorded {str(expected)[:16]}…"
     recorded_metrics = recorded.state.get("train_metrics", {})
     for key, value in result["metrics"].items():
         if any(t in key for t in TIMING_KEYS) or key not in recorded_metrics:
