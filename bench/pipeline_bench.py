@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlctl.config import load_config
+
 PROMPTS = [{"id": f"b{i}", "prompt": f"Benchmark prompt number {i}: explain step {i}.", "data_source": "bench"} for i in range(32)]
 STAGES = ("prompts", "rollout", "score", "advantage", "update", "handover")
 
@@ -29,7 +31,8 @@ def one_run(
     workdir: Path, model: Path, iterations: int, batch: int, n: int, tokens: int, overrides: list[str], *, save_every: int | None = None, env: dict | None = None
 ) -> dict[str, float]:
     """One `rlctl pipeline` process (`env`: its environment; a checkpoint every `save_every`
-    iterations, at the end only by default): per-stage seconds, tokens/s, the process's wall time."""
+    iterations, at the end only by default): per-stage seconds, tokens/s, the process's wall
+    time and largest resident size, and the update's token cap as the run decided it."""
     prompts = workdir / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     config = workdir / "bench.toml"
@@ -45,7 +48,12 @@ def one_run(
     run = workdir / "run"
     started = time.perf_counter()
     sets = [arg for item in overrides for arg in ("--set", item)]
-    subprocess.run([sys.executable, "-m", "rlctl", "pipeline", str(config), "--run-dir", str(run), "--quiet", *sets], check=True, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
+    command = [sys.executable, "-m", "rlctl", "pipeline", str(config), "--run-dir", str(run), "--quiet", *sets]
+    process = subprocess.Popen(command, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
+    _, status, usage = os.wait4(process.pid, 0)  # this child's own rusage (RUSAGE_CHILDREN: the largest of all so far)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode:
+        raise subprocess.CalledProcessError(process.returncode, command)
     wall = time.perf_counter() - started
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     out = {f"{s} s/iter": statistics.mean(r.get(f"seconds/{s}", 0.0) for r in rows) for s in STAGES}
@@ -55,6 +63,8 @@ def one_run(
     out["rollout tok/s"] = statistics.mean(r["rollout_tokens_per_s"] for r in rows)
     out["train tok/s"] = statistics.mean(r["train_tokens_per_s"] for r in rows)
     out["process wall s (incl. start, model load, checkpoint)"] = wall
+    out["largest resident size GB"] = usage.ru_maxrss * 1024 / 1e9  # Linux reports kB
+    out["update.micro_batch_tokens"] = float(load_config(run / "config.resolved.toml").update.micro_batch_tokens)
     return out
 
 

@@ -205,7 +205,7 @@ class UpdateConfig:
     epochs: int = 1  # passes over the batch per update (PPO epochs)
     mini_batch_size: int = 0  # sequences per optimizer step; 0 = the whole batch
     micro_batch_size: int = 4  # sequences per forward/backward
-    micro_batch_tokens: str = "auto"  # padded tokens per forward/backward at most (fewer sequences then): auto (CPU: 4096, GPU: no cap) | 0 (no cap) | N
+    micro_batch_tokens: str = "auto"  # padded tokens per forward/backward at most (fewer sequences then): auto (CPU: 4096, fewer where the training state and a pass would outgrow 3/4 of the machine's memory; GPU: no cap) | 0 (no cap) | N
     clip_ratio_low: float = 0.2  # PPO clip below: ratio ≥ 1 - clip_ratio_low
     clip_ratio_high: float = 0.2  # PPO clip above: ratio ≤ 1 + clip_ratio_high (DAPO's clip-higher: 0.28)
     clip_ratio_c: float = 3.0  # dual clip for negative advantages; 0 disables (PPO only)

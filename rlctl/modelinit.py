@@ -129,6 +129,20 @@ def _merges(tok) -> list[tuple[str, str]]:
     return [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in raw]
 
 
+def preset_fields(preset: str) -> dict:
+    """The shape fields of the config.json `init_model` writes for `preset` (its vocabulary at
+    most: the tokenizer may come out smaller), for estimates made before the model exists; {}
+    for a name that is no preset (or none)."""
+    p = PRESETS.get(preset)
+    if p is None:
+        return {}
+    return {
+        "vocab_size": max(p.vocab_size, p.padded_vocab), "hidden_size": p.hidden_size, "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": p.num_layers, "num_attention_heads": p.num_heads, "num_key_value_heads": p.num_kv_heads,
+        "tie_word_embeddings": True,
+    }
+
+
 def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
     """Write a random model + tokenizer folder to `out_dir`; same seed → same files."""
     import torch

@@ -41,7 +41,8 @@ from rlctl.errors import ConfigError, InputError
 from rlctl.lineage import make_manifest, shards_ref
 from rlctl.loggers import Loggers, check_loggers
 from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest, strict_json_value
-from rlctl.passes import as_recorded, decided_micro_batch_tokens
+from rlctl.modelinit import preset_fields
+from rlctl.passes import ModelShape, as_recorded, decided_micro_batch_tokens, ranks_at_once
 from rlctl.rewards import RewardSet, load_rewards
 from rlctl.runinfo import iteration_folders
 from rlctl.shards import Shards, commit_empty, filesystem, is_committed, read, read_manifest, write
@@ -55,12 +56,14 @@ POLICY = "policy"  # model.ref / model.critic value meaning "the initial policy'
 def resolve_pass_tokens(cfg: Config, recorded: Config | None) -> Config:
     """`update.micro_batch_tokens` with "auto" decided, as the dtypes are: as the run first
     decided it (a run started before the key existed recorded "auto" and ran without a cap:
-    "0"), else for the machine its models train on (rlctl.passes)."""
+    "0"), else for the machine its models train on and their shapes (rlctl.passes)."""
     value = cfg.update.micro_batch_tokens
     if value == AUTO and recorded is not None:
         value = as_recorded(recorded.update.micro_batch_tokens)
     elif value == AUTO:
-        value = decided_micro_batch_tokens(value, models_device(cfg.model.device, cfg.workers))
+        shape = ModelShape.of_folder(cfg.model.path) or ModelShape.of(preset_fields(cfg.model.init_preset))
+        critic = (shape if cfg.model.critic == cfg.model.path else ModelShape.of_folder(cfg.model.critic)) if cfg.model.critic else None
+        value = decided_micro_batch_tokens(value, models_device(cfg.model.device, cfg.workers), shape, critic=critic, ranks=ranks_at_once(cfg.workers))
     return replace(cfg, update=replace(cfg.update, micro_batch_tokens=value))
 
 

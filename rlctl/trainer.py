@@ -35,7 +35,7 @@ from rlctl.backends.hf import (
 from rlctl.config import UpdateConfig
 from rlctl.dtypes import autocast_bf16
 from rlctl.errors import InputError, TrainingError
-from rlctl.passes import cut_passes, token_cap
+from rlctl.passes import ModelShape, cut_passes, token_cap
 from rlctl.tensors import list_lengths, mask_from_lengths, padded
 
 
@@ -208,6 +208,8 @@ class Trainer:
         self.device = policy.device if policy is not None else next(critic.parameters()).device
         self.optimizer = adamw(trainable(policy.model), lr=cfg.lr, weight_decay=cfg.weight_decay) if policy is not None else None  # LoRA: the adapters only
         self.critic_optimizer = adamw(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay) if critic is not None else None
+        # what update.micro_batch_tokens = "auto" fits in memory (a stage or pipeline decides it before: then unused)
+        self.shapes = (ModelShape.of_model(policy.model) if policy is not None else None, ModelShape.of_model(critic.lm) if critic is not None else None)
 
     # -- state ------------------------------------------------------------------------
 
@@ -304,7 +306,7 @@ class Trainer:
         # decided from the whole mini-batch, so every rank makes the same forward calls (FSDP)
         share_prompts = self.policy is not None and self.policy.shares_prompts(prompts)
         groups = dict(zip(rows, distinct_prompts(prompts)[1])) if share_prompts else None  # the mini-batch's rows only
-        for micro, weight in self.ranks.micro_batches(indices, cfg.micro_batch_size, lengths, groups, token_cap(cfg.micro_batch_tokens, device.type)):
+        for micro, weight in self.ranks.micro_batches(indices, cfg.micro_batch_size, lengths, groups, token_cap(cfg.micro_batch_tokens, device.type, *self.shapes)):
             scale = weight * self.ranks.grad_scale
             packed = pack([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro], self.pad_id, device)
 

@@ -27,7 +27,7 @@ from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
 from rlctl.lora import prepare_for_training
 from rlctl.manifest import Manifest, strict_json_value
-from rlctl.passes import decided_micro_batch_tokens
+from rlctl.passes import ModelShape, decided_micro_batch_tokens, ranks_at_once
 from rlctl.schemas import spec, validate
 from rlctl.shards import read
 from rlctl.stages.rollout import sampling_of
@@ -43,7 +43,10 @@ def run(
 
     check_update_config(cfg)
     on = models_device(device, workers)
-    cfg = replace(cfg, bf16=decided_bf16(cfg.bf16, on), micro_batch_tokens=decided_micro_batch_tokens(cfg.micro_batch_tokens, on))  # "auto" decided, and recorded
+    tokens = decided_micro_batch_tokens(
+        cfg.micro_batch_tokens, on, ModelShape.of_folder(model), critic=ModelShape.of_folder(critic) if critic else None, ranks=ranks_at_once(workers),
+    )
+    cfg = replace(cfg, bf16=decided_bf16(cfg.bf16, on), micro_batch_tokens=tokens)  # "auto" decided, and recorded
     local_checkpoint_dir(out)
     for name, given in (("--model", model), ("--critic", critic)):
         if given and (same_folder(out, given) or same_folder(out, str(Path(given).parent)) and Path(given).name == CRITIC_DIR):
