@@ -27,6 +27,7 @@ import hashlib
 import os
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import BinaryIO
 
@@ -37,6 +38,7 @@ from fsspec.implementations.local import LocalFileSystem
 from rlctl.errors import InputError
 from rlctl.locks import FolderLock
 from rlctl.manifest import MANIFEST_NAME, RESERVED_NAMES, FileEntry, Manifest, check_files
+from rlctl.threads import available_cpus
 
 NO_VERIFY_ENV = "RLCTL_NO_VERIFY"
 PART_NAME = re.compile(r"^part-(?:[0-9a-f]{6,32}-)?\d{5}\.(?:arrow|parquet)(?:\.tmp)?$")
@@ -259,7 +261,9 @@ def read_verified(fs: fsspec.AbstractFileSystem, folder: str, entry: FileEntry, 
 
 
 def verify_files(fs: fsspec.AbstractFileSystem, folder: str, manifest: Manifest, uri: str, *, verify: bool | None = None) -> None:
-    """Every file the manifest lists is present and intact (streamed; nothing kept)."""
+    """Every file the manifest lists is present and intact (streamed; nothing kept): every size
+    first, then the digests, several files at once (`files_sha256`)."""
+    sized = []
     for entry in manifest.files:
         path = join(folder, entry.path)
         check_inside(fs, folder, path, entry, uri)
@@ -267,7 +271,13 @@ def verify_files(fs: fsspec.AbstractFileSystem, folder: str, manifest: Manifest,
             size = fs.size(path)
         except FileNotFoundError:
             raise PartMissingError(f"{uri}: the manifest lists {entry.path} but the file is missing") from None
-        check_entry(entry, size, lambda path=path: _stream_sha256(fs, path), uri, verify)
+        check_entry(entry, size, None, uri, verify=False)
+        sized.append((entry, path, size))
+    if not (verify_enabled() if verify is None else verify):
+        return
+    digests = files_sha256(fs, [path for _, path, _ in sized], [size for _, _, size in sized])
+    for (entry, _, size), digest in zip(sized, digests):
+        check_entry(entry, size, lambda digest=digest: digest, uri, verify=True)
 
 
 def check_inside(fs: fsspec.AbstractFileSystem, folder: str, path: str, entry: FileEntry, uri: str) -> None:
@@ -297,6 +307,21 @@ def _stream_sha256(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return digest.hexdigest()
 
 
+def files_sha256(fs: fsspec.AbstractFileSystem, paths: list[str], sizes: list[int]) -> list[str]:
+    """Each file's sha256 (in `paths`' order), as many files at once as this process has CPUs,
+    the largest started first: hashlib leaves the GIL while it hashes, and a checkpoint is a few
+    large files (Qwen2.5-0.5B's shape: weights 2 GB, AdamW's state 4 GB; one stream 3.8 s)."""
+    workers = min(len(paths), available_cpus())
+    if workers <= 1:
+        return [_stream_sha256(fs, path) for path in paths]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {i: pool.submit(_stream_sha256, fs, paths[i]) for i in sorted(range(len(paths)), key=lambda i: -sizes[i])}
+        return [futures[i].result() for i in range(len(paths))]
+
+
 def describe_files(fs: fsspec.AbstractFileSystem, folder: str, names: list[str]) -> list[FileEntry]:
     """Entries (rows 0) for files written outside `OutputWrite.open`, e.g. by save_pretrained."""
-    return [FileEntry(path=name, rows=0, bytes=fs.size(join(folder, name)), sha256=_stream_sha256(fs, join(folder, name))) for name in sorted(names)]
+    names = sorted(names)
+    paths = [join(folder, name) for name in names]
+    sizes = [fs.size(path) for path in paths]
+    return [FileEntry(path=name, rows=0, bytes=size, sha256=digest) for name, size, digest in zip(names, sizes, files_sha256(fs, paths, sizes))]

@@ -283,3 +283,31 @@ def test_a_shard_write_never_replaces_a_model_folder_and_back(tmp_path):
         with OutputWrite(*shards.filesystem(uri), uri, what="checkpoint", fixed_names=True):
             pass
     assert shards.read(uri).table.num_rows == 3
+
+
+@pytest.mark.parametrize("cpus", [1, 3])
+def test_files_are_hashed_several_at_once_each_to_its_own_sha256(tmp_path, monkeypatch, cpus):
+    """A checkpoint's files are described and verified with one hashing thread per CPU, the
+    largest first; each entry still gets its own file's sha256, in the listing's order, and the
+    first changed file in that order is the one named."""
+    import hashlib
+
+    import fsspec
+
+    from rlctl import folders
+
+    monkeypatch.setattr(folders, "available_cpus", lambda: cpus)
+    contents = {"a.bin": os.urandom(3 << 20), "b.json": b"{}", "c/d.bin": os.urandom(9 << 20), "e.bin": b""}
+    for name, data in contents.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    fs = fsspec.filesystem("file")
+    entries = folders.describe_files(fs, str(tmp_path), list(contents))
+    assert [(e.path, e.bytes, e.sha256) for e in entries] == [(n, len(d), hashlib.sha256(d).hexdigest()) for n, d in sorted(contents.items())]
+    manifest = Manifest(stage="checkpoint", files=entries)
+    folders.verify_files(fs, str(tmp_path), manifest, "ckpt", verify=True)
+    for name in ("a.bin", "c/d.bin"):  # one bit changed in each: c/d.bin is hashed first, a.bin is listed first
+        data = contents[name]
+        (tmp_path / name).write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(InputError, match=r"ckpt: a.bin does not match its manifest"):
+        folders.verify_files(fs, str(tmp_path), manifest, "ckpt", verify=True)
