@@ -271,7 +271,7 @@ def verify_files(fs: fsspec.AbstractFileSystem, folder: str, manifest: Manifest,
             size = fs.size(path)
         except FileNotFoundError:
             raise PartMissingError(f"{uri}: the manifest lists {entry.path} but the file is missing") from None
-        check_entry(entry, size, None, uri, verify=False)
+        check_size(entry, size, uri)
         sized.append((entry, path, size))
     if not (verify_enabled() if verify is None else verify):
         return
@@ -288,9 +288,13 @@ def check_inside(fs: fsspec.AbstractFileSystem, folder: str, path: str, entry: F
             raise InputError(f"{uri}: {entry.path} is a link that leaves the folder")
 
 
-def check_entry(entry: FileEntry, size: int, sha256, uri: str, verify: bool | None) -> None:
+def check_size(entry: FileEntry, size: int, uri: str) -> None:
     if size != entry.bytes:
         raise InputError(f"{uri}: {entry.path} has {size} bytes but the manifest says {entry.bytes} (truncated or changed after commit)")
+
+
+def check_entry(entry: FileEntry, size: int, sha256, uri: str, verify: bool | None) -> None:
+    check_size(entry, size, uri)
     if verify is None:
         verify = verify_enabled()
     if verify:
