@@ -9,7 +9,8 @@ Llama layout's models (rlctl.backends.llama_layers) are packed into one sequence
 the model's own decoder layers run on it as modules (their products, norms, gated MLPs, a LoRA
 adapter's layers, FSDP2's hooks); only the attention (`packed_attention`, which the layers are
 given for the forward) pads q, k and v to [B, H, T, d], zeros in the padded slots, and attends
-with the model's own attention function and a mask per row. The final norm and the LM head (or a
+with the model's own attention function and a mask per row (on the CPU, for short sequences,
+with rlctl.backends.grouped_attention: eager attention without repeated keys and values). The final norm and the LM head (or a
 critic's value head) run only on the positions that predict a response token. The same function
 as transformers' forward with other row blockings in the products (fp32 log-probs within
 ~1.4e-6; tests/unit/test_unpadded.py). Small preset, 64 rows: a training pass 0.95× / 0.82× /
@@ -34,7 +35,7 @@ from typing import TypeVar
 import torch
 
 from rlctl.algos.logprobs import logprobs_and_entropy
-from rlctl.backends import decode_attention
+from rlctl.backends import decode_attention, grouped_attention
 from rlctl.backends.llama_layers import layout_class, llama_layout
 from rlctl.errors import InputError
 from rlctl.lora import transformers_model
@@ -138,8 +139,8 @@ class UnpaddedForward:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         code = sys.modules[layout_class(model).__module__]
+        self.implementation = implementation
         self.attend = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, code.eager_attention_forward)
-        self.additive_mask = implementation == "eager"
 
     def states(self, batch) -> torch.Tensor:
         """The final norm's output at the positions predicting a `pack`ed batch's response tokens
@@ -205,15 +206,20 @@ class UnpaddedForward:
             slots = Slots.of(only_first)
         hidden = self.decoder.embed_tokens(slots.compact(ids)).unsqueeze(0)
         position_embeddings = self.decoder.rotary_emb(hidden, slots.compact(positions).unsqueeze(0))
-        mask = self._mask(slots.valid, None if past is None else past.valid, hidden.dtype)
-        packing = Packing(slots, mask, self.attend, past, keep_kv)
+        rows, width = slots.valid.shape
+        keys = width + (0 if past is None else past.valid.shape[1])
+        grouped = grouped_attention.applies(self.implementation, hidden.device, rows * self.model.config.num_attention_heads * width * keys)
+        additive = grouped or self.implementation == "eager"
+        mask = self._mask(slots.valid, None if past is None else past.valid, hidden.dtype, additive=additive)
+        packing = Packing(slots, mask, grouped_attention.attend if grouped else self.attend, past, keep_kv)
         with attention_implementation(self.model, register()):
             for layer in self.decoder.layers:
                 hidden = layer(hidden, attention_mask=packing, position_embeddings=position_embeddings)
         kv = None if packing.kept is None else [packing.kept[i] for i in range(len(self.decoder.layers))]
         return hidden[0], kv
 
-    def _mask(self, valid: torch.Tensor, past_valid: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    @staticmethod
+    def _mask(valid: torch.Tensor, past_valid: torch.Tensor | None, dtype: torch.dtype, *, additive: bool) -> torch.Tensor:
         """[B, 1, T, P + T]: a token attends to the real `past` positions, then causally to the
         real tokens of its row. A padded slot also attends to itself, so no row of the softmax is
         empty (its output is dropped)."""
@@ -223,7 +229,7 @@ class UnpaddedForward:
         if past_valid is not None:
             allowed = torch.cat([past_valid.unsqueeze(1).expand(-1, width, -1), allowed], dim=-1)
         allowed = allowed.unsqueeze(1)
-        if not self.additive_mask:
+        if not additive:
             return allowed
         return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
@@ -250,7 +256,7 @@ def packed_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature over the packed layout: query [1, H, N, d],
     key/value [1, H_kv, N, d] → [1, N, H, d]. Pads q, k and v to [B, H, T, d] (zeros in the
-    padded slots), prepends the past's keys and values, attends with the model's own function
+    padded slots), prepends the past's keys and values, attends with the packing's function
     and keeps the real tokens' outputs."""
     packing = attention_mask
     if not isinstance(packing, Packing):
