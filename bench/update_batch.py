@@ -37,10 +37,10 @@ def harness_batch(policy, seed: int = 0, prompts: int = PROMPTS):
     )
 
 
-def harness_trainer(policy, bf16: str, rows: int = ROWS):
+def harness_trainer(policy, bf16: str, rows: int = ROWS, compile: bool = False):
     """The harness's trainer for `policy` (one micro-batch of `rows` rows); `bf16`: update.bf16
-    ("false", "true" or "auto")."""
+    ("false", "true" or "auto"); `compile`: update.compile."""
     from rlctl.config import UpdateConfig
     from rlctl.trainer import Trainer
 
-    return Trainer(policy, UpdateConfig(lr=1e-6, micro_batch_size=rows, use_kl_loss=True, kl_loss_coef=0.04, bf16=bf16))
+    return Trainer(policy, UpdateConfig(lr=1e-6, micro_batch_size=rows, use_kl_loss=True, kl_loss_coef=0.04, bf16=bf16, compile=compile))

@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--model", help="a model folder (default: a new one of --preset, removed afterwards)")
     parser.add_argument("--bf16", default="false", choices=("false", "true", "auto"), help="the update's bf16 autocast (update.bf16); the peak follows it")
+    parser.add_argument("--compile", action="store_true", help="compiled decoder layers (update.compile = true)")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--calls", type=int, default=7)
     parser.add_argument("--append", help="append the Markdown result to this file")
@@ -104,11 +105,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="rlctl-update-peak-") as scratch:
         folder = Path(args.model) if args.model else init_model(Path(scratch) / args.preset, args.preset, seed=0)
-        measured = measure(folder, args.bf16, args.warmup, args.calls)
+        measured = measure(folder, args.bf16, args.warmup, args.calls, compile=args.compile)
     publish(report(measured, args), args.append)
 
 
-def measure(folder: Path, bf16: str, warmup: int, calls: int) -> dict:
+def measure(folder: Path, bf16: str, warmup: int, calls: int, *, compile: bool = False) -> dict:
     """In this process: the harness's update on `folder`'s model, `warmup` calls, one counted,
     then `calls` timed, each followed by the peak."""
     import time
@@ -120,7 +121,7 @@ def measure(folder: Path, bf16: str, warmup: int, calls: int) -> dict:
     from rlctl.dtypes import autocast_bf16
 
     policy = HFPolicy.load(str(folder), "cpu")
-    batch, trainer = harness_batch(policy), harness_trainer(policy, bf16)
+    batch, trainer = harness_batch(policy), harness_trainer(policy, bf16, compile=compile)
     in_bf16 = autocast_bf16(bf16, "cpu")
     prompts, responses = [len(p) for p in batch.prompt_ids], [len(r) for r in batch.response_ids]
     for _ in range(warmup):
@@ -154,7 +155,7 @@ def report(measured: dict, args) -> list[str]:
     source = f"--model {args.model}" if args.model else f"--preset {args.preset}"
     return [
         f"- machine: {machine_name('cpu')}, {flags}, {measured['threads']} threads, Python {platform.python_version()}, torch {torch.__version__}; MKL's kernels: {mkl_kernels.recorded()}",
-        f"- command: `{settings()}python -m bench.update_peak {source} --bf16 {args.bf16} --warmup {args.warmup} --calls {args.calls}`",
+        f"- command: `{settings()}python -m bench.update_peak {source} --bf16 {args.bf16}{' --compile' if args.compile else ''} --warmup {args.warmup} --calls {args.calls}`",
         f"- work: {measured['rows']} rows, {measured['tokens']:,} tokens ({measured['response_tokens']:,} in responses); model FLOPs {model / 1e9:.0f} G "
         f"(linear layers {linear / 1e9:.0f} G, attention {(model - linear) / 1e9:.1f} G); torch counted {counted / 1e9:.0f} G of products in one update",
         f"- peak: a {PEAK_SIZE}³ product in {measured['dtype']} after each update, the best of 5",

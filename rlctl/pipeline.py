@@ -35,6 +35,7 @@ import pyarrow as pa
 from rlctl import faults, mkl_kernels
 from rlctl.algos.kl import KLControllerState
 from rlctl.algos.sampling import enough, select_groups
+from rlctl.backends import compiled_layers
 from rlctl.config import Config, apply_overrides, from_dict, load_config, to_dict, to_toml
 from rlctl.dtypes import AUTO, models_device, resolve_dtypes
 from rlctl.errors import ConfigError, InputError
@@ -107,6 +108,7 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
     if cfg.data.batch_size < 1 or cfg.rollout.n < 1 or cfg.pipeline.iterations < 1:
         raise ConfigError("data.batch_size, rollout.n and pipeline.iterations must be at least 1")
     check_update_config(cfg.update, cfg.data.batch_size * cfg.rollout.n)
+    compiled_layers.check_compile(cfg.update.compile, models_device(cfg.model.device, cfg.workers))
     if cfg.rollout.backend == "vllm":
         from rlctl.backends.base import sampling_params
         from rlctl.backends.vllm_engine import logprobs_mode, require_vllm
@@ -730,7 +732,7 @@ NOT_TRAINING = {
     },
     "model": {"device", "init_preset", "init_seed"}, "data": {"val_prompts"}, "workers": None, "vllm": None,
     "score": {"old_logprobs"},  # the rollout's own log-probs or a recompute: the same numbers to ~3e-7 where auto picks the former
-    "update": {"micro_batch_tokens"},  # how passes are cut: the same gradients to float rounding (runs from before the key recorded "auto")
+    "update": {"micro_batch_tokens", "compile"},  # how passes are cut, compiled or not: the same gradients to float rounding
 }
 
 

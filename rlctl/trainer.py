@@ -25,6 +25,7 @@ from rlctl.algos.losses import (
     clipped_value_loss,
     rollout_is_weights,
 )
+from rlctl.backends import compiled_layers
 from rlctl.backends.hf import (
     HFPolicy,
     ValueModel,
@@ -35,6 +36,7 @@ from rlctl.backends.hf import (
 from rlctl.config import UpdateConfig
 from rlctl.dtypes import autocast_bf16
 from rlctl.errors import InputError, TrainingError
+from rlctl.lora import transformers_model
 from rlctl.passes import ModelShape, cut_passes, token_cap
 from rlctl.tensors import list_lengths, mask_from_lengths, padded
 
@@ -210,6 +212,9 @@ class Trainer:
         self.critic_optimizer = adamw(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay) if critic is not None else None
         # what update.micro_batch_tokens = "auto" fits in memory (a stage or pipeline decides it before: then unused)
         self.shapes = (ModelShape.of_model(policy.model) if policy is not None else None, ModelShape.of_model(critic.lm) if critic is not None else None)
+        for lm in (policy.model if policy is not None else None, critic.lm if critic is not None else None):
+            if lm is not None and cfg.compile:
+                compiled_layers.enable(transformers_model(lm))
 
     # -- state ------------------------------------------------------------------------
 

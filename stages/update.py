@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from rlctl.backends import compiled_layers
 from rlctl.checkpoint import (
     CRITIC_DIR,
     load_trainer_state,
@@ -46,6 +47,7 @@ def run(
     tokens = decided_micro_batch_tokens(
         cfg.micro_batch_tokens, on, ModelShape.of_folder(model), critic=ModelShape.of_folder(critic) if critic else None, ranks=ranks_at_once(workers),
     )
+    compiled_layers.check_compile(cfg.compile, on)
     cfg = replace(cfg, bf16=decided_bf16(cfg.bf16, on), micro_batch_tokens=tokens)  # "auto" decided, and recorded
     local_checkpoint_dir(out)
     for name, given in (("--model", model), ("--critic", critic)):

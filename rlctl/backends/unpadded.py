@@ -10,7 +10,8 @@ the model's own decoder layers run on it as modules (their products, norms, gate
 adapter's layers, FSDP2's hooks); only the attention (`packed_attention`, which the layers are
 given for the forward) pads q, k and v to [B, H, T, d], zeros in the padded slots, and attends
 with the model's own attention function and a mask per row (on the CPU, for short sequences,
-with rlctl.backends.grouped_attention: eager attention without repeated keys and values). The final norm and the LM head (or a
+with rlctl.backends.grouped_attention: eager attention without repeated keys and values; with
+`update.compile` the layers run compiled, rlctl.backends.compiled_layers). The final norm and the LM head (or a
 critic's value head) run only on the positions that predict a response token. The same function
 as transformers' forward with other row blockings in the products (fp32 log-probs within
 ~1.4e-6; tests/unit/test_unpadded.py). Small preset, 64 rows: a training pass 0.95× / 0.82× /
@@ -35,7 +36,7 @@ from typing import TypeVar
 import torch
 
 from rlctl.algos.logprobs import logprobs_and_entropy
-from rlctl.backends import decode_attention, grouped_attention
+from rlctl.backends import compiled_layers, decode_attention, grouped_attention
 from rlctl.backends.llama_layers import layout_class, llama_layout
 from rlctl.errors import InputError
 from rlctl.lora import transformers_model
@@ -43,6 +44,7 @@ from rlctl.lora import transformers_model
 OVERRIDE_ENV = "RLCTL_UNPADDED_FORWARD"
 CHOICES = ("rlctl", "transformers")
 NAME = "rlctl_unpadded"  # the packed attention's name among transformers' attention functions
+COMPILED_NAME = "rlctl_unpadded_compiled"  # the same, called from compiled layers (rlctl.backends.compiled_layers)
 FSDP_METHOD = "_rlctl_unpadded_forward"  # the forward method registered with an FSDP2 module (run_as_forward)
 T = TypeVar("T")
 # transformers' attention functions whose masks this module builds: SDPA's (and rlctl's CPU
@@ -212,9 +214,15 @@ class UnpaddedForward:
         additive = grouped or self.implementation == "eager"
         mask = self._mask(slots.valid, None if past is None else past.valid, hidden.dtype, additive=additive)
         packing = Packing(slots, mask, grouped_attention.attend if grouped else self.attend, past, keep_kv)
-        with attention_implementation(self.model, register()):
-            for layer in self.decoder.layers:
-                hidden = layer(hidden, attention_mask=packing, position_embeddings=position_embeddings)
+        compiled = compiled_layers.compiled_forward(self.model)
+        if compiled is not None:
+            with attention_implementation(self.model, register(compiled=True)), compiled_layers.attending(packing):
+                for layer in self.decoder.layers:
+                    hidden = compiled(layer, hidden, *position_embeddings)
+        else:
+            with attention_implementation(self.model, register()):
+                for layer in self.decoder.layers:
+                    hidden = layer(hidden, attention_mask=packing, position_embeddings=position_embeddings)
         kv = None if packing.kept is None else [packing.kept[i] for i in range(len(self.decoder.layers))]
         return hidden[0], kv
 
@@ -257,8 +265,9 @@ def packed_attention(
     """transformers' attention-function signature over the packed layout: query [1, H, N, d],
     key/value [1, H_kv, N, d] → [1, N, H, d]. Pads q, k and v to [B, H, T, d] (zeros in the
     padded slots), prepends the past's keys and values, attends with the packing's function
-    and keeps the real tokens' outputs."""
-    packing = attention_mask
+    and keeps the real tokens' outputs. Compiled layers pass no mask: theirs is
+    rlctl.backends.compiled_layers' current packing."""
+    packing = attention_mask if attention_mask is not None else compiled_layers.current_packing()
     if not isinstance(packing, Packing):
         raise TypeError(f"{NAME} attends only within rlctl's unpadded forward (got a {type(packing).__name__} mask)")
     q, k, v = (packing.slots.padded(t[0].transpose(0, 1)).transpose(1, 2) for t in (query, key, value))
@@ -271,10 +280,16 @@ def packed_attention(
     return packing.slots.compact(attended).unsqueeze(0), None
 
 
-def register() -> str:
-    """Make NAME a transformers attention implementation (idempotent); returns it."""
+def register(*, compiled: bool = False) -> str:
+    """Make NAME a transformers attention implementation (idempotent); returns it. `compiled`:
+    COMPILED_NAME, the same attention left out of torch.compile's graphs (its packing is
+    Python state that changes with every batch)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    if compiled:
+        if COMPILED_NAME not in ALL_ATTENTION_FUNCTIONS:
+            ALL_ATTENTION_FUNCTIONS.register(COMPILED_NAME, torch.compiler.disable(packed_attention))
+        return COMPILED_NAME
     ALL_ATTENTION_FUNCTIONS.register(NAME, packed_attention)
     return NAME
 
