@@ -13,11 +13,12 @@ stay eager (another graph to compile, for less work). Results equal the eager la
 rounding (tests/unit/test_compiled_layers.py).
 
 Measured on a 2-core Xeon, eager and compiled alternating in one process (`python -m
-bench.compile_bench`, bench/RESULTS.md "Compiled decoder layers"): the small preset's update
-fp32 0.94–0.95×, bf16 0.86×; Qwen2.5-0.5B's shape fp32 0.98×, bf16 1.02× (its products dominate,
-and under autocast the compiled graph casts the weights in each pass where eager autocast casts
-them once). A first compile takes ~15–20 s (~5 s with inductor's on-disk cache warm), so it pays
-after ~25–150 small-preset updates: an option for long runs of small models, off by default.
+bench.compile_bench`, bench/RESULTS.md "Grouped attention and compiled decoder layers"): the
+small preset's update fp32 0.93×, bf16 0.87×; Qwen2.5-0.5B's shape fp32 0.98×, bf16 1.02× (its
+products dominate, and under autocast the compiled graph casts the weights in each pass where
+eager autocast casts them once). A first compile takes ~15–20 s (~5 s with inductor's on-disk
+cache warm), so it pays after ~25–150 small-preset updates: an option for long runs of small
+models, off by default.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ adapter's layers, FSDP2's hooks); only the attention (`packed_attention`, which 
 given for the forward) pads q, k and v to [B, H, T, d], zeros in the padded slots, and attends
 with the model's own attention function and a mask per row (on the CPU, for short sequences,
 with rlctl.backends.grouped_attention: eager attention without repeated keys and values; with
-`update.compile` the layers run compiled, rlctl.backends.compiled_layers). The final norm and the LM head (or a
-critic's value head) run only on the positions that predict a response token. The same function
+`update.compile` the layers run compiled, rlctl.backends.compiled_layers). The final norm and
+the LM head (or a critic's value head) run only on the positions that predict a response token. The same function
 as transformers' forward with other row blockings in the products (fp32 log-probs within
 ~1.4e-6; tests/unit/test_unpadded.py). Small preset, 64 rows: a training pass 0.95× / 0.82× /
 0.53× transformers' time at 1% / 22% / 50% padding (bench/unpadded_bench.py, bench/RESULTS.md).
