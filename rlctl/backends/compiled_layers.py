@@ -23,7 +23,6 @@ models, off by default.
 
 from __future__ import annotations
 
-import os
 import shutil
 import threading
 import weakref
@@ -35,17 +34,17 @@ import torch
 from rlctl.backends.llama_layers import plain_layers
 from rlctl.errors import InputError
 
-CXX_NAMES = ("g++", "c++", "clang++")
-
 _compiled: weakref.WeakKeyDictionary[torch.nn.Module, Callable] = weakref.WeakKeyDictionary()
 _current = threading.local()  # the packing the compiled layers' attention reads (`attending`)
 
 
 def cxx_compiler() -> str | None:
-    """The C++ compiler inductor builds its CPU kernels with: $CXX where set and found, else one
-    of CXX_NAMES on the PATH."""
-    names = ([os.environ["CXX"]] if os.environ.get("CXX") else []) + list(CXX_NAMES)
-    return next((found for name in names if (found := shutil.which(name))), None)
+    """The C++ compiler inductor builds its CPU kernels with, where it is found: the one its
+    config names ($CXX when torch loaded, else g++; clang++ on macOS)."""
+    from torch._inductor import config
+
+    names = config.cpp.cxx if isinstance(config.cpp.cxx, (list, tuple)) else (config.cpp.cxx,)
+    return next((found for name in names if name and (found := shutil.which(name))), None)
 
 
 def check_compile(compile: bool, device: str) -> None:

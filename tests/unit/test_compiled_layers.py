@@ -55,18 +55,20 @@ def test_compile_on_the_cpu_needs_a_cxx_compiler(monkeypatch):
     compiled_layers.check_compile(True, "cuda")  # inductor's GPU kernels need no C++ compiler
 
 
-def test_the_compiler_is_cxx_where_set_else_found_on_the_path(monkeypatch, tmp_path):
+def test_the_compiler_is_the_one_inductor_would_run_where_it_is_found(monkeypatch, tmp_path):
+    from torch._inductor import config
+
     compiler = tmp_path / "my-g++"
     compiler.write_text("#!/bin/sh\n")
     compiler.chmod(0o755)
-    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setattr(config.cpp, "cxx", (None, str(compiler)))  # as $CXX=<that file> sets it
     assert compiled_layers.cxx_compiler() == str(compiler)
-    monkeypatch.setenv("CXX", "")
-    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(config.cpp, "cxx", (None, "g++"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no g++ there
     assert compiled_layers.cxx_compiler() is None
-    (tmp_path / "clang++").write_text("#!/bin/sh\n")
-    (tmp_path / "clang++").chmod(0o755)
-    assert compiled_layers.cxx_compiler() == str(tmp_path / "clang++")
+    (tmp_path / "g++").write_text("#!/bin/sh\n")
+    (tmp_path / "g++").chmod(0o755)
+    assert compiled_layers.cxx_compiler() == str(tmp_path / "g++")
 
 
 def test_a_pipeline_asking_to_compile_without_a_compiler_fails_before_any_work(monkeypatch):
