@@ -49,7 +49,7 @@ def replay_stage(
     if not check:
         return f"replayed {iter_dir.name}/{name} into {target}"
     verdict = _compare_update(result, recorded) if isinstance(result, dict) else compare_tables(read(str(path)).table, result)
-    return verdict + _kernels_note(recorded)
+    return verdict + _kernels_note(recorded) + _compile_note(recorded, cfg)
 
 
 def _kernels_note(recorded: Manifest) -> str:
@@ -61,6 +61,16 @@ def _kernels_note(recorded: Manifest) -> str:
     if isinstance(was, list):  # Ray ranks on hosts that ran different kernels
         return f" (recorded with MKL's {', '.join(map(str, was))} kernels on its ranks, replayed with its {now} ones: the last bits may differ)"
     return f" (recorded with MKL's {was} kernels, replayed with its {now} ones: the last bits may differ; RLCTL_MKL_KERNELS={was} runs it as recorded)"
+
+
+def _compile_note(recorded: Manifest, cfg: Config) -> str:
+    """Where an update replays with its decoder layers compiled and it ran them eager, or the
+    other way round (`--set update.compile=...`), a note that its last bits may differ."""
+    was = recorded.config.get("update", {}).get("compile")
+    if not isinstance(was, bool) or was == cfg.update.compile:
+        return ""
+    how = {True: "compiled", False: "eager"}
+    return f" (recorded with {how[was]} decoder layers, replayed with {how[cfg.update.compile]} ones: the last bits may differ)"
 
 
 def _replay_rewards(cfg: Config, recorded: Manifest, iteration: str, reward: str | None, trust_run_code: bool) -> Config:

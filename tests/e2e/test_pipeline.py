@@ -150,6 +150,23 @@ def test_resume_recomputes_a_damaged_committed_stage_instead_of_training_on_it(c
     assert all(torch.equal(expected[k], got[k]) for k in expected)
 
 
+@pytest.mark.slow
+def test_a_run_with_compiled_layers_resumes_bit_identical_and_replays_its_update(cli, tmp_path, tiny_model):
+    """update.compile (the policy's and the critic's layers): a run stopped after two iterations
+    and continued trains what an unbroken run trains, and its update replays identical."""
+    config = write_config(tmp_path, tiny_model, update={"compile": True}, pipeline={"iterations": 3})
+    rlctl("pipeline", config, "--run-dir", tmp_path / "straight", "--quiet")
+    rlctl("pipeline", config, "--run-dir", tmp_path / "resumed", "--quiet", "--set", "pipeline.iterations=2")
+    rlctl("pipeline", config, "--run-dir", tmp_path / "resumed", "--quiet")
+    expected, got = final_weights(tmp_path / "straight"), final_weights(tmp_path / "resumed")
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    assert metrics_without_timings(tmp_path / "straight") == metrics_without_timings(tmp_path / "resumed")
+    replayed = cli("replay", tmp_path / "straight" / "iter-0003" / "update", "--check")
+    assert replayed.stdout.strip() == "identical", replayed.stdout + replayed.stderr
+    eager = cli("replay", tmp_path / "straight" / "iter-0003" / "update", "--check", "--set", "update.compile=false")
+    assert "recorded with compiled decoder layers, replayed with eager ones" in eager.stdout
+
+
 def test_replay_check_is_identical_for_every_stage_at_the_thread_count_it_ran_at(cli, tmp_path, tiny_model, monkeypatch):
     config = write_config(tmp_path, tiny_model, pipeline={"iterations": 2}, workers={"threads": 0})
     monkeypatch.setattr(ThreadGovernor, "MIN_WINDOW", 0.0)

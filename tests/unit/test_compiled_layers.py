@@ -88,3 +88,16 @@ def test_compile_is_off_by_default_and_may_change_on_resume():
     assert "update.compile" not in training_config(load_config(data={"update": {"compile": True}}))  # the same training to float rounding
     with pytest.raises(ConfigError, match="compile"):
         load_config(overrides=["update.compile=sometimes"])
+
+
+def test_a_replay_says_when_it_compiles_otherwise_than_the_update_ran():
+    from dataclasses import replace
+
+    from rlctl.lineage import make_manifest
+    from rlctl.replay import _compile_note
+
+    compiled_run = make_manifest("update", {"update": {"lr": 1e-3, "compile": True}}, [])
+    eager = Config()
+    assert "recorded with compiled decoder layers, replayed with eager ones" in _compile_note(compiled_run, eager)
+    assert _compile_note(compiled_run, replace(eager, update=replace(eager.update, compile=True))) == ""
+    assert _compile_note(make_manifest("update", {"update": {"lr": 1e-3}}, []), eager) == ""  # recorded before the key: eager, as now
