@@ -9,10 +9,10 @@ Llama layout's models (rlctl.backends.llama_layers) are packed into one sequence
 the model's own decoder layers run on it as modules (their products, norms, gated MLPs, a LoRA
 adapter's layers, FSDP2's hooks); only the attention (`packed_attention`, which the layers are
 given for the forward) pads q, k and v to [B, H, T, d], zeros in the padded slots, and attends
-with the model's own attention function and a mask per row (on the CPU, for short sequences,
-with rlctl.backends.grouped_attention: eager attention without repeated keys and values; with
-`update.compile` the layers run compiled, rlctl.backends.compiled_layers). The final norm and
-the LM head (or a critic's value head) run only on the positions that predict a response token. The same function
+with the model's own attention function and a mask per row (on the CPU with
+rlctl.backends.grouped_attention's, which repeats no keys or values; with `update.compile` the
+layers run compiled, rlctl.backends.compiled_layers). The final norm and the LM head (or a
+critic's value head) run only on the positions that predict a response token. The same function
 as transformers' forward with other row blockings in the products (fp32 log-probs within
 ~1.4e-6; tests/unit/test_unpadded.py). Small preset, 64 rows: a training pass 0.95× / 0.82× /
 0.53× transformers' time at 1% / 22% / 50% padding (bench/unpadded_bench.py, bench/RESULTS.md).
@@ -210,10 +210,10 @@ class UnpaddedForward:
         position_embeddings = self.decoder.rotary_emb(hidden, slots.compact(positions).unsqueeze(0))
         rows, width = slots.valid.shape
         keys = width + (0 if past is None else past.valid.shape[1])
-        grouped = grouped_attention.applies(self.implementation, hidden.device, rows * self.model.config.num_attention_heads * width * keys)
-        additive = grouped or self.implementation == "eager"
+        instead = grouped_attention.for_forward(self.implementation, hidden.device, rows * self.model.config.num_attention_heads * width * keys)
+        attend, additive = instead or (self.attend, self.implementation == "eager")
         mask = self._mask(slots.valid, None if past is None else past.valid, hidden.dtype, additive=additive)
-        packing = Packing(slots, mask, grouped_attention.attend if grouped else self.attend, past, keep_kv)
+        packing = Packing(slots, mask, attend, past, keep_kv)
         compiled = compiled_layers.compiled_forward(self.model)
         if compiled is not None:
             with attention_implementation(self.model, register(compiled=True)), compiled_layers.attending(packing):

@@ -1,6 +1,6 @@
 """The packed forwards' grouped attention computes transformers' eager attention and SDPA's, to
 float rounding, without repeating keys and values, and runs on the CPU only: in place of eager
-attention always, of SDPA only while a layer's scores stay small."""
+attention always, of SDPA while a layer's scores stay small, SDPA's own grouped queries beyond."""
 
 import pytest
 import torch
@@ -63,9 +63,19 @@ def test_grouped_attention_and_its_gradients_are_sdpas_to_float_rounding(heads, 
         assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
-def test_it_runs_on_the_cpu_for_eager_attention_always_and_for_sdpa_while_the_scores_are_small():
+def test_on_the_cpu_it_replaces_eager_attention_always_and_sdpa_while_the_scores_are_small():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     small, large = grouped_attention.MAX_FP32_SCORES, grouped_attention.MAX_FP32_SCORES + 1
-    assert grouped_attention.applies("eager", cpu, large)
-    assert grouped_attention.applies("sdpa", cpu, small) and not grouped_attention.applies("sdpa", cpu, large)
-    assert not grouped_attention.applies("eager", gpu, 1) and not grouped_attention.applies("sdpa", gpu, 1)
+    assert grouped_attention.for_forward("eager", cpu, large) == (grouped_attention.attend, True)
+    assert grouped_attention.for_forward("sdpa", cpu, small) == (grouped_attention.attend, True)
+    assert grouped_attention.for_forward("sdpa", cpu, large) == (grouped_attention.sdpa, False)  # the flash kernel, its own GQA
+    assert grouped_attention.for_forward("eager", gpu, 1) is None and grouped_attention.for_forward("sdpa", gpu, 1) is None
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (14, 2)])
+def test_sdpa_with_its_grouped_queries_is_sdpa_over_repeated_keys_and_values(heads, kv_heads):
+    q, k, v, allowed, _ = inputs(heads, kv_heads, torch.float32)
+    ours, _ = grouped_attention.sdpa(Attention(heads // kv_heads).eval(), q, k, v, allowed, scaling=0.3)
+    group = heads // kv_heads
+    theirs = F.scaled_dot_product_attention(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), attn_mask=allowed, scale=0.3)
+    assert torch.allclose(ours, theirs.transpose(1, 2), atol=1e-6, rtol=0)

@@ -5,7 +5,7 @@ transformers' forward."""
 import pytest
 import torch
 
-from rlctl.backends import unpadded
+from rlctl.backends import grouped_attention, unpadded
 from rlctl.backends.hf import HFPolicy, pack, training_forward
 from rlctl.errors import InputError
 from tests.conftest import model_folder
@@ -57,8 +57,11 @@ def assert_same_gradient(ours: torch.Tensor, theirs: torch.Tensor, name: str) ->
     assert float(torch.linalg.norm(ours - theirs)) <= 1e-5 * float(torch.linalg.norm(theirs)) + 1e-7, name
 
 
+@pytest.mark.parametrize("long_sequences", [False, True], ids=["grouped-eager", "sdpa-grouped-queries"])
 @pytest.mark.parametrize("shared", [False, True], ids=["one-forward-per-row", "prompts-once"])
-def test_log_probs_entropy_and_gradients_are_transformers_in_fp32(monkeypatch, policy, shared):
+def test_log_probs_entropy_and_gradients_are_transformers_in_fp32(monkeypatch, policy, shared, long_sequences):
+    if long_sequences:  # scores past the grouped eager attention's bound: SDPA with its own grouped queries
+        monkeypatch.setattr(grouped_attention, "MAX_FP32_SCORES", 0)
     ours = forward_and_gradients(monkeypatch, policy, "rlctl", shared=shared)
     theirs = forward_and_gradients(monkeypatch, policy, "transformers", shared=shared)
     m = ours[2]
