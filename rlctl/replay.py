@@ -66,8 +66,10 @@ def _kernels_note(recorded: Manifest) -> str:
 def _compile_note(recorded: Manifest, cfg: Config) -> str:
     """Where an update replays with its decoder layers compiled and it ran them eager, or the
     other way round (`--set update.compile=...`), a note that its last bits may differ."""
-    was = recorded.config.get("update", {}).get("compile")
-    if not isinstance(was, bool) or was == cfg.update.compile:
+    if recorded.stage != "update":
+        return ""
+    was = bool(recorded.config.get("update", {}).get("compile", False))  # recorded before the key: eager
+    if was == cfg.update.compile:
         return ""
     how = {True: "compiled", False: "eager"}
     return f" (recorded with {how[was]} decoder layers, replayed with {how[cfg.update.compile]} ones: the last bits may differ)"

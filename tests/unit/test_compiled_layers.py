@@ -101,3 +101,6 @@ def test_a_replay_says_when_it_compiles_otherwise_than_the_update_ran():
     assert "recorded with compiled decoder layers, replayed with eager ones" in _compile_note(compiled_run, eager)
     assert _compile_note(compiled_run, replace(eager, update=replace(eager.update, compile=True))) == ""
     assert _compile_note(make_manifest("update", {"update": {"lr": 1e-3}}, []), eager) == ""  # recorded before the key: eager, as now
+    compiling = replace(eager, update=replace(eager.update, compile=True))
+    assert "recorded with eager decoder layers, replayed with compiled ones" in _compile_note(make_manifest("update", {"update": {"lr": 1e-3}}, []), compiling)
+    assert _compile_note(make_manifest("score", {"score": {}}, []), compiling) == ""  # no layers trained there
