@@ -212,9 +212,10 @@ class Trainer:
         self.critic_optimizer = adamw(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay) if critic is not None else None
         # what update.micro_batch_tokens = "auto" fits in memory (a stage or pipeline decides it before: then unused)
         self.shapes = (ModelShape.of_model(policy.model) if policy is not None else None, ModelShape.of_model(critic.lm) if critic is not None else None)
-        for lm in (policy.model if policy is not None else None, critic.lm if critic is not None else None):
-            if lm is not None and cfg.compile:
-                compiled_layers.enable(transformers_model(lm))
+        if cfg.compile:
+            for lm in (policy.model if policy is not None else None, critic.lm if critic is not None else None):
+                if lm is not None:
+                    compiled_layers.enable(transformers_model(lm))
 
     # -- state ------------------------------------------------------------------------
 

@@ -6,10 +6,10 @@ head once per query head it serves (`repeat_kv`: 2× at the small preset, 7× at
 and sum those copies' gradients back in the backward. Stacking a key/value head's query heads
 into one [group × T, d] block makes the same products without the copies; the scores, softmax
 (fp32) and mask are eager attention's, so its values are eager attention's (fp32: to float
-rounding, ~4e-7, the taller blocks sum in another order; bf16: the same) and SDPA's (~1e-6). Per layer, 54 rows × 63 queries × 75 keys, forward and
-backward (bench/RESULTS.md "Grouped attention"): 8 query / 4 key-value heads fp32 20.4 ms
-(SDPA's flash kernel) → 9.6, bf16 11.7 (eager) → 7.4; 14 / 2 heads fp32 37.8 → 17.4, bf16
-18.3 → 12.2.
+rounding, ~4e-7, the taller blocks sum in another order; bf16: the same) and SDPA's (~1e-6).
+Per layer, 54 rows × 63 queries × 75 keys, forward and backward (bench/RESULTS.md "Grouped
+attention and compiled decoder layers"): 8 query / 4 key-value heads fp32 20.4 ms (SDPA's flash
+kernel) → 9.6, bf16 11.7 (eager) → 7.4; 14 / 2 heads fp32 37.8 → 17.4, bf16 18.3 → 12.2.
 
 It holds the [rows, heads, T, keys] probabilities for the backward where SDPA's flash kernel
 holds none, so in fp32 it runs only while they stay small (MAX_FP32_SCORES: 16 MB a layer);
