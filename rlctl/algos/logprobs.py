@@ -123,8 +123,12 @@ def sample_next(
     else:
         filtered = truncate_logits(logits=x, top_p=top_p, top_k=top_k)
         cdf = torch.softmax(filtered, dim=-1).cumsum(-1)
-        threshold = uniform.to(cdf.device, cdf.dtype).unsqueeze(-1) * cdf[:, -1:]  # < the total mass, so a token always wins
-        tokens = (cdf < threshold).sum(-1).clamp(max=cdf.shape[-1] - 1)
+        # the threshold is < the total mass, so a token always wins, and > 0, so a draw of exactly
+        # 0 takes the first token with any mass, not token 0 whatever its probability
+        threshold = (uniform.to(cdf.device, cdf.dtype).unsqueeze(-1) * cdf[:, -1:]).clamp(min=torch.finfo(cdf.dtype).tiny)
+        # the token: the number of cdf entries below the threshold, found by bisection (the cdf
+        # never decreases); counting them over [B, V] booleans cost a pass and an int64 copy
+        tokens = torch.searchsorted(cdf, threshold).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 

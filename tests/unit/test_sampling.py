@@ -47,6 +47,27 @@ def test_inverse_cdf_sampling_follows_the_distribution_and_never_picks_a_truncat
     assert set(tokens.tolist()) <= {0, 1}  # top_p=0.7 keeps two tokens, even at the edges of [0, 1)
 
 
+def test_the_sampled_token_is_the_first_whose_cumulative_mass_reaches_the_draw():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(64, 3000, generator=g) * 4
+    uniform = torch.rand(64, generator=g)
+    uniform[:3] = torch.tensor([1e-7, 0.5, 1.0 - 2**-24])
+    for top_p, top_k in [(1.0, 0), (0.9, 0), (1.0, 50), (0.8, 20)]:
+        tokens, _ = sample_next(logits=logits, temperature=0.9, top_p=top_p, top_k=top_k, uniform=uniform)
+        cdf = torch.softmax(truncate_logits(logits=logits / 0.9, top_p=top_p, top_k=top_k), dim=-1).cumsum(-1)
+        below = (cdf < uniform.unsqueeze(-1) * cdf[:, -1:]).sum(-1)
+        assert tokens.tolist() == below.tolist()
+        assert torch.isfinite(truncate_logits(logits=logits / 0.9, top_p=top_p, top_k=top_k).gather(-1, tokens.unsqueeze(-1))).all()
+
+
+def test_a_draw_of_exactly_zero_never_takes_a_token_without_mass():
+    logits = torch.tensor([[-1.0, 3.0, 2.0, -2.0]])
+    tokens, _ = sample_next(logits=logits, temperature=1.0, top_p=1.0, top_k=2, uniform=torch.zeros(1))
+    assert tokens.tolist() == [1]  # token 0 is outside the top 2: probability 0
+    tokens, _ = sample_next(logits=logits, temperature=1.0, top_p=1.0, top_k=0, uniform=torch.zeros(1))
+    assert tokens.tolist() == [0]
+
+
 def test_a_rows_token_does_not_depend_on_the_other_rows():
     from rlctl.algos.logprobs import row_uniforms
 
