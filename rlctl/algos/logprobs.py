@@ -93,20 +93,33 @@ class ChunkedLogSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None):
         logits, tokens, entropy = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        step = _chunk_rows(logits.shape[-1])
-        for start in range(0, logits.shape[0], step):
-            rows = slice(start, start + step)
-            logp = torch.log_softmax(scaled(logits[rows], ctx.temperature), dim=-1)
-            p = logp.exp()
-            g = torch.zeros_like(p)
-            if grad_logp is not None:
-                g -= p * grad_logp[rows].unsqueeze(-1)
-                g.scatter_add_(-1, tokens[rows].unsqueeze(-1), grad_logp[rows].unsqueeze(-1).float())
+        return _chunked_backward(logits, tokens, entropy, ctx.temperature, grad_logp, grad_entropy), None, None
+
+
+def _chunked_backward(
+    logits: torch.Tensor, tokens: torch.Tensor, entropy: torch.Tensor, temperature: float,
+    grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None,
+) -> torch.Tensor:
+    """∂loss/∂logits [N, V] a chunk of rows at a time (ChunkedLogSoftmax's formulas). Each
+    chunk's [rows, V] work is few passes: the softmax's exp in place, −p·g written straight into
+    the gradient where it is float32 and needs no division by a temperature."""
+    grad = torch.empty_like(logits)
+    step = _chunk_rows(logits.shape[-1])
+    for start in range(0, logits.shape[0], step):
+        rows = slice(start, start + step)
+        logp = torch.log_softmax(scaled(logits[rows], temperature), dim=-1)
+        p = logp.exp() if grad_entropy is not None else logp.exp_()
+        direct = grad.dtype == torch.float32 and temperature == 1.0
+        if grad_logp is not None:
+            g = torch.mul(p, -grad_logp[rows].unsqueeze(-1), out=grad[rows] if direct else None)
+            g.scatter_add_(-1, tokens[rows].unsqueeze(-1), grad_logp[rows].unsqueeze(-1).float())
             if grad_entropy is not None:
                 g -= p * (logp + entropy[rows].unsqueeze(-1)) * grad_entropy[rows].unsqueeze(-1)
-            grad[rows] = g if ctx.temperature == 1.0 else g / ctx.temperature
-        return grad, None, None
+        else:
+            g = torch.mul(p * (logp + entropy[rows].unsqueeze(-1)), -grad_entropy[rows].unsqueeze(-1), out=grad[rows] if direct else None)
+        if not direct:
+            grad[rows] = g if temperature == 1.0 else g / temperature
+    return grad
 
 
 def sample_next(

@@ -110,13 +110,13 @@ def test_log_probs_and_entropy_a_chunk_at_a_time_have_the_values_and_gradients_o
     grads = {}
     for name, fn in (("chunked", lambda x: logprobs_and_entropy(logits=x, tokens=tokens, temperature=temperature)),
                      ("reference", lambda x: reference_logprobs_and_entropy(x, tokens, temperature))):
-        for uses in ("both", "logp"):
+        for uses in ("both", "logp", "entropy"):
             x = logits.clone().requires_grad_(True)
             logp, entropy = fn(x)
-            loss = (logp * w_logp).sum() + ((entropy * w_entropy).sum() if uses == "both" else 0)
+            loss = ((logp * w_logp).sum() if uses != "entropy" else 0) + ((entropy * w_entropy).sum() if uses != "logp" else 0)
             loss.backward()
             grads[name, uses] = (logp.detach(), entropy.detach(), x.grad)
-    for uses in ("both", "logp"):
+    for uses in ("both", "logp", "entropy"):
         (logp, entropy, grad), (want_logp, want_entropy, want_grad) = grads["chunked", uses], grads["reference", uses]
         assert torch.equal(logp, want_logp) and torch.equal(entropy, want_entropy)
         assert grad.dtype == dtype
