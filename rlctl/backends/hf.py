@@ -341,6 +341,15 @@ def response_hidden(hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     return hidden.gather(1, index)
 
 
+def positions_to_keep(first: int, length: int, device) -> dict:
+    """transformers' `logits_to_keep` for positions first … length − 1, as indices: a count
+    hands the LM head a strided view of the hidden states, whose batch torch's matmul cannot fold
+    into one product, and in bf16 on the CPU its batched product then copies the head's weight
+    once per row (272 MB a row at Qwen2.5-0.5B's shape); the indices make the head's input a
+    contiguous [B, length − first, H] copy."""
+    return {"logits_to_keep": torch.arange(first, length, device=device)}
+
+
 def accepts_logits_to_keep(model) -> bool:
     """Whether the causal LM's forward computes logits for the last N positions only."""
     base = transformers_model(model)  # a peft model passes it on
@@ -492,7 +501,7 @@ class HFPolicy:
         distinct, source = distinct_prompts(prompt_ids)
         ids, mask, positions = left_padded(distinct, self.pad_id, self.device)
         cache = DynamicCache() if cache is None else cache
-        last_only = {"logits_to_keep": 1} if self._keeps_logits else {}
+        last_only = positions_to_keep(ids.shape[1] - 1, ids.shape[1], self.device) if self._keeps_logits else {}
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self._cache_keyword(): cache}, **last_only)
         logits = out.logits[:, -1, :]
         if len(distinct) < len(prompt_ids):
@@ -522,7 +531,7 @@ class HFPolicy:
                 model, lambda: direct.logprobs(direct.states(batch), batch.response_ids, batch.response_mask, temperature=temperature, with_entropy=with_entropy),
             )
         start = first_response_logit(batch)
-        kept = {"logits_to_keep": batch.input_ids.shape[1] - start} if start and self._keeps_logits else {}
+        kept = positions_to_keep(start, batch.input_ids.shape[1], self.device) if start and self._keeps_logits else {}
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False, **kept)
         logits = response_logits(out.logits, batch, offset=start if kept else 0)
         del out  # the model's logits: the response positions' copy is all that is needed

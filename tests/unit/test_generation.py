@@ -83,6 +83,27 @@ def test_the_lm_head_runs_only_from_the_first_response_position_with_the_same_re
     assert torch.equal(kept_logp[mask], full_logp[mask]) and torch.equal(kept_entropy[mask], full_entropy[mask])
 
 
+@pytest.mark.parametrize("compute_dtype", ["fp32", "bf16"])
+def test_the_lm_head_is_handed_contiguous_hidden_states(policy, monkeypatch, compute_dtype):
+    """The prompt pass and transformers' forward keep some positions' logits only; a strided
+    view of the hidden states would make torch's matmul a batched product, which in bf16 on the
+    CPU copies the head's weight once per row."""
+    from rlctl.backends import unpadded
+    from rlctl.backends.hf import pack
+
+    seen = []
+    hooks = [m.get_output_embeddings().register_forward_pre_hook(lambda module, args: seen.append((tuple(args[0].shape), args[0].is_contiguous())))
+             for m in (policy.model, policy._bf16.of(policy.model))]
+    batch = [policy.tokenizer(t)["input_ids"] for t in ("hello there", "12 + 3 =", "The answer is")]
+    policy.generate(batch, SamplingParams(max_new_tokens=2, seed=0), compute_dtype=compute_dtype)
+    monkeypatch.setattr(unpadded, "for_model", lambda model: None)  # transformers' own forward
+    policy.forward(pack(batch, [[20, 21], [22], [23, 24, 25]], policy.pad_id, policy.device), temperature=1.0)
+    for hook in hooks:
+        hook.remove()
+    assert seen[0][0][:2] == (3, 1) and seen[-1][0][1] > 1  # the prompt pass's last positions; the forward's response positions
+    assert all(contiguous for _, contiguous in seen)
+
+
 def test_bf16_generation_follows_the_trained_weights(tiny_model, tmp_path):
     """The bf16 copy is refreshed from the fp32 module at every call: after the weights change
     (an update), bf16 generation is the new weights' own."""
@@ -156,7 +177,7 @@ def test_a_prompt_sampled_n_times_runs_its_forward_once_and_each_row_samples_as_
     together = policy.generate(group, params)
     del policy.model.forward
     prompt_rows, prompt_length = seen[0][0]
-    assert prompt_rows == len(texts) and seen[0][1] == 1
+    assert prompt_rows == len(texts) and seen[0][1].tolist() == [prompt_length - 1]
     assert all(shape == (len(group), 1) for shape, _ in seen[1:2])  # the first decode step: every row
     for i, prompt in enumerate(group):
         alone = policy.generate([prompt], params, first_row=i)[0]
