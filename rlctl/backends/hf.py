@@ -341,12 +341,15 @@ def response_hidden(hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     return hidden.gather(1, index)
 
 
-def positions_to_keep(first: int, length: int, device) -> dict:
-    """transformers' `logits_to_keep` for positions first … length − 1, as indices: a count
-    hands the LM head a strided view of the hidden states, whose batch torch's matmul cannot fold
-    into one product, and in bf16 on the CPU its batched product then copies the head's weight
-    once per row (272 MB a row at Qwen2.5-0.5B's shape); the indices make the head's input a
-    contiguous [B, length − first, H] copy."""
+def positions_to_keep(first: int, length: int, device: torch.device) -> dict:
+    """transformers' `logits_to_keep` for positions first … length − 1. On the CPU as indices: a
+    count hands the LM head a strided view of the hidden states, whose batch torch's matmul
+    cannot fold into one product, and in bf16 its batched CPU product then copies the head's
+    weight once per row (272 MB a row at Qwen2.5-0.5B's shape); the indices make the head's input
+    a contiguous [B, length − first, H] copy. Elsewhere the count (a GPU's batched product reads
+    the broadcast weight in place, and some models, Gemma 4, skip work for a count only)."""
+    if torch.device(device).type != "cpu":
+        return {"logits_to_keep": length - first}
     return {"logits_to_keep": torch.arange(first, length, device=device)}
 
 

@@ -276,3 +276,10 @@ def test_rows_sharing_a_prompt_train_with_the_gradients_of_one_full_forward_per_
     assert want.keys() == got.keys() and len(want) > 10
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_kept_positions_are_indices_on_the_cpu_and_a_count_elsewhere():
+    from rlctl.backends.hf import positions_to_keep
+
+    assert positions_to_keep(3, 7, torch.device("cpu"))["logits_to_keep"].tolist() == [3, 4, 5, 6]
+    assert positions_to_keep(3, 7, torch.device("meta")) == {"logits_to_keep": 4}
