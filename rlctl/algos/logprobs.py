@@ -104,12 +104,12 @@ def _chunked_backward(
     chunk's [rows, V] work is few passes: the softmax's exp in place, −p·g written straight into
     the gradient where it is float32 and needs no division by a temperature."""
     grad = torch.empty_like(logits)
+    direct = grad.dtype == torch.float32 and temperature == 1.0  # −p·g can be the gradient's own rows
     step = _chunk_rows(logits.shape[-1])
     for start in range(0, logits.shape[0], step):
         rows = slice(start, start + step)
         logp = torch.log_softmax(scaled(logits[rows], temperature), dim=-1)
         p = logp.exp() if grad_entropy is not None else logp.exp_()
-        direct = grad.dtype == torch.float32 and temperature == 1.0
         if grad_logp is not None:
             g = torch.mul(p, -grad_logp[rows].unsqueeze(-1), out=grad[rows] if direct else None)
             g.scatter_add_(-1, tokens[rows].unsqueeze(-1), grad_logp[rows].unsqueeze(-1).float())
