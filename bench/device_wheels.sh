@@ -20,6 +20,8 @@ python -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VE
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$OUT" \
   "ray==$RAY_VERSION" jsonschema jsonschema-specifications referencing rpds-py \
   "trl==$TRL_VERSION" datasets dill multiprocess
+# datasets' newest wants pyarrow >= 24; gpu_check.sh takes this one where the device's pyarrow is older
+python -m pip download -q --no-deps --only-binary=:all: -d "$OUT/older" "datasets==4.8.0"
 
 python - "$OUT" <<'PY'
 """Repack Ray's wheel without ray/jars/ (and its RECORD lines), so that it fits one carry."""

@@ -2,7 +2,7 @@
 # The GPU checks of issues 7 and 12 as one run on a lent CUDA machine (the device tool), from
 # the repository root; it prints Markdown for bench/RESULTS.md:
 #   bash bench/device_wheels.sh                    # here, first: Ray, TRL and their needs in .whl/
-#   bash bench/gpu_check.sh                        # there (device run, carry [".whl"], timeout_s 600)
+#   set -o pipefail; bash bench/gpu_check.sh 2>&1 | tee $OUT/gpu_check.md   # there (device run, carry [".whl"], timeout_s 600)
 #   DEVICE=cpu PRESET=tiny TOKENS=16 bash bench/gpu_check.sh   # the same steps on a CPU, to try it
 # Needs torch, transformers, pyarrow, fsspec, typer and rich (the device's image has them);
 # wheels in .whl/ are installed first, then rlctl itself (no index needed), all under $SITE.
@@ -22,6 +22,7 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 SITE=${SITE:-$WORK/site}
 MODEL=$WORK/$PRESET
+LOGS=${OUT:-$WORK}  # the device tool brings back what lands in $OUT
 DEADLINE=$((SECONDS + BUDGET))
 
 step() { echo; echo "## $1"; echo; }
@@ -42,6 +43,14 @@ step "setup"
 mkdir -p "$SITE"
 wheels=()
 compgen -G "$WHEELS/*.whl" >/dev/null && wheels=("$WHEELS"/*.whl)
+# datasets' newest wheel wants pyarrow >= 24: on an older pyarrow take the older one fetched beside it
+pyarrow_major=$("$PY" -c "import pyarrow; print(pyarrow.__version__.split('.')[0])" 2>/dev/null || echo 0)
+if [ "$pyarrow_major" -lt 24 ] && compgen -G "$WHEELS/older/datasets-*.whl" >/dev/null; then
+  kept=()
+  for w in "${wheels[@]}"; do [[ $(basename "$w") == datasets-* ]] || kept+=("$w"); done
+  wheels=("${kept[@]}" "$WHEELS"/older/*.whl)
+  echo "pyarrow $pyarrow_major: datasets from $WHEELS/older"
+fi
 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --target "$SITE" "$REPO" "${wheels[@]}" \
   || { echo "rlctl (and the wheels in $WHEELS) did not install"; exit 1; }
 # out of the source tree, so that `import rlctl` finds the installed package (its stages and schemas)
@@ -51,7 +60,7 @@ cd "$WORK"
 import importlib, platform
 import torch, transformers
 print("Python", platform.python_version(), "| torch", torch.__version__, "CUDA", torch.version.cuda, "| transformers", transformers.__version__)
-for name in ("ray", "vllm", "trl"):
+for name in ("pyarrow", "fsspec", "ray", "vllm", "trl", "datasets"):
     try:
         print(f"{name}:", importlib.import_module(name).__version__)
     except Exception as exc:  # absent, or broken by the image's versions
@@ -76,9 +85,22 @@ dist.destroy_process_group()
 PY
 fi
 
+step "model: rlctl model init --preset $PRESET"
+within 90 "$PY" -m rlctl model init "$MODEL" --preset "$PRESET" || exit 1
+
+if imports "trl, datasets"; then
+  step "side by side with TRL's GRPOTrainer ($PRESET preset, $TOKENS tokens, dtype auto)"
+  within 240 "$PY" -m bench.trl_bench --device "$DEVICE" --preset "$PRESET" --tokens "$TOKENS" --rounds 1 --steps 4 --python "$PY"
+fi
+
+step "generation tokens/s (64 sequences × $TOKENS new tokens, bf16)"
+engines=hf
+imports vllm && engines=hf,vllm
+within 120 "$PY" -m bench.engines_bench --device "$DEVICE" --model "$MODEL" --dtype bf16 --engines "$engines" --rounds 3 --sequences 64 --tokens "$TOKENS"
+
 step "the GRPO example on $DEVICE (does it learn; engine vs trainer log-probs)"
-within 120 "$PY" -m rlctl pipeline "$REPO/examples/grpo.toml" --run-dir "$WORK/grpo" --set model.device="$DEVICE" --quiet >"$WORK/grpo.log" 2>&1 \
-  || tail -n 5 "$WORK/grpo.log"
+within 120 "$PY" -m rlctl pipeline "$REPO/examples/grpo.toml" --run-dir "$WORK/grpo" --set model.device="$DEVICE" --quiet >"$LOGS/grpo.log" 2>&1 \
+  || tail -n 30 "$LOGS/grpo.log"
 "$PY" - "$WORK/grpo/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
@@ -90,30 +112,17 @@ print("logprob_mismatch (engine vs trainer, mean |Δ| per token):", ", ".join(f"
       else "not measured (score.old_logprobs = auto took the engine's own: engine and trainer both fp32)")
 PY
 
-step "model: rlctl model init --preset $PRESET"
-within 90 "$PY" -m rlctl model init "$MODEL" --preset "$PRESET" || exit 1
-
-step "pipeline, local workers (16 prompts × 4 samples × $TOKENS tokens, GRPO + reference, dtype auto)"
-within 150 "$PY" "$REPO/bench/pipeline_bench.py" --model "$MODEL" --preset "$PRESET" --set model.device="$DEVICE" --runs 1 --iterations 3 --batch 16 --n 4 --tokens "$TOKENS"
-
-step "forwards over real tokens vs transformers' padded forward (64 rows, responses of ≤ $TOKENS tokens, bf16)"
-within 90 "$PY" -m bench.unpadded_bench --device "$DEVICE" --model "$MODEL" --dtype bf16 --tokens "$TOKENS" --spreads 1,0 --rounds 2
-
 if imports ray; then
   gpus=$([ "$DEVICE" = cuda ] && echo 1 || echo 0)
   step "pipeline, one Ray worker (gpus_per_worker = $gpus; NCCL on a GPU)"
   within 150 "$PY" "$REPO/bench/pipeline_bench.py" --model "$MODEL" --preset "$PRESET" --set model.device="$DEVICE" --set workers.backend=ray --set workers.gpus_per_worker="$gpus" --runs 1 --iterations 3 --batch 16 --n 4 --tokens "$TOKENS"
 fi
 
-step "generation tokens/s (64 sequences × $TOKENS new tokens, bf16)"
-engines=hf
-imports vllm && engines=hf,vllm
-within 120 "$PY" -m bench.engines_bench --device "$DEVICE" --model "$MODEL" --dtype bf16 --engines "$engines" --rounds 3 --sequences 64 --tokens "$TOKENS"
+step "pipeline, local workers (16 prompts × 4 samples × $TOKENS tokens, GRPO + reference, dtype auto)"
+within 150 "$PY" "$REPO/bench/pipeline_bench.py" --model "$MODEL" --preset "$PRESET" --set model.device="$DEVICE" --runs 1 --iterations 3 --batch 16 --n 4 --tokens "$TOKENS"
 
-if imports "trl, datasets"; then
-  step "side by side with TRL's GRPOTrainer ($PRESET preset, $TOKENS tokens, dtype auto)"
-  within 240 "$PY" -m bench.trl_bench --device "$DEVICE" --preset "$PRESET" --tokens "$TOKENS" --rounds 1 --steps 4 --python "$PY"
-fi
+step "forwards over real tokens vs transformers' padded forward (64 rows, responses of ≤ $TOKENS tokens, bf16)"
+within 90 "$PY" -m bench.unpadded_bench --device "$DEVICE" --model "$MODEL" --dtype bf16 --tokens "$TOKENS" --spreads 1,0 --rounds 2
 
 step "the update with each prompt once per pass vs one forward per row (calibrates the GPU's threshold)"
 within 90 "$PY" -m bench.prompt_sharing_bench --device "$DEVICE" --model "$MODEL" --prompt-tokens 12,200 --response-tokens "$TOKENS" --rounds 2

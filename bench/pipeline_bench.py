@@ -49,11 +49,12 @@ def one_run(
     started = time.perf_counter()
     sets = [arg for item in overrides for arg in ("--set", item)]
     command = [sys.executable, "-m", "rlctl", "pipeline", str(config), "--run-dir", str(run), "--quiet", *sets]
-    process = subprocess.Popen(command, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
-    _, status, usage = os.wait4(process.pid, 0)  # this child's own rusage (RUSAGE_CHILDREN: the largest of all so far)
-    process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode:
-        raise subprocess.CalledProcessError(process.returncode, command)
+    log = workdir / "pipeline.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stderr=out, stdout=out, env=env)
+        _, status, usage = os.wait4(process.pid, 0)  # this child's own rusage (RUSAGE_CHILDREN: the largest of all so far)
+    if os.waitstatus_to_exitcode(status):
+        sys.exit(f"{' '.join(command[:4])} ... failed ({os.waitstatus_to_exitcode(status)}):\n{log.read_text(errors='replace')[-3000:]}")
     wall = time.perf_counter() - started
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     out = {f"{s} s/iter": statistics.mean(r.get(f"seconds/{s}", 0.0) for r in rows) for s in STAGES}

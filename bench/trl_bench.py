@@ -3,7 +3,9 @@
 The same small-preset model (made here, random weights), the same 256 addition prompts and
 the same reward function (bench/addition_reward.py, TRL's calling form, which rlctl accepts
 as it is), the same shape: 16 prompts × 4 samples × 64 new tokens per step, a reference model
-in the loss (k3, β = 0.04, TRL's estimator), one optimizer step per batch, token-mean loss.
+in the loss (k3, β = 0.04, TRL's estimator), one optimizer step per batch, token-mean loss,
+activations kept for the backward on both sides (GRPOConfig's default would recompute them:
+`--trl-checkpointing`).
 TRL runs in a virtual environment of its own, made on first use (`--venv`), with the torch
 version this environment has. Rounds alternate TRL and rlctl in fresh processes; each
 round's figure is the median over its steps after the first two (warm-up); the table gives
@@ -12,6 +14,7 @@ the median over rounds, phase by phase.
     python -m bench.trl_bench --rounds 2 --steps 6                # dtype: what rlctl's auto decides here
     python -m bench.trl_bench --rounds 2 --steps 6 --dtype fp32
     python -m bench.trl_bench --rounds 2 --steps 6 --trl-mkl-kernels rlctl  # TRL on the GEMM kernels rlctl runs
+    python -m bench.trl_bench --rounds 2 --steps 6 --trl-checkpointing     # TRL as GRPOConfig defaults it
     python -m bench.trl_bench --device cuda --preset medium --tokens 128 --python python3  # a GPU, TRL installed there
 """
 
@@ -49,6 +52,11 @@ def main() -> None:
         help="default: TRL as its users run it (MKL's own kernel choice); rlctl: TRL's process preloads the library "
         "rlctl.mkl_kernels loads, so both sides run MKL's Intel kernels (as both would on an Intel CPU)",
     )
+    parser.add_argument(
+        "--trl-checkpointing", action="store_true",
+        help="TRL recomputes activations in the backward, as GRPOConfig does by default (one more forward per "
+        "update); off unless given, since rlctl keeps its activations: the same work on both sides",
+    )
     parser.add_argument("--append", type=Path, help="append the Markdown result to this file")
     args = parser.parse_args()
     if args.steps < 3:
@@ -58,7 +66,10 @@ def main() -> None:
 
     dtype = compute_dtype(args.dtype, args.device)
     python = Path(args.python) if args.python else ensure_trl_venv(args.venv)
-    shape = Shape(args.device, args.tokens, trl_preload=intel_kernels_library() if args.trl_mkl_kernels == "rlctl" else None)
+    shape = Shape(
+        args.device, args.tokens, trl_preload=intel_kernels_library() if args.trl_mkl_kernels == "rlctl" else None,
+        trl_checkpointing=args.trl_checkpointing,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = work / args.preset
@@ -82,6 +93,7 @@ class Shape:
     device: str = "cpu"
     new_tokens: int = NEW_TOKENS
     trl_preload: Path | None = None  # a library TRL's process loads first (LD_PRELOAD)
+    trl_checkpointing: bool = False  # TRL recomputes activations in its backward (GRPOConfig's default)
 
 
 def intel_kernels_library() -> Path:
@@ -124,7 +136,7 @@ def run_trl(python: Path, work: Path, model: Path, prompts: Path, steps: int, dt
     spec = {
         "model": str(model), "prompts": str(prompts), "reward_file": str(HERE / "addition_reward.py"), "reward_function": "addition_reward",
         "prompts_per_step": PROMPTS_PER_STEP, "samples": SAMPLES, "max_new_tokens": shape.new_tokens, "lr": LR, "kl_coef": KL,
-        "steps": steps, "dtype": dtype, "seed": 0, "device": shape.device,
+        "steps": steps, "dtype": dtype, "seed": 0, "device": shape.device, "gradient_checkpointing": shape.trl_checkpointing,
     }
     (work / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -142,7 +154,7 @@ def run_trl(python: Path, work: Path, model: Path, prompts: Path, steps: int, dt
     phases["policy forward + backward + AdamW"] = statistics.median(
         s["step_s"] - s.get("generate", 0.0) - s.get("reference", 0.0) - s.get("reward", 0.0) for s in timed
     )
-    return {**phases, "step": step, "mkl_cpu_type": record.get("mkl_cpu_type")}
+    return {**phases, "step": step, "mkl_cpu_type": record.get("mkl_cpu_type"), "checkpointing": record.get("gradient_checkpointing")}
 
 
 def run_rlctl(work: Path, model: Path, prompts: Path, steps: int, dtype: str, asked: str, shape: Shape) -> dict[str, float | str]:
@@ -192,6 +204,16 @@ def trl_kernels(args, trl_rounds: list[dict]) -> str:
     return f"{asked} (`mkl_serv_cpu_detect` = {'/'.join(types)}; 0 is MKL's generic path)"
 
 
+def trl_checkpointing(trl_rounds: list[dict]) -> str:
+    """Whether TRL's model recomputed activations in the backward, as its runs recorded it."""
+    seen = {r.get("checkpointing") for r in trl_rounds}
+    if seen == {False}:
+        return "off (the same work as rlctl)"
+    if seen == {True}:
+        return "on (GRPOConfig's default: one more forward in each backward)"
+    return f"recorded as {'/'.join(sorted(map(str, seen)))}"
+
+
 def report(rounds: dict[str, list[dict]], args, dtype: str) -> str:
     from bench.pipeline_bench import _cpu_name, _gpu_name
     from rlctl.dtypes import native_bf16
@@ -205,7 +227,8 @@ def report(rounds: dict[str, list[dict]], args, dtype: str) -> str:
     trl_from = f"`{args.python}`" if args.python else "its own venv"
     lines = [
         f"- machine: {machine}, Python {platform.python_version()}",
-        f"- command: `python -m bench.trl_bench --rounds {args.rounds} --steps {args.steps} --dtype {args.dtype} --device {args.device} --preset {args.preset} --tokens {args.tokens} --trl-mkl-kernels {args.trl_mkl_kernels}` (decided: {dtype}); TRL {TRL_VERSION} in {trl_from}",
+        f"- command: `python -m bench.trl_bench --rounds {args.rounds} --steps {args.steps} --dtype {args.dtype} --device {args.device} --preset {args.preset} --tokens {args.tokens} --trl-mkl-kernels {args.trl_mkl_kernels}{' --trl-checkpointing' if args.trl_checkpointing else ''}` (decided: {dtype}); TRL {TRL_VERSION} in {trl_from}",
+        f"- TRL's activation checkpointing: {trl_checkpointing(rounds['trl'])}; rlctl keeps its activations",
         f"- workload: {args.preset} preset, {PROMPTS_PER_STEP} prompts × {SAMPLES} samples × {args.tokens} new tokens, GRPO, k3 KL loss β = {KL} to a reference, one optimizer step per batch",
         f"- figures: seconds per step, median over steps 3–{args.steps} of each run, then over {args.rounds} alternating rounds",
         f"- fp32 GEMMs: rlctl on MKL's {'/'.join(sorted({r['mkl_kernels'] for r in rounds['rlctl']}))} kernels (rlctl.mkl_kernels); "
@@ -220,10 +243,12 @@ def report(rounds: dict[str, list[dict]], args, dtype: str) -> str:
         name = "**iteration (whole step)**" if key == "step" else key
         lines.append(f"| {name} | {trl:.2f} | {ours:.2f} | {ratio} |")
     tokens = PROMPTS_PER_STEP * SAMPLES * args.tokens
+    per = "GPU" if args.device == "cuda" else "process"
     trl_gen, our_gen = med("trl", "generation"), med("rlctl", "generation")
     if trl_gen > 0 and our_gen > 0:
-        per = "GPU" if args.device == "cuda" else "process"
         lines.append(f"| generation tokens/s per {per} (at full length, {tokens:,} tokens) | {tokens / trl_gen:,.0f} | {tokens / our_gen:,.0f} | — |")
+    trl_step, our_step = med("trl", "step"), med("rlctl", "step")
+    lines.append(f"| whole-step response tokens/s per {per} | {tokens / trl_step:,.0f} | {tokens / our_step:,.0f} | — |")
     lines.append("")
     lines.append("rlctl's reward time is inside its reference-forward column (the score stage does both); "
                  "its step also holds the advantage stage and the shard writes.")

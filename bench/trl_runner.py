@@ -7,7 +7,8 @@ Run by the harness with the TRL venv's Python (rlctl is not importable there):
 SPEC holds the model folder, the prompt file (JSON lines: prompt, ground_truth), the reward
 file and function, the workload shape and the dtype. OUT gets one record per optimizer step:
 its wall time and the seconds spent in generation, the reference forward, the reward and the
-policy's own forward passes (the rest of the step is backward + AdamW + TRL's bookkeeping).
+policy's own forward passes (the rest of the step is backward + AdamW + TRL's bookkeeping);
+on a GPU each phase waits for its kernels before its clock stops.
 """
 
 from __future__ import annotations
@@ -33,13 +34,21 @@ def main(spec_path: str, out_path: str) -> None:
     dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in rows])
 
     spent: dict[str, float] = defaultdict(float)
+    on_gpu = spec.get("device", "cpu") == "cuda"
+
+    def settle() -> None:
+        """On a GPU, wait for the queued kernels, so that each phase's time is its own."""
+        if on_gpu:
+            torch.cuda.synchronize()
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
+            settle()
             began = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                settle()
                 spent[name] += time.perf_counter() - began
 
         wrapper.__name__ = getattr(fn, "__name__", name)
@@ -68,6 +77,9 @@ def main(spec_path: str, out_path: str) -> None:
         report_to=[],
         use_cpu=spec.get("device", "cpu") == "cpu",
         bf16=spec["dtype"] == "bf16",
+        # GRPOConfig's default is True (activations recomputed in the backward: one more forward);
+        # the harness turns it off unless asked, since rlctl keeps them: the same work on both sides
+        gradient_checkpointing=spec.get("gradient_checkpointing", False),
         seed=spec["seed"],
         disable_tqdm=True,
         shuffle_dataset=True,
@@ -77,10 +89,12 @@ def main(spec_path: str, out_path: str) -> None:
 
     def logps(model, *a, **kw):
         name = "reference" if model is trainer.ref_model else "policy_forward"
+        settle()
         began = time.perf_counter()
         try:
             return original_logps(model, *a, **kw)
         finally:
+            settle()
             spent[name] += time.perf_counter() - began
 
     trainer._get_per_token_logps_and_entropies = logps
@@ -88,17 +102,19 @@ def main(spec_path: str, out_path: str) -> None:
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *_, **__):
+            settle()
             spent.clear()
             self.began = time.perf_counter()
 
         def on_step_end(self, *_, **__):
+            settle()
             steps.append({"step_s": time.perf_counter() - self.began, **spent})
 
     trainer.add_callback(StepTimer())
     trainer.train()
     record = {
         "steps": steps, "torch_threads": torch.get_num_threads(), "trl": __import__("trl").__version__, "torch": torch.__version__,
-        "mkl_cpu_type": _mkl_cpu_type(torch),
+        "mkl_cpu_type": _mkl_cpu_type(torch), "gradient_checkpointing": getattr(trainer.model, "is_gradient_checkpointing", None),
     }
     Path(out_path).write_text(json.dumps(record, indent=1))
 
