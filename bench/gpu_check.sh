@@ -4,6 +4,7 @@
 #   bash bench/device_wheels.sh                    # here, first: Ray, TRL and their needs in .whl/
 #   set -o pipefail; bash bench/gpu_check.sh 2>&1 | tee $OUT/gpu_check.md   # there (device run, carry [".whl"], timeout_s 600)
 #   DEVICE=cpu PRESET=tiny TOKENS=16 bash bench/gpu_check.sh   # the same steps on a CPU, to try it
+#   STEPS=tests,engines,trl bash bench/gpu_check.sh            # some of the steps (names: STEPS below)
 # Needs torch, transformers, pyarrow, fsspec, typer and rich (the device's image has them);
 # wheels in .whl/ are installed first, then rlctl itself (no index needed), all under $SITE.
 # Ray, vLLM and TRL are measured where they import. The steps run in order of what matters most,
@@ -16,6 +17,8 @@ DEVICE=${DEVICE:-cuda}
 PRESET=${PRESET:-medium}
 TOKENS=${TOKENS:-128}
 BUDGET=${BUDGET:-570}
+STEPS=${STEPS:-all}  # or some of: nccl,tests,trl,engines,grpo,ray,local,unpadded,sharing
+SHARING_PROMPTS=${SHARING_PROMPTS:-12,200}
 PY=${PY:-$(command -v python3 || command -v python)}
 WHEELS=${WHEELS:-$REPO/.whl}
 WORK=$(mktemp -d)
@@ -38,6 +41,7 @@ within() {
   return "$rc"
 }
 imports() { "$PY" -c "import $1" 2>/dev/null; }
+want() { [ "$STEPS" = all ] || [[ ",$STEPS," == *",$1,"* ]]; }
 
 step "setup"
 mkdir -p "$SITE"
@@ -71,7 +75,7 @@ step "machine"
 if [ "$DEVICE" = cuda ]; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; fi
 echo "$(nproc) CPUs"
 
-if [ "$DEVICE" = cuda ]; then
+if want nccl && [ "$DEVICE" = cuda ]; then
   step "NCCL (one rank: the backend initialises and reduces)"
   within 60 "$PY" - <<'PY'
 import os, torch, torch.distributed as dist
@@ -85,23 +89,35 @@ dist.destroy_process_group()
 PY
 fi
 
+if want tests; then
+  step "the tests that take a GPU where there is one (CUDA graphs, grouped attention, dtypes)"
+  (cd "$REPO" && within 120 "$PY" -m pytest -q -p no:cacheprovider -p no:syrupy tests/unit/test_cuda_graphs.py tests/unit/test_grouped_attention.py tests/unit/test_dtypes.py 2>&1 | tail -n 15)
+fi
+
 step "model: rlctl model init --preset $PRESET"
 within 90 "$PY" -m rlctl model init "$MODEL" --preset "$PRESET" || exit 1
 
-if imports "trl, datasets"; then
+if want trl && imports "trl, datasets"; then
   step "side by side with TRL's GRPOTrainer ($PRESET preset, $TOKENS tokens, dtype auto)"
   within 240 "$PY" -m bench.trl_bench --device "$DEVICE" --preset "$PRESET" --tokens "$TOKENS" --rounds 1 --steps 4 --python "$PY"
 fi
 
-step "generation tokens/s (64 sequences × $TOKENS new tokens, bf16)"
-engines=hf
-imports vllm && engines=hf,vllm
-within 120 "$PY" -m bench.engines_bench --device "$DEVICE" --model "$MODEL" --dtype bf16 --engines "$engines" --rounds 3 --sequences 64 --tokens "$TOKENS"
+if want engines; then
+  engines=hf
+  imports vllm && engines=hf,vllm
+  if [ "$DEVICE" = cuda ]; then
+    step "generation tokens/s (64 sequences × $TOKENS new tokens, bf16), RLCTL_CUDA_GRAPHS=off: one launch per kernel"
+    RLCTL_CUDA_GRAPHS=off within 120 "$PY" -m bench.engines_bench --device "$DEVICE" --model "$MODEL" --dtype bf16 --engines hf --rounds 3 --sequences 64 --tokens "$TOKENS"
+  fi
+  step "generation tokens/s (64 sequences × $TOKENS new tokens, bf16)"
+  within 120 "$PY" -m bench.engines_bench --device "$DEVICE" --model "$MODEL" --dtype bf16 --engines "$engines" --rounds 3 --sequences 64 --tokens "$TOKENS"
+fi
 
-step "the GRPO example on $DEVICE (does it learn; engine vs trainer log-probs)"
-within 120 "$PY" -m rlctl pipeline "$REPO/examples/grpo.toml" --run-dir "$WORK/grpo" --set model.device="$DEVICE" --quiet >"$LOGS/grpo.log" 2>&1 \
-  || tail -n 30 "$LOGS/grpo.log"
-"$PY" - "$WORK/grpo/metrics.jsonl" <<'PY'
+if want grpo; then
+  step "the GRPO example on $DEVICE (does it learn; engine vs trainer log-probs)"
+  within 120 "$PY" -m rlctl pipeline "$REPO/examples/grpo.toml" --run-dir "$WORK/grpo" --set model.device="$DEVICE" --quiet >"$LOGS/grpo.log" 2>&1 \
+    || tail -n 30 "$LOGS/grpo.log"
+  "$PY" - "$WORK/grpo/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 first, last = rows[:3], rows[-3:]
@@ -111,20 +127,27 @@ measured = [r["logprob_mismatch"] for r in rows[:: max(1, len(rows) // 6)] if r.
 print("logprob_mismatch (engine vs trainer, mean |Δ| per token):", ", ".join(f"{m:.2e}" for m in measured) if measured
       else "not measured (score.old_logprobs = auto took the engine's own: engine and trainer both fp32)")
 PY
+fi
 
-if imports ray; then
+if want ray && imports ray; then
   gpus=$([ "$DEVICE" = cuda ] && echo 1 || echo 0)
   step "pipeline, one Ray worker (gpus_per_worker = $gpus; NCCL on a GPU)"
   within 150 "$PY" "$REPO/bench/pipeline_bench.py" --model "$MODEL" --preset "$PRESET" --set model.device="$DEVICE" --set workers.backend=ray --set workers.gpus_per_worker="$gpus" --runs 1 --iterations 3 --batch 16 --n 4 --tokens "$TOKENS"
 fi
 
-step "pipeline, local workers (16 prompts × 4 samples × $TOKENS tokens, GRPO + reference, dtype auto)"
-within 150 "$PY" "$REPO/bench/pipeline_bench.py" --model "$MODEL" --preset "$PRESET" --set model.device="$DEVICE" --runs 1 --iterations 3 --batch 16 --n 4 --tokens "$TOKENS"
+if want local; then
+  step "pipeline, local workers (16 prompts × 4 samples × $TOKENS tokens, GRPO + reference, dtype auto)"
+  within 150 "$PY" "$REPO/bench/pipeline_bench.py" --model "$MODEL" --preset "$PRESET" --set model.device="$DEVICE" --runs 1 --iterations 3 --batch 16 --n 4 --tokens "$TOKENS"
+fi
 
-step "forwards over real tokens vs transformers' padded forward (64 rows, responses of ≤ $TOKENS tokens, bf16)"
-within 90 "$PY" -m bench.unpadded_bench --device "$DEVICE" --model "$MODEL" --dtype bf16 --tokens "$TOKENS" --spreads 1,0 --rounds 2
+if want unpadded; then
+  step "forwards over real tokens vs transformers' padded forward (64 rows, responses of ≤ $TOKENS tokens, bf16)"
+  within 90 "$PY" -m bench.unpadded_bench --device "$DEVICE" --model "$MODEL" --dtype bf16 --tokens "$TOKENS" --spreads 1,0 --rounds 2
+fi
 
-step "the update with each prompt once per pass vs one forward per row (calibrates the GPU's threshold)"
-within 90 "$PY" -m bench.prompt_sharing_bench --device "$DEVICE" --model "$MODEL" --prompt-tokens 12,200 --response-tokens "$TOKENS" --rounds 2
+if want sharing; then
+  step "the update with each prompt once per pass vs one forward per row (calibrates the GPU's threshold)"
+  within 90 "$PY" -m bench.prompt_sharing_bench --device "$DEVICE" --model "$MODEL" --prompt-tokens "$SHARING_PROMPTS" --response-tokens "$TOKENS" --rounds 2
+fi
 echo
 echo "(gpu_check: $SECONDS s)"

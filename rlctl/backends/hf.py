@@ -341,6 +341,14 @@ def response_hidden(hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     return hidden.gather(1, index)
 
 
+def _generations(tokens: torch.Tensor, logprobs: torch.Tensor, lengths: torch.Tensor, stopped: torch.Tensor) -> list[Generation]:
+    """Per row: its first `lengths` tokens and log-probs, and why it ended."""
+    return [
+        Generation(row_tokens[:n], row_logprobs[:n], "stop" if row_stopped else "length")
+        for row_tokens, row_logprobs, n, row_stopped in zip(tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist())
+    ]
+
+
 def positions_to_keep(first: int, length: int, device: torch.device) -> dict:
     """transformers' `logits_to_keep` for positions first … length − 1. On the CPU as indices: a
     count hands the LM head a strided view of the hidden states, whose batch torch's matmul
@@ -416,16 +424,19 @@ class HFPolicy:
         rows do not depend on the batch size or on how rows are split across workers.
         `compute_dtype="bf16"` generates with a bf16 copy of the weights (the trained ones,
         shared with training, stay fp32; "auto": bf16 where the hardware has it natively)."""
+        from rlctl.backends import cuda_graphs
+
         model = self._bf16.of(self.model) if decide_dtype(self.device, compute_dtype) == "bf16" else self.model
         results: list[Generation | None] = [None] * len(prompt_ids)
         with decoding_attention(model, self.device):
-            products = self._decode_products(model, rows=min(batch_size, len(prompt_ids)))
+            graphed = cuda_graphs.decode_mode(model, self.device) is not None
+            products = None if graphed else self._decode_products(model, rows=min(batch_size, len(prompt_ids)))
             # where the direct step decodes, the model is plain (no hooks, no adapters: nothing
             # keeps a tensor the loop makes): its tensor operations skip autograd's bookkeeping
-            with torch.inference_mode(products is not None):
+            with torch.inference_mode(graphed or products is not None):
                 for rows in batches_by_length(prompt_ids, [()] * len(prompt_ids), batch_size):  # prompts of similar length pad less
                     uniforms = row_uniforms(params.seed, [first_row + i for i in rows], params.max_new_tokens)
-                    generations = self._generate_batch(model, [prompt_ids[i] for i in rows], params, uniforms, on_tokens, products)
+                    generations = self._generate_batch(model, [prompt_ids[i] for i in rows], params, uniforms, on_tokens, products, graphed)
                     for i, generation in zip(rows, generations):
                         results[i] = generation
         return results
@@ -439,11 +450,13 @@ class HFPolicy:
             return None
         return decode_products.for_generation(model, self.device, rows)
 
-    def _generate_batch(self, model, prompt_ids, params: SamplingParams, uniforms: torch.Tensor, on_tokens, products=None) -> list[Generation]:
+    def _generate_batch(self, model, prompt_ids, params: SamplingParams, uniforms: torch.Tensor, on_tokens, products=None, graphed=False) -> list[Generation]:
         """`uniforms` [B, max_new_tokens]: row i's random numbers, one per step. The loop's work
         per step is tensor operations over the rows still generating; the rows' Python lists are
-        built once at the end. `products`: the direct decode step's (`_decode_products`)."""
-        from rlctl.backends import decode_step
+        built once at the end. `products`: the direct decode step's (`_decode_products`);
+        `graphed`: decode by replaying a CUDA graph of the step (`_decode_static`) where the
+        batch's static cache fits."""
+        from rlctl.backends import cuda_graphs, decode_step
         from rlctl.backends.kv_cache import decoding_cache
 
         B, steps = len(prompt_ids), params.max_new_tokens
@@ -453,9 +466,15 @@ class HFPolicy:
         lengths = torch.zeros(B, dtype=torch.long, device=self.device)
         stopped = torch.zeros(B, dtype=torch.bool, device=self.device)
         uniforms = uniforms.to(self.device)
+        logits, cache, attention_mask, position_ids = self._prompt_pass(model, prompt_ids, decoding_cache(self.model.config))
+        if graphed and cuda_graphs.fits(cache, B, attention_mask.shape[1] + steps, self.device):
+            # captured on a GPU; elsewhere (the CPU's tests) the same operations run as they are
+            decoder = cuda_graphs.StaticDecoder(model, cache, attention_mask, steps, graph=self.device.type == "cuda")
+            del cache  # the decoder holds the prompt's keys and values in its own buffers
+            self._decode_static(decoder, logits, position_ids[:, -1] + 1, params, uniforms, on_tokens, (tokens, logprobs, lengths, stopped))
+            return _generations(tokens, logprobs, lengths, stopped)
         active = torch.arange(B, device=self.device)  # original row of each batch row
         cache_kw = self._cache_keyword()
-        logits, cache, attention_mask, position_ids = self._prompt_pass(model, prompt_ids, decoding_cache(self.model.config))
         direct_step = decode_step.for_model(model, cache, products)  # None: the model's own forward decodes
         next_position = position_ids[:, -1] + 1
         for step in range(steps):
@@ -489,10 +508,37 @@ class HFPolicy:
                 )
                 logits = out.logits[:, -1, :]
             next_position = next_position + 1
-        return [
-            Generation(row_tokens[:n], row_logprobs[:n], "stop" if row_stopped else "length")
-            for row_tokens, row_logprobs, n, row_stopped in zip(tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist())
-        ]
+        return _generations(tokens, logprobs, lengths, stopped)
+
+    def _decode_static(self, decoder, logits, first_position, params: SamplingParams, uniforms, on_tokens, out) -> None:
+        """The decode loop over a static batch (`decoder`: rlctl.backends.cuda_graphs): every row
+        stays in the batch; a row's tokens count until it stops. Fills `out` = (tokens [B, T],
+        log-probs [B, T], lengths [B], stopped [B]) in place. It waits for the device only every
+        CHECK_EVERY steps, to report tokens and to end a batch whose rows have all stopped."""
+        from rlctl.backends.cuda_graphs import CHECK_EVERY
+
+        tokens, logprobs, lengths, stopped = out
+        stop = torch.tensor(self.stop_ids, device=self.device)
+        counted = torch.zeros((), dtype=torch.long, device=self.device)  # tokens not yet reported to on_tokens
+        steps = params.max_new_tokens
+        for step in range(steps):
+            new_tokens, new_logprobs = sample_next(
+                logits=logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, uniform=uniforms[:, step]
+            )
+            live = ~stopped
+            tokens[:, step] = new_tokens
+            logprobs[:, step] = new_logprobs.float()
+            lengths.masked_fill_(live, step + 1)
+            stopped |= live & torch.isin(new_tokens, stop)
+            counted += live.sum()
+            last = step == steps - 1
+            if last or (step + 1) % CHECK_EVERY == 0:
+                if on_tokens:
+                    on_tokens(int(counted))
+                    counted.zero_()
+                if last or bool(stopped.all()):
+                    break
+            logits = decoder(new_tokens, first_position + step, step)
 
     def _prompt_pass(self, model, prompt_ids, cache=None):
         """Each distinct prompt's forward once, left-padded, logits at the last position only
