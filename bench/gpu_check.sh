@@ -91,7 +91,11 @@ fi
 
 if want tests; then
   step "the tests that take a GPU where there is one (CUDA graphs, grouped attention, dtypes)"
-  (cd "$REPO" && within 120 "$PY" -m pytest -q -p no:cacheprovider -p no:syrupy tests/unit/test_cuda_graphs.py tests/unit/test_grouped_attention.py tests/unit/test_dtypes.py 2>&1 | tail -n 15)
+  # the whole log comes back in $LOGS; the end of it is printed (its failures, their first lines)
+  (cd "$REPO" && within 120 "$PY" -m pytest -q -p no:cacheprovider -p no:syrupy --tb=short -rfE \
+    tests/unit/test_cuda_graphs.py tests/unit/test_grouped_attention.py tests/unit/test_dtypes.py >"$LOGS/gpu_tests.log" 2>&1)
+  grep -E "^(E  |FAILED|ERROR)" "$LOGS/gpu_tests.log" | cut -c1-240 | head -n 40
+  tail -n 3 "$LOGS/gpu_tests.log"
 fi
 
 step "model: rlctl model init --preset $PRESET"

@@ -255,9 +255,12 @@ def distinct_prompts(prompt_ids: Sequence[Sequence[int]]) -> tuple[list[Sequence
 # the CPU the call costs more than the saving below ~1e9 parameter-tokens (the README's PPO
 # example: a 0.85M-parameter model, mini-batches of 12 rows drawn from groups of 4, ~90
 # repeated tokens each: update 0.67 → 0.77 s when it shared anyway; the small preset at TRL's
-# shape: 576 tokens × 24M, 10% faster shared). On a GPU the FLOPs are ~500× faster and the
-# call's launches no cheaper: an estimate, to be measured there (bench/gpu_check.sh).
-SHARED_PROMPT_MIN_PARAM_TOKENS = {"cpu": 1e9, "cuda": 5e11}
+# shape: 576 tokens × 24M, 10% faster shared). On a GPU the FLOPs are far cheaper and the call's
+# launches no cheaper: on an H200, Qwen2.5-0.5B's shape, 8 prompts × 8 samples × 128 response
+# tokens, an update shared its prompts at 0.60× / 0.70× / 1.40× the speed at 5.5e12 / 2.8e13 /
+# 5.5e13 parameter-tokens (prompts of 200 / 1,000 / 2,000 tokens; bench/prompt_sharing_bench.py):
+# the break-even lies near 4e13.
+SHARED_PROMPT_MIN_PARAM_TOKENS = {"cpu": 1e9, "cuda": 4e13}
 SHARE_PROMPTS_ENV = "RLCTL_SHARE_PROMPTS"  # auto (the rule above) | always | never: to compare, or to debug
 SHARE_PROMPTS_MODES = ("auto", "always", "never")
 
