@@ -11,7 +11,8 @@ held in a device tensor) under a 2-D mask of that full length whose columns open
 written; finished rows stay in the batch (their later tokens are not kept) instead of leaving
 it, and the loop looks for the end of the batch every CHECK_EVERY steps, not at each one
 (every look waits for the GPU). Sampling stays outside the graph (rlctl.algos.logprobs.sample_next,
-the same code as everywhere). Figures: bench/RESULTS.md, "CUDA graphs".
+the same code as everywhere). On that H200, 64 × 128 tokens in bf16: 14,725 tokens/s against
+2,345 with one launch per kernel (bench/RESULTS.md, "The first GPU runs").
 
 Where it runs: a CUDA device, the model's layers plain and of the Llama layout
 (rlctl.backends.llama_layers), the static cache within a share of the free GPU memory.
