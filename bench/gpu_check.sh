@@ -91,9 +91,13 @@ fi
 
 if want tests; then
   step "the tests that take a GPU where there is one (CUDA graphs, grouped attention, dtypes)"
-  # the whole log comes back in $LOGS; the end of it is printed (its failures, their first lines)
-  (cd "$REPO" && within 120 "$PY" -m pytest -q -p no:cacheprovider -p no:syrupy --tb=short -rfE \
-    tests/unit/test_cuda_graphs.py tests/unit/test_grouped_attention.py tests/unit/test_dtypes.py >"$LOGS/gpu_tests.log" 2>&1)
+  # from outside the source tree and with the tests' folder appended to the path, not put first:
+  # the installed rlctl must be the one imported (the source tree's lacks rlctl.stages and
+  # rlctl.schemas, which only an install maps). The whole log comes back in $LOGS; its failures'
+  # lines are printed.
+  within 120 "$PY" -m pytest -q -p no:cacheprovider -p no:syrupy --tb=short -rfE --rootdir "$REPO" -c "$REPO/pyproject.toml" \
+    --import-mode=append "$REPO"/tests/unit/test_cuda_graphs.py "$REPO"/tests/unit/test_grouped_attention.py \
+    "$REPO"/tests/unit/test_dtypes.py >"$LOGS/gpu_tests.log" 2>&1
   grep -E "^(E  |FAILED|ERROR)" "$LOGS/gpu_tests.log" | cut -c1-240 | head -n 40
   tail -n 3 "$LOGS/gpu_tests.log"
 fi
