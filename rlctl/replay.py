@@ -126,6 +126,8 @@ def _recorded_config(run_cfg: Config, recorded: Manifest, overrides: list[str]) 
     sections = {k: section_from_dict(k, v) for k, v in recorded.config.items() if k in known}
     cfg = dataclasses.replace(run_cfg, **sections)
     cfg = dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, micro_batch_tokens=as_recorded(cfg.update.micro_batch_tokens)))
+    if "skip_zero_advantage" not in recorded.config.get("update", {"skip_zero_advantage": None}):  # recorded before the key: every row trained
+        cfg = dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, skip_zero_advantage=False))
     cfg = apply_overrides(cfg, overrides)
     threads = recorded.state.get("torch_threads") or recorded.state.get("train_metrics", {}).get("torch_threads")
     if isinstance(threads, int) and threads > 0 and cfg.workers.backend == "local" and not cfg.workers.threads:  # a list: Ray ranks that differed

@@ -162,6 +162,20 @@ class RankGroup:
 ALONE = RankGroup()
 
 
+def rows_with_gradient(cfg: UpdateConfig, batch: TrainBatch, indices: torch.Tensor, *, critic: bool) -> torch.Tensor:
+    """The rows of `indices` whose forward and backward can move a weight. Every policy loss is
+    a token's advantage times a function of its ratio, so a row whose advantage is 0 at every
+    response token (a GRPO group whose samples all scored alike) adds exactly 0 to the loss and
+    to every gradient, unless another term reads its log-probs: a KL loss, an entropy bonus, or
+    a critic trained in the same passes. The loss's divisors stay the whole mini-batch's, so
+    leaving such rows out changes no gradient beyond float rounding (the passes hold other rows)."""
+    if not cfg.skip_zero_advantage or critic or (cfg.use_kl_loss and cfg.kl_loss_coef > 0) or cfg.entropy_coef:
+        return indices
+    mask = batch.response_mask[indices].bool()
+    moves = (torch.where(mask, batch.advantages[indices], 0) != 0).any(-1)
+    return indices[moves]
+
+
 def _in_pass_order(rows: list[int], lengths: Sequence[int] | None, groups: Mapping[int, int] | Sequence[int] | None) -> list[int]:
     """A rank's rows in the order its passes take them: by length, a prompt's rows together."""
     if groups is not None and lengths is not None:
@@ -303,17 +317,22 @@ class Trainer:
             if batch.rollout_logprobs is None:
                 raise InputError("update.rollout_is needs the engine's rollout_logprobs in the batch")
             stats["rollout_is_weight"] = 0.0
-        tokens = max(norms["batch_tokens"], 1)
+        # every rank filters the whole mini-batch alike, so all make the same passes (FSDP)
+        trained = rows_with_gradient(cfg, batch, indices, critic=self.critic is not None)
+        weightless = trained.numel() == 0  # no row trains: one row's pass with its loss scaled by 0 gives the step its zero gradients
+        if weightless:
+            trained = indices[:1]
+        tokens = max(int(batch.response_mask[trained].sum()), 1)  # the statistics' divisor: the trained tokens
         device = self.device
         bf16 = autocast_bf16(cfg.bf16, device.type)
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-        rows = indices.tolist()
+        rows = trained.tolist()
         prompts = [batch.prompt_ids[i] for i in rows]
-        # decided from the whole mini-batch, so every rank makes the same forward calls (FSDP)
+        # decided from the mini-batch's trained rows, so every rank makes the same forward calls (FSDP)
         share_prompts = self.policy is not None and self.policy.shares_prompts(prompts)
         groups = dict(zip(rows, distinct_prompts(prompts)[1])) if share_prompts else None  # the mini-batch's rows only
-        for micro, weight in self.ranks.micro_batches(indices, cfg.micro_batch_size, lengths, groups, token_cap(cfg.micro_batch_tokens, device.type, *self.shapes)):
-            scale = weight * self.ranks.grad_scale
+        for micro, weight in self.ranks.micro_batches(trained, cfg.micro_batch_size, lengths, groups, token_cap(cfg.micro_batch_tokens, device.type, *self.shapes)):
+            scale = 0.0 if weightless else weight * self.ranks.grad_scale
             packed = pack([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro], self.pad_id, device)
 
             def forward_context(module, rows=len(micro), length=packed.input_ids.shape[1]):
@@ -339,8 +358,10 @@ class Trainer:
                 (cfg.vf_coef * vf_loss * scale).backward()
                 stats["vf_loss"] += weight * float(vf_loss.detach())
         stats = self.ranks.sum(stats)
-        if self.policy is not None:  # the share of optimizer steps whose passes ran each prompt once (a metric)
+        if self.policy is not None:  # the same on every rank, so not summed: the share of optimizer steps whose passes ran
+            # each prompt once, and the share of the mini-batch's rows left out for a zero advantage (metrics)
             stats["prompt_sharing"] = float(share_prompts)
+            stats["zero_advantage_skipped"] = (len(indices) - (0 if weightless else len(trained))) / len(indices)
         return stats
 
     def _policy_backward(

@@ -410,3 +410,96 @@ def test_restored_optimizer_state_lives_in_the_processs_memory(tmp_path, tiny_mo
     restored = trainer_state.load(tmp_path)["optimizer"]["state"]
     tensors = [t for entry in restored.values() for t in entry.values() if isinstance(t, torch.Tensor) and t.numel() > 1024]
     assert tensors and all(mapped_file(t) is None for t in tensors)
+
+
+def zero_advantage_groups(batch, groups):
+    """`batch` (grouped_batch's: 4 samples per prompt) with every row of `groups` at advantage 0,
+    as GRPO gives a group whose samples all scored alike."""
+    from dataclasses import replace
+
+    advantages = batch.advantages.clone()
+    for g in groups:
+        advantages[4 * g : 4 * g + 4] = 0.0
+    return replace(batch, advantages=advantages)
+
+
+def counted_rows(policy, monkeypatch):
+    """The rows each policy forward of the update runs, in a list that fills as it trains."""
+    rows = []
+    forward = policy.forward
+
+    def counting(packed, **kwargs):
+        rows.append(int(packed.input_ids.shape[0]))
+        return forward(packed, **kwargs)
+
+    monkeypatch.setattr(policy, "forward", counting)
+    return rows
+
+
+def test_rows_of_zero_advantage_skip_their_passes_and_leave_the_gradient_as_it_was(policy, monkeypatch):
+    """Without a KL loss or an entropy bonus a row whose advantage is 0 everywhere adds nothing
+    to any gradient: the update leaves it out (fewer rows through the forward) and the gradient
+    is the one computed with it, to fp32 rounding; the loss's divisors stay the mini-batch's."""
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "never")
+    batch = zero_advantage_groups(grouped_batch(prompts=4), groups=[1, 3])
+    rows = counted_rows(policy, monkeypatch)
+    grads, stats = {}, {}
+    for skip in (True, False):
+        rows.clear()
+        cfg = UpdateConfig(micro_batch_size=4, loss_agg_mode="seq-mean-token-mean", skip_zero_advantage=skip)
+        stats[skip] = Trainer(policy, cfg).accumulate_gradients(batch, torch.randperm(batch.size, generator=torch.Generator().manual_seed(3)))
+        grads[skip] = flat_gradients(policy.model)
+        stats[skip]["rows"] = sum(rows)
+    assert (stats[True]["rows"], stats[False]["rows"]) == (8, 16)
+    assert (stats[True]["zero_advantage_skipped"], stats[False]["zero_advantage_skipped"]) == (0.5, 0.0)
+    scale = np.abs(grads[False]).max()
+    assert scale > 0
+    np.testing.assert_allclose(grads[True], grads[False], atol=1e-6 * max(scale, 1.0), rtol=0)
+    assert stats[True]["pg_loss"] == pytest.approx(stats[False]["pg_loss"], abs=1e-6)
+
+
+@pytest.mark.parametrize("term", [{"use_kl_loss": True}, {"entropy_coef": 0.01}])
+def test_rows_of_zero_advantage_train_where_a_kl_loss_or_an_entropy_bonus_reads_them(policy, monkeypatch, term):
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "never")
+    batch = zero_advantage_groups(grouped_batch(prompts=4), groups=[1, 3])
+    rows = counted_rows(policy, monkeypatch)
+    stats = Trainer(policy, UpdateConfig(micro_batch_size=4, **term)).accumulate_gradients(batch, torch.arange(batch.size))
+    assert sum(rows) == 16 and stats["zero_advantage_skipped"] == 0.0
+
+
+def test_a_step_whose_rows_all_have_zero_advantage_is_the_step_on_zero_gradients(tiny_model, monkeypatch):
+    """Nothing to train on still makes the optimizer step (AdamW's decay and moments move as they
+    would on the zero gradients the rows give), from one row's pass with its loss scaled by 0."""
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "never")
+    batch = zero_advantage_groups(grouped_batch(prompts=2), groups=[0, 1])
+    cfg = dict(lr=1e-2, micro_batch_size=4, weight_decay=0.1)
+    before, _, _ = run_update(tiny_model, grouped_batch(prompts=2), UpdateConfig(lr=1e-2))  # a policy that has moved
+    results = {}
+    for skip in (True, False):
+        policy = HFPolicy(before.model, before.tokenizer, before.device)
+        start = weights(policy)
+        trainer = Trainer(policy, UpdateConfig(**cfg, skip_zero_advantage=skip))
+        rows = counted_rows(policy, monkeypatch)
+        metrics = trainer.train(batch)
+        results[skip] = (weights(policy), sum(rows), metrics["zero_advantage_skipped"], metrics["grad_norm"])
+        policy.model.load_state_dict(start)
+    (skipped, skipped_rows, share, norm), (full, full_rows, _, full_norm) = results[True], results[False]
+    assert (skipped_rows, full_rows, share, norm, full_norm) == (1, 8, 1.0, 0.0, 0.0)
+    assert all(torch.equal(skipped[k], full[k]) for k in full)
+    assert any(not torch.equal(skipped[k], start[k]) for k in start)  # weight decay moved them
+
+
+def test_a_replay_leaves_out_zero_advantage_rows_only_where_the_recorded_update_did():
+    """An update manifest records the key; one written before it existed trained every row, and
+    its replay does too (the same gradients to the last bit); `--set` still decides."""
+    from rlctl.config import Config
+    from rlctl.lineage import make_manifest
+    from rlctl.replay import _recorded_config
+
+    def replayed(update_section, overrides=()):
+        return _recorded_config(Config(), make_manifest("update", {"update": update_section}, []), list(overrides)).update.skip_zero_advantage
+
+    assert replayed({"lr": 1e-3, "skip_zero_advantage": True}) is True
+    assert replayed({"lr": 1e-3, "skip_zero_advantage": False}) is False
+    assert replayed({"lr": 1e-3}) is False
+    assert replayed({"lr": 1e-3}, ["update.skip_zero_advantage=true"]) is True
