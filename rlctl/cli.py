@@ -195,7 +195,7 @@ def score(
     critic: Annotated[Optional[str], typer.Option("--critic", help="Critic (causal LM + value head) → values.")] = None,
     policy: Annotated[Optional[str], typer.Option("--policy", help="Policy model → old_logprobs.")] = None,
     reward_timeout: Annotated[Optional[float], typer.Option("--reward-timeout", help="Seconds a reward call may take." + _default("score.reward_timeout"))] = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per forward pass." + _default("score.batch_size"))] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per forward pass at most (fewer where score.batch_tokens caps its tokens)." + _default("score.batch_size"))] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype of the forward passes." + _default("score.dtype"), metavar=_choices(choices.COMPUTE_DTYPES))] = None,
     workers_backend: WorkersBackendOpt = None,
     workers: WorkersOpt = None,

@@ -146,7 +146,9 @@ class ScoreConfig:
     reward: str = DEFAULT_REWARD  # file.py:fn, module:fn, builtin:NAME, rm:MODEL_URI or an http(s):// endpoint
     rewards: tuple[RewardTerm, ...] = ()  # several weighted rewards instead of `reward` (TRL's reward_funcs + reward_weights)
     reward_timeout: float = 60.0  # seconds a reward call (or one http request) may take
-    batch_size: int = 16  # sequences per forward pass (and samples per http reward request)
+    batch_size: int = 64  # sequences per forward pass at most (ref, policy, critic, rm: reward model)
+    batch_tokens: int = 8192  # padded tokens (sequences × the longest) per forward pass at most: fewer sequences then, a longer one alone; 0 = no cap
+    http_batch_size: int = 16  # http rewards: samples per request
     http_concurrency: int = 4  # http rewards: requests in flight at once
     http_retries: int = 2  # http rewards: more tries of a request that timed out or got 429/5xx
     dtype: str = "auto"  # compute dtype of the ref/policy/critic forward passes: auto (bf16 where native, else fp32) | fp32 | bf16 (the reference from a bf16 copy of its weights, policy and critic under autocast)
@@ -157,7 +159,7 @@ class ScoreConfig:
     def __post_init__(self) -> None:
         if self.rewards and self.reward != DEFAULT_REWARD:
             raise ConfigError(f"score.reward ({self.reward}) and score.rewards are both set: list every reward in score.rewards")
-        check_ranges(self, "score", {"old_logprobs": one_of(*OLD_LOGPROBS), "http_concurrency": at_least(1), "http_retries": at_least(0), "overlong_buffer": at_least(0), "overlong_penalty": at_least(0.0), "reward_timeout": at_least(0.0), "batch_size": at_least(1), "dtype": one_of(*COMPUTE_DTYPES)})
+        check_ranges(self, "score", {"old_logprobs": one_of(*OLD_LOGPROBS), "http_batch_size": at_least(1), "http_concurrency": at_least(1), "http_retries": at_least(0), "overlong_buffer": at_least(0), "overlong_penalty": at_least(0.0), "reward_timeout": at_least(0.0), "batch_size": at_least(1), "batch_tokens": at_least(0), "dtype": one_of(*COMPUTE_DTYPES)})
 
 
 @dataclass(frozen=True)

@@ -732,8 +732,10 @@ NOT_TRAINING = {
         "loggers", "wandb_project", "wandb_mode", "mlflow_uri", "mlflow_experiment",
     },
     "model": {"device", "init_preset", "init_seed"}, "data": {"val_prompts"}, "workers": None, "vllm": None,
-    "score": {"old_logprobs"},  # the rollout's own log-probs or a recompute: the same numbers to ~3e-7 where auto picks the former
-    "update": {"micro_batch_tokens", "compile"},  # how passes are cut, compiled or not: the same gradients to float rounding
+    # the rollout's own log-probs or a recompute: the same numbers to ~3e-7 where auto picks the former; how passes are cut
+    "score": {"old_logprobs", "batch_size", "batch_tokens", "http_batch_size"},
+    # how passes are cut, compiled or not, rows of zero advantage left out or not: the same gradients to float rounding
+    "update": {"micro_batch_tokens", "compile", "skip_zero_advantage"},
 }
 
 

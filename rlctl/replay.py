@@ -128,6 +128,8 @@ def _recorded_config(run_cfg: Config, recorded: Manifest, overrides: list[str]) 
     cfg = dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, micro_batch_tokens=as_recorded(cfg.update.micro_batch_tokens)))
     if "skip_zero_advantage" not in recorded.config.get("update", {"skip_zero_advantage": None}):  # recorded before the key: every row trained
         cfg = dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, skip_zero_advantage=False))
+    if "batch_tokens" not in recorded.config.get("score", {"batch_tokens": None}):  # recorded before the key: passes by rows alone
+        cfg = dataclasses.replace(cfg, score=dataclasses.replace(cfg.score, batch_tokens=0))
     cfg = apply_overrides(cfg, overrides)
     threads = recorded.state.get("torch_threads") or recorded.state.get("train_metrics", {}).get("torch_threads")
     if isinstance(threads, int) and threads > 0 and cfg.workers.backend == "local" and not cfg.workers.threads:  # a list: Ray ranks that differed

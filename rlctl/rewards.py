@@ -382,7 +382,7 @@ def term_name(spec: str) -> str:
 def load_rewards(cfg: Any, *, device: str = "cpu", reward_fn: Callable | None = None) -> RewardSet:
     """The RewardSet a ScoreConfig names (`score.rewards`, else `score.reward`); a Python
     callable given to the Pipeline stands in for `score.reward`."""
-    http = HttpOptions(batch_size=cfg.batch_size, concurrency=cfg.http_concurrency, retries=cfg.http_retries, timeout=cfg.reward_timeout or HttpOptions.timeout)
+    http = HttpOptions(batch_size=cfg.http_batch_size, concurrency=cfg.http_concurrency, retries=cfg.http_retries, timeout=cfg.reward_timeout or HttpOptions.timeout)
     if reward_fn is not None:
         return RewardSet.of(from_callable(reward_fn, f"callable:{getattr(reward_fn, '__name__', 'reward')}"))
     if not cfg.rewards:

@@ -130,14 +130,14 @@ def with_model_columns(
     response_ids = table.column("response_ids").to_pylist()
     new = {"reward": pa.array(rewards, pa.float32())}
     if models.ref is not None:
-        ref_logprobs = models.ref.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size, compute_dtype=cfg.dtype)
+        ref_logprobs = models.ref.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size, batch_tokens=cfg.batch_tokens, compute_dtype=cfg.dtype)
     if ref_logprobs is not None:
         new["ref_logprobs"] = list_column(ref_logprobs, pa.float32())
     if models.policy is not None:
-        new["old_logprobs"] = list_column(models.policy.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size, compute_dtype=cfg.dtype, as_trained=True), pa.float32())
+        new["old_logprobs"] = list_column(models.policy.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size, batch_tokens=cfg.batch_tokens, compute_dtype=cfg.dtype, as_trained=True), pa.float32())
     if models.critic is not None:
         pad_id = models.policy.pad_id if models.policy is not None else 0
-        values = models.critic.values(prompt_ids, response_ids, pad_id=pad_id, batch_size=cfg.batch_size, compute_dtype=cfg.dtype)
+        values = models.critic.values(prompt_ids, response_ids, pad_id=pad_id, batch_size=cfg.batch_size, batch_tokens=cfg.batch_tokens, compute_dtype=cfg.dtype)
     if values is not None:
         new["values"] = list_column(values, pa.float32())
     return set_columns(table, new)
@@ -154,11 +154,11 @@ def score_parts_on_workers(group, table: pa.Table, reward: RewardSet, models: Sc
     ref_logprobs = values = None
     if models.ref is not None and getattr(group, "ref_pool", None) is not None:
         temperature = float(sampling_of(table).get("temperature", 1.0))
-        ref_logprobs = models.ref.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size, compute_dtype=cfg.dtype)
+        ref_logprobs = models.ref.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size, batch_tokens=cfg.batch_tokens, compute_dtype=cfg.dtype)
         models = ScoringModels(policy=models.policy, critic=models.critic)
     if models.critic is not None and getattr(group, "critic_pool", None) is not None:
         pad_id = models.policy.pad_id if models.policy is not None else 0
-        values = models.critic.values(prompt_ids, response_ids, pad_id=pad_id, batch_size=cfg.batch_size, compute_dtype=cfg.dtype)
+        values = models.critic.values(prompt_ids, response_ids, pad_id=pad_id, batch_size=cfg.batch_size, batch_tokens=cfg.batch_tokens, compute_dtype=cfg.dtype)
         models = ScoringModels(ref=models.ref, policy=models.policy)
     roles = [role for role, model in (("ref", models.ref), ("policy", models.policy), ("critic", models.critic)) if model is not None]
 

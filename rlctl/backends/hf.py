@@ -228,11 +228,16 @@ def pack(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[in
     )
 
 
-def batches_by_length(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
-    """Row indices in batches of `batch_size`, the rows ordered by sequence length, so that a
-    batch pads to similar lengths (a row's results do not depend on its batch)."""
-    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]) + len(response_ids[i]))
-    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+def batches_by_length(
+    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], batch_size: int, max_tokens: int = 0,
+) -> list[list[int]]:
+    """Row indices in batches of at most `batch_size` rows and `max_tokens` padded tokens (rows ×
+    the longest sequence; 0: no cap), the rows ordered by sequence length, so that a batch pads
+    to similar lengths."""
+    from rlctl.passes import cut_passes
+
+    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
+    return cut_passes(sorted(range(len(prompt_ids)), key=lambda i: lengths[i]), batch_size, lengths, max_tokens)
 
 
 def distinct_prompts(prompt_ids: Sequence[Sequence[int]]) -> tuple[list[Sequence[int]], list[int]]:
@@ -293,30 +298,36 @@ def left_padded(prompt_ids: Sequence[Sequence[int]], pad_id: int, device) -> tup
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def batches_by_prompt(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
-    """Row indices in batches of at most `batch_size` that keep the rows of one prompt together
-    (a group larger than a batch is split), the groups ordered by their longest sequence."""
+def batches_by_prompt(
+    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], batch_size: int, max_tokens: int = 0,
+) -> list[list[int]]:
+    """Row indices in batches of at most `batch_size` rows and `max_tokens` padded tokens (rows ×
+    the longest sequence; 0: no cap) that keep the rows of one prompt together (a group larger
+    than a batch is split), the groups ordered by their longest sequence."""
     _, source = distinct_prompts(prompt_ids)
     groups: dict[int, list[int]] = {}
     for row, prompt in enumerate(source):
         groups.setdefault(prompt, []).append(row)
-    ordered = sorted(groups.values(), key=lambda rows: len(prompt_ids[rows[0]]) + max(len(response_ids[r]) for r in rows))
+    longest = {id(rows): len(prompt_ids[rows[0]]) + max(len(response_ids[r]) for r in rows) for rows in groups.values()}
+    ordered = sorted(groups.values(), key=lambda rows: longest[id(rows)])
     batches: list[list[int]] = []
-    for rows in ordered:
-        for start in range(0, len(rows), batch_size):
-            chunk = rows[start : start + batch_size]
-            if batches and len(batches[-1]) + len(chunk) <= batch_size:
+    for rows in ordered:  # widest last: a group that joins a batch sets its padded width
+        width = longest[id(rows)]
+        fits = max(1, min(batch_size, max_tokens // width)) if max_tokens else batch_size  # rows of this width in one batch
+        for start in range(0, len(rows), fits):
+            chunk = rows[start : start + fits]
+            if batches and len(batches[-1]) + len(chunk) <= fits:
                 batches[-1].extend(chunk)
             else:
                 batches.append(list(chunk))
     return batches
 
 
-def scored_rows(prompt_ids, response_ids, batch_size: int, pad_id: int, device, score) -> list[list[float]]:
-    """`score(packed batch)` → [B, T] over length-ordered batches, each row cut to its response
-    length and put back in the caller's order."""
+def scored_rows(prompt_ids, response_ids, batch_size: int, pad_id: int, device, score, batch_tokens: int = 0) -> list[list[float]]:
+    """`score(packed batch)` → [B, T] over length-ordered batches (`batches_by_length`), each row
+    cut to its response length and put back in the caller's order."""
     results: list[list[float]] = [[] for _ in prompt_ids]
-    for rows in batches_by_length(prompt_ids, response_ids, batch_size):
+    for rows in batches_by_length(prompt_ids, response_ids, batch_size, batch_tokens):
         batch = pack([prompt_ids[i] for i in rows], [response_ids[i] for i in rows], pad_id, device)
         lengths = batch.response_mask.sum(-1).tolist()
         for i, row, n in zip(rows, score(batch).float().cpu().tolist(), lengths):
@@ -592,8 +603,10 @@ class HFPolicy:
     @torch.no_grad()
     def logprobs(
         self, prompt_ids, response_ids, *, temperature: float, batch_size: int = 16, compute_dtype: str = "fp32", as_trained: bool = False,
+        batch_tokens: int = 0,
     ) -> list[list[float]]:
-        """Log-probs of the responses. In bf16 they come from a bf16 copy of the weights (the
+        """Log-probs of the responses, in passes of at most `batch_size` rows and `batch_tokens`
+        padded tokens (0: no cap). In bf16 they come from a bf16 copy of the weights (the
         reference: 30% faster than autocast, measured; on the CPU with the update's eager
         attention for short sequences, 7% faster than SDPA's kernel), or with `as_trained` under bf16
         autocast over the fp32 weights, as the update computes them (the old log-probs a PPO
@@ -621,12 +634,12 @@ class HFPolicy:
 
         if self.shares_prompts(prompt_ids):  # as the update runs such rows (Trainer)
             results: list[list[float]] = [[] for _ in prompt_ids]
-            for rows in batches_by_prompt(prompt_ids, response_ids, batch_size):
+            for rows in batches_by_prompt(prompt_ids, response_ids, batch_size, batch_tokens):
                 scores = score_sharing_prompts([prompt_ids[i] for i in rows], [response_ids[i] for i in rows])
                 for i, row in zip(rows, scores.float().cpu().tolist()):
                     results[i] = row[: len(response_ids[i])]
             return results
-        return scored_rows(prompt_ids, response_ids, batch_size, self.pad_id, self.device, score)
+        return scored_rows(prompt_ids, response_ids, batch_size, self.pad_id, self.device, score, batch_tokens)
 
     def shares_prompts(self, prompt_ids) -> bool:
         """Whether rows with these prompts run each distinct prompt once (`worth_sharing_prompts`)."""
@@ -717,8 +730,11 @@ class ValueModel(torch.nn.Module):
         return self.value_head(hidden.float()).squeeze(-1)
 
     @torch.no_grad()
-    def values(self, prompt_ids, response_ids, *, pad_id: int, batch_size: int = 16, compute_dtype: str = "fp32") -> list[list[float]]:
-        """Values as the update computes them (its forward context: the old values it clips to)."""
+    def values(
+        self, prompt_ids, response_ids, *, pad_id: int, batch_size: int = 16, compute_dtype: str = "fp32", batch_tokens: int = 0,
+    ) -> list[list[float]]:
+        """Values as the update computes them (its forward context: the old values it clips to),
+        in passes as `HFPolicy.logprobs` makes them."""
         device = self.value_head.weight.device
         bf16 = decide_dtype(device, compute_dtype) == "bf16"
 
@@ -727,7 +743,7 @@ class ValueModel(torch.nn.Module):
             with training_forward(self.lm, device, bf16, rows=rows, length=length):
                 return self.forward(batch)
 
-        return scored_rows(prompt_ids, response_ids, batch_size, pad_id, device, score)
+        return scored_rows(prompt_ids, response_ids, batch_size, pad_id, device, score, batch_tokens)
 
 
 def read_trainer_step(uri: str) -> int:

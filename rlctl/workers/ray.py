@@ -434,17 +434,18 @@ class _PolicyProxy:
 
     def logprobs(
         self, prompt_ids, response_ids, *, temperature: float, batch_size: int = 16, compute_dtype: str = "fp32", as_trained: bool = False,
+        batch_tokens: int = 0,
     ) -> list[list[float]]:
         """`as_trained` is the rank's to decide: the policy's log-probs always are."""
-        return self._workers._split("logprobs", [list(prompt_ids), list(response_ids)], self._which, temperature, batch_size, compute_dtype)
+        return self._workers._split("logprobs", [list(prompt_ids), list(response_ids)], self._which, temperature, batch_size, compute_dtype, batch_tokens)
 
 
 class _CriticProxy:
     def __init__(self, workers: RayWorkers) -> None:
         self._workers, self.vocab_size = workers, workers.vocab_size
 
-    def values(self, prompt_ids, response_ids, *, pad_id: int, batch_size: int = 16, compute_dtype: str = "fp32") -> list[list[float]]:
-        return self._workers._split("values", [list(prompt_ids), list(response_ids)], pad_id, batch_size, compute_dtype)
+    def values(self, prompt_ids, response_ids, *, pad_id: int, batch_size: int = 16, compute_dtype: str = "fp32", batch_tokens: int = 0) -> list[list[float]]:
+        return self._workers._split("values", [list(prompt_ids), list(response_ids)], pad_id, batch_size, compute_dtype, batch_tokens)
 
 
 # --- one rank ------------------------------------------------------------------------------------
@@ -567,12 +568,13 @@ class RankWorker:
         out = (self.generator or self.engine).generate(prompt_ids, SamplingParams(**params), batch_size=batch_size, compute_dtype=compute_dtype, first_row=first_row + start)
         return [(g.response_ids, g.logprobs, g.finish_reason) for g in out]
 
-    def logprobs(self, rows: list, start: int, which: str, temperature: float, batch_size: int, compute_dtype: str) -> list:
+    def logprobs(self, rows: list, start: int, which: str, temperature: float, batch_size: int, compute_dtype: str, batch_tokens: int = 0) -> list:
         prompt_ids, response_ids = rows
+        passes = {"batch_size": batch_size, "batch_tokens": batch_tokens, "compute_dtype": compute_dtype}
         if which == "policy":
-            return self.engine.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=batch_size, compute_dtype=compute_dtype, as_trained=True)
+            return self.engine.logprobs(prompt_ids, response_ids, temperature=temperature, as_trained=True, **passes)
         with self._reference() as ref:
-            return ref.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=batch_size, compute_dtype=compute_dtype)
+            return ref.logprobs(prompt_ids, response_ids, temperature=temperature, **passes)
 
     @contextlib.contextmanager
     def _reference(self):
@@ -591,9 +593,9 @@ class RankWorker:
         finally:
             del model
 
-    def values(self, rows: list, start: int, pad_id: int, batch_size: int, compute_dtype: str) -> list:
+    def values(self, rows: list, start: int, pad_id: int, batch_size: int, compute_dtype: str, batch_tokens: int = 0) -> list:
         prompt_ids, response_ids = rows
-        return self.critic_engine.values(prompt_ids, response_ids, pad_id=pad_id, batch_size=batch_size, compute_dtype=compute_dtype)
+        return self.critic_engine.values(prompt_ids, response_ids, pad_id=pad_id, batch_size=batch_size, compute_dtype=compute_dtype, batch_tokens=batch_tokens)
 
     def rollout_part(self, prompts, start: int, rollout: dict, data: dict, policy_version: int, uri: str, name: str, fmt: str) -> dict | None:
         """Generate for this rank's prompts (from prompt `start`) as part `name` of the output at `uri`."""

@@ -283,3 +283,40 @@ def test_kept_positions_are_indices_on_the_cpu_and_a_count_elsewhere():
 
     assert positions_to_keep(3, 7, torch.device("cpu"))["logits_to_keep"].tolist() == [3, 4, 5, 6]
     assert positions_to_keep(3, 7, torch.device("meta")) == {"logits_to_keep": 4}
+
+
+def test_scoring_batches_stay_within_their_token_cap_and_a_longer_row_runs_alone():
+    """`score.batch_tokens`: a batch holds at most that many padded tokens (rows × its longest
+    sequence) as well as `batch_size` rows; a sequence longer than the cap is a batch of its own.
+    Length-ordered batches and a prompt's rows kept together alike."""
+    from rlctl.backends.hf import batches_by_length, batches_by_prompt
+
+    prompt_ids = [[1], [2, 2], [1], [3, 3, 3], [2, 2], [1], [3, 3, 3], [1], [4] * 30]
+    response_ids = [[9] * n for n in (4, 1, 2, 6, 1, 3, 2, 5, 10)]
+    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
+
+    def padded(rows):
+        return len(rows) * max(lengths[r] for r in rows)
+
+    for batches in (batches_by_length(prompt_ids, response_ids, 8, 12), batches_by_prompt(prompt_ids, response_ids, 8, 12)):
+        assert sorted(i for rows in batches for i in rows) == list(range(len(prompt_ids)))
+        assert all(len(rows) <= 8 and (padded(rows) <= 12 or len(rows) == 1) for rows in batches)
+        assert [8] in batches  # 40 tokens: alone
+    assert batches_by_length(prompt_ids, response_ids, 3, 0) == batches_by_length(prompt_ids, response_ids, 3)
+    assert batches_by_prompt(prompt_ids, response_ids, 3, 10_000) == batches_by_prompt(prompt_ids, response_ids, 3)
+    # the prompt [1]'s four rows (longest 6 tokens) fit two to a batch of 12 tokens
+    assert batches_by_prompt(prompt_ids[:8], response_ids[:8], 8, 12)[1:3] == [[0, 2], [5, 7]]
+
+
+@pytest.mark.parametrize("share", ["always", "never"])
+def test_token_capped_scoring_gives_each_row_the_logprobs_of_uncapped_scoring(policy, monkeypatch, share):
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", share)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 500, (2 + i % 4,), generator=g).tolist() for i in range(4)]
+    prompt_ids = [p for p in prompts for _ in range(3)]
+    response_ids = [torch.randint(3, 500, (1 + (i * 5) % 9,), generator=g).tolist() for i in range(len(prompt_ids))]
+    uncapped = policy.logprobs(prompt_ids, response_ids, temperature=1.0, batch_size=64)
+    capped = policy.logprobs(prompt_ids, response_ids, temperature=1.0, batch_size=64, batch_tokens=16)
+    for a, b, r in zip(capped, uncapped, response_ids):
+        assert len(a) == len(r)
+        np.testing.assert_allclose(a, b, atol=1e-5)

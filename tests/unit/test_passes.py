@@ -143,3 +143,16 @@ def test_a_run_decides_auto_for_its_models_shape(tmp_path):
     assert resolve_pass_tokens(on_cpu, recorded=None).update.micro_batch_tokens == str(expected)
     made_later = load_config(data={"model": {"device": "cpu", "path": str(tmp_path / "new"), "init_preset": "medium"}})
     assert resolve_pass_tokens(made_later, recorded=None).update.micro_batch_tokens == str(expected)
+
+
+def test_a_replay_scores_in_passes_as_the_recorded_score_stage_did():
+    """A score manifest records `batch_tokens`; one written before the key existed cut its passes
+    by rows alone, and its replay does too."""
+    from rlctl.lineage import make_manifest
+    from rlctl.replay import _recorded_config
+
+    def replayed(score_section):
+        return _recorded_config(Config(), make_manifest("score", {"score": score_section}, []), []).score.batch_tokens
+
+    assert replayed({"batch_size": 16, "batch_tokens": 4096}) == 4096
+    assert replayed({"batch_size": 16}) == 0

@@ -75,11 +75,11 @@ def score(url, responses, **cfg):
     return rewards.score(samples(responses), timeout=cfg.get("reward_timeout", 10.0))
 
 
-def test_the_batch_goes_in_requests_of_batch_size_at_most_concurrency_at_once():
+def test_the_batch_goes_in_requests_of_http_batch_size_at_most_concurrency_at_once():
     service = RewardService(delay=0.2)
     responses = ["x" * n for n in range(10)]
     with serving(service) as url:
-        scores = score(url, responses, batch_size=2, http_concurrency=3)
+        scores = score(url, responses, http_batch_size=2, http_concurrency=3, batch_size=64)  # forward passes' rows: not the requests'
     assert scores.total == [float(n) for n in range(10)]  # in the original order
     assert sorted(len(r["responses"]) for r in service.requests) == [2] * 5
     assert service.most_in_flight == 3
