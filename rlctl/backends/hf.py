@@ -308,11 +308,9 @@ def batches_by_prompt(
     groups: dict[int, list[int]] = {}
     for row, prompt in enumerate(source):
         groups.setdefault(prompt, []).append(row)
-    longest = {id(rows): len(prompt_ids[rows[0]]) + max(len(response_ids[r]) for r in rows) for rows in groups.values()}
-    ordered = sorted(groups.values(), key=lambda rows: longest[id(rows)])
+    widths = [(len(prompt_ids[rows[0]]) + max(len(response_ids[r]) for r in rows), rows) for rows in groups.values()]
     batches: list[list[int]] = []
-    for rows in ordered:  # widest last: a group that joins a batch sets its padded width
-        width = longest[id(rows)]
+    for width, rows in sorted(widths, key=lambda pair: pair[0]):  # widest last: a group that joins a batch sets its padded width
         fits = max(1, min(batch_size, max_tokens // width)) if max_tokens else batch_size  # rows of this width in one batch
         for start in range(0, len(rows), fits):
             chunk = rows[start : start + fits]
