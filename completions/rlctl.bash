@@ -28,7 +28,7 @@ _rlctl() {
         "reshard") opts="--check --checkpoint --config --dtype --force --help --json --merge-lora --out --set --to" ;;
         "rollout") opts="--address --backend --chat-template --config --device --dtype --force --format --help --json --max-new-tokens --max-prompt-tokens --model --n --no-chat-template --out --prompts --rows-per-part --seed --set --temperature --top-k --top-p --truncate --workers --workers-backend" ;;
         "score") opts="--address --batch-size --config --critic --device --dtype --force --format --help --json --out --policy --ref --reward --reward-timeout --rollouts --rows-per-part --set --workers --workers-backend" ;;
-        "show") opts="--columns --help --json --rows --width" ;;
+        "show") opts="--columns --help --json --layout --rows --width" ;;
         "update") opts="--address --batch --bf16 --config --critic --device --epochs --force --help --json --loss-agg-mode --lr --micro-batch-size --mini-batch-size --model --no-bf16 --out --seed --set --workers --workers-backend" ;;
         *) opts="--help" ;;
     esac
@@ -50,6 +50,7 @@ _rlctl() {
         "score --dtype") values="auto fp32 bf16" ;;
         "score --workers-backend") values="local ray" ;;
         "score --format") values="arrow parquet" ;;
+        "show --layout") values="auto table records" ;;
         "update --loss-agg-mode") values="token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm" ;;
         "update --workers-backend") values="local ray" ;;
         *) values="" ;;

@@ -2,6 +2,10 @@
 stdout (`--json` for machines).
 
     rlctl show runs/x/iter-0001/rollout --rows 5
+
+A shard's rows are a table while every column gets a readable width on the terminal, and
+otherwise records — one block per row, a line per column — so that a rollout's prompt and
+response can be read on an 80-column terminal (`--layout` chooses).
 """
 
 from __future__ import annotations
@@ -11,17 +15,25 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
 
+from rlctl.choices import SHOW_LAYOUTS
 from rlctl.errors import InputError
 from rlctl.manifest import MANIFEST_NAME, Manifest
 from rlctl.shards import STDIO, filesystem, read
 
 TOKEN_ID_COLUMNS = ("prompt_ids", "response_ids")
+LAYOUTS = SHOW_LAYOUTS
+TABLE_CELL_WIDTH = 40  # a table's cells at most, unless --width says otherwise
+READABLE_CELL_WIDTH = 16  # auto: narrower table cells than this, and the rows become records
 
 
-def show(uri: str, *, rows: int = 10, width: int = 40, as_json: bool = False, columns: list[str] | None = None) -> None:
+def show(
+    uri: str, *, rows: int = 10, width: int | None = None, as_json: bool = False, columns: list[str] | None = None, layout: str = "auto"
+) -> None:
+    if layout not in LAYOUTS:
+        raise InputError(f"unknown layout {layout!r}; use {', '.join(LAYOUTS)}")
     console = Console(soft_wrap=False)
     kind = classify(uri)
     if kind == "run":
@@ -53,8 +65,14 @@ def show(uri: str, *, rows: int = 10, width: int = 40, as_json: bool = False, co
             "manifest": json.loads(shards.manifest.to_json()) if shards.manifest else None,
             "head": head.to_pylist(),
         }
+        title = _shard_title(uri, shards.table, shards.manifest)
         fit = max(6, (console.width - 1) // max(len(head.column_names), 1) - 3)  # every column stays visible
-        _emit(console, data, as_json, lambda: _shard_table(uri, shards.table, head, min(width, fit), shards.manifest))
+        narrow = fit < min(width or TABLE_CELL_WIDTH, READABLE_CELL_WIDTH)
+        if head.num_rows and (layout == "records" or (layout == "auto" and narrow)):
+            line = max(8, console.width - max((len(c) for c in head.column_names), default=0) - 7)  # the value's room on a line
+            _emit(console, data, as_json, lambda: _shard_records(title, head, min(width or line, line)))
+        else:
+            _emit(console, data, as_json, lambda: _shard_table(title, head, min(width or TABLE_CELL_WIDTH, fit)))
 
 
 def classify(uri: str) -> str:
@@ -164,15 +182,33 @@ def _cut(value: Any, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def _shard_table(uri: str, table: pa.Table, head: pa.Table, width: int, manifest: Manifest | None) -> Table:
+def _shard_title(uri: str, table: pa.Table, manifest: Manifest | None) -> str:
     schema = _schema_name(table.schema) or "no schema"
     stage = f", stage {manifest.stage}" if manifest else ""
-    out = Table(title=f"{uri}: {table.num_rows} rows, {schema}{stage}", title_justify="left")
+    return f"{uri}: {table.num_rows} rows, {schema}{stage}"
+
+
+def _shard_table(title: str, head: pa.Table, width: int) -> Table:
+    out = Table(title=title, title_justify="left")
     for name in head.column_names:
         out.add_column(name, no_wrap=True, overflow="ellipsis", max_width=width)
     for row in head.to_pylist():
         out.add_row(*(_cut(row[c], width) for c in head.column_names))
     return out
+
+
+def _shard_records(title: str, head: pa.Table, width: int) -> Group:
+    """One two-column block per row: the column's name, then its value on one line."""
+    blocks = []
+    for index, row in enumerate(head.to_pylist()):
+        block = Table(title=title if index == 0 else None, title_justify="left", show_header=False)
+        block.add_column("column", style="bold")
+        block.add_column(f"row {index}", no_wrap=True, overflow="ellipsis", max_width=width)
+        block.add_row("row", str(index), end_section=True)
+        for name in head.column_names:
+            block.add_row(name, _cut(row[name], width))
+        blocks.append(block)
+    return Group(*blocks)
 
 
 def _dict_table(title: str, data: dict[str, Any]) -> Table:
