@@ -146,7 +146,7 @@ def _err(message: str) -> None:
 
 @app.command()
 def rollout(
-    prompts: Annotated[str, typer.Option("--prompts", help="Prompts: shard folder, .jsonl, .parquet or -.")],
+    prompts: Annotated[str, typer.Option("--prompts", help="Prompts: shard folder, .jsonl, .json (JSON Lines or one array), .parquet or -.")],
     model: Annotated[str, typer.Option("--model", help="Policy weights: HF folder or rlctl checkpoint.")],
     out: OutOpt,
     n: Annotated[Optional[int], typer.Option("--n", help="Samples per prompt." + _default("rollout.n"))] = None,

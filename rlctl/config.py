@@ -94,7 +94,7 @@ class ModelConfig:
 class DataConfig:
     """The prompts each iteration draws, and how they become token ids."""
 
-    prompts: str = ""  # prompts: a .jsonl/.parquet file or a shard folder (any fsspec URL)
+    prompts: str = ""  # prompts: a .jsonl, .json (JSON Lines or one array of objects) or .parquet file, or a shard folder (any fsspec URL)
     val_prompts: str = ""  # held-out prompts scored greedily every pipeline.val_every iterations ("" = none)
     batch_size: int = 8  # prompts per iteration
     shuffle: bool = True  # a new seeded permutation of the prompts every epoch

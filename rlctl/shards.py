@@ -183,15 +183,38 @@ def _open_ipc(buffer: pa.Buffer) -> pa.Table:
 
 
 def _read_jsonl(fs: fsspec.AbstractFileSystem, path: str, uri: str) -> pa.Table:
+    """JSON Lines; a `.json` file may also hold one JSON array of objects (pandas' and
+    datasets' `to_json(lines=False)`)."""
     with fs.open(path, "rb") as f:
-        raw_lines = f.read().split(b"\n")
-    rows = [row for number, raw in enumerate(raw_lines, start=1) if (row := _jsonl_row(raw, number, uri)) is not None]
+        raw = f.read()
+    if path.endswith(".json") and raw.lstrip()[:1] == b"[":
+        rows = _json_array_rows(raw, uri)
+    else:
+        rows = [row for number, line in enumerate(raw.split(b"\n"), start=1) if (row := _jsonl_row(line, number, uri)) is not None]
     if not rows:
         raise InputError(f"{uri}: no rows")
     try:
         return pa.Table.from_struct_array(pa.array(rows))  # columns from every row, not the first
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         raise InputError(f"{uri}: rows do not share one type per key: {exc}") from exc
+
+
+def _json_array_rows(raw: bytes, uri: str) -> list[dict]:
+    """A JSON array of objects; strict JSON, UTF-8."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{uri}: not UTF-8 text (byte {exc.start})") from None
+    try:
+        rows = json.loads(text, parse_constant=_non_finite)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{uri} line {exc.lineno}: invalid JSON: {exc.msg}") from exc
+    except ValueError as exc:
+        raise InputError(f"{uri}: {exc}") from exc
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise InputError(f"{uri} item {index}: expected a JSON object, got {type(row).__name__}")
+    return rows
 
 
 def _jsonl_row(raw: bytes, number: int, uri: str) -> dict | None:
@@ -205,7 +228,8 @@ def _jsonl_row(raw: bytes, number: int, uri: str) -> dict | None:
     try:
         row = json.loads(line, parse_constant=_non_finite)
     except json.JSONDecodeError as exc:
-        raise InputError(f"{uri} line {number}: invalid JSON: {exc.msg}") from exc
+        hint = " (JSON Lines: one object per line, or a .json file holding one array of objects)" if number == 1 and line.strip() in ("{", "[") else ""
+        raise InputError(f"{uri} line {number}: invalid JSON: {exc.msg}{hint}") from exc
     except ValueError as exc:
         raise InputError(f"{uri} line {number}: {exc}") from exc
     if not isinstance(row, dict):

@@ -26,7 +26,7 @@ from rlctl.shards import STDIO, filesystem, read
 TOKEN_ID_COLUMNS = ("prompt_ids", "response_ids")
 LAYOUTS = SHOW_LAYOUTS
 TABLE_CELL_WIDTH = 40  # a table's cells at most, unless --width says otherwise
-READABLE_CELL_WIDTH = 16  # auto: narrower table cells than this, and the rows become records
+READABLE_CELL_WIDTH = 24  # auto: narrower table cells than this, and the rows become records
 
 
 def show(

@@ -127,6 +127,33 @@ def test_malformed_jsonl_names_the_line(tmp_path):
         shards.read(str(path), "prompts")
 
 
+def test_a_json_file_may_hold_one_array_of_prompts(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps([{"prompt": "a"}, {"messages": [{"role": "user", "content": "b"}]}], indent=2))
+    t = shards.read(str(path), "prompts").table
+    assert t.column("id").to_pylist() == ["0", "1"] and t.column("prompt").to_pylist()[0] == "a"
+    lines = tmp_path / "lines.json"
+    lines.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')  # JSON Lines under .json, as before
+    assert shards.read(str(lines), "prompts").table.num_rows == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[{"prompt": "a"}, "b"]', r"p.json item 1: expected a JSON object, got str"),
+        ('[{"prompt": "a", "w": NaN}]', r"p.json: NaN is not a number JSON allows"),
+        ('[\n{"prompt": "a"},\n{"prompt": oops}\n]', r"p.json line 3: invalid JSON"),
+        ('{\n  "prompt": "a"\n}\n', r"p.json line 1: invalid JSON: .*one object per line, or a .json file holding one array"),
+        ("[]", r"p.json: no rows"),
+    ],
+)
+def test_a_bad_json_file_is_one_clear_error(tmp_path, text, message):
+    path = tmp_path / "p.json"
+    path.write_text(text)
+    with pytest.raises(InputError, match=message):
+        shards.read(str(path), "prompts")
+
+
 def test_verl_style_prompt_parquet(tmp_path):
     verl = pa.table({
         "data_source": ["openai/gsm8k"],
