@@ -30,7 +30,14 @@ READABLE_CELL_WIDTH = 24  # auto: narrower table cells than this, and the rows b
 
 
 def show(
-    uri: str, *, rows: int = 10, width: int | None = None, as_json: bool = False, columns: list[str] | None = None, layout: str = "auto"
+    uri: str,
+    *,
+    rows: int = 10,
+    width: int | None = None,
+    as_json: bool = False,
+    columns: list[str] | None = None,
+    layout: str = "auto",
+    sort: str | None = None,
 ) -> None:
     if layout not in LAYOUTS:
         raise InputError(f"unknown layout {layout!r}; use {', '.join(LAYOUTS)}")
@@ -50,7 +57,7 @@ def show(
         _emit(console, data, as_json, lambda: _dict_table(f"manifest {uri}", _manifest_summary(manifest)))
     else:
         shards = read(uri)
-        head = shards.table.slice(0, rows)
+        head = sorted_rows(shards.table, sort, uri).slice(0, rows) if sort else shards.table.slice(0, rows)
         if columns:
             missing = [c for c in columns if c not in head.column_names]
             if missing:
@@ -73,6 +80,27 @@ def show(
             _emit(console, data, as_json, lambda: _shard_records(title, head, min(width or line, line)))
         else:
             _emit(console, data, as_json, lambda: _shard_table(title, head, min(width or TABLE_CELL_WIDTH, fit)))
+
+
+def sorted_rows(table: pa.Table, sort: str, uri: str) -> pa.Table:
+    """The rows by one column, ascending, or descending for `-COLUMN` (the lowest rewards
+    first, or `-reward` for the highest); a list column sorts by its mean, nulls last."""
+    name, order = (sort[1:], "descending") if sort.startswith("-") else (sort, "ascending")
+    if name not in table.column_names:
+        raise InputError(f"{uri}: no column {name!r} to sort by; columns: {', '.join(table.column_names)}")
+    column = table.column(name)
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        if not pa.types.is_floating(column.type.value_type) and not pa.types.is_integer(column.type.value_type):
+            raise InputError(f"{uri}: column {name!r} holds lists of {column.type.value_type}; sort by a number or text column")
+        column = _list_means(column)
+    key = "_rlctl_sort_key"
+    keyed = table.append_column(key, column)
+    return keyed.sort_by([(key, order)]).drop_columns([key])
+
+
+def _list_means(column: pa.ChunkedArray) -> pa.Array:
+    means = [sum(v) / len(v) if v else None for v in column.to_pylist()]
+    return pa.array(means, pa.float64())
 
 
 def classify(uri: str) -> str:

@@ -74,3 +74,23 @@ def test_json_is_the_same_whatever_the_layout(rollouts, capsys, monkeypatch):
     outputs = {json.dumps(json.loads(shown(capsys, monkeypatch, 80, rollouts, as_json=True, layout=layout))) for layout in ("table", "records")}
     (single,) = outputs
     assert json.loads(single)["head"][0]["response"] == RESPONSE
+
+
+def test_sort_orders_the_rows_by_a_column_or_a_list_columns_mean(tmp_path, capsys):
+    table = pa.table({
+        "id": ["a", "b", "c"],
+        "reward": pa.array([0.5, None, 0.9], pa.float32()),
+        "advantages": pa.array([[1.0, -3.0], [0.5], []], pa.list_(pa.float32())),
+    })
+    uri = str(tmp_path / "batch")
+    shards.write(table, uri, Manifest(stage="advantage"))
+
+    def ids(sort: str) -> list[str]:
+        show(uri, as_json=True, sort=sort)
+        return [row["id"] for row in json.loads(capsys.readouterr().out)["head"]]
+
+    assert ids("reward") == ["a", "c", "b"]  # nulls last either way
+    assert ids("-reward") == ["c", "a", "b"]
+    assert ids("-advantages") == ["b", "a", "c"]  # means 0.5, -1.0; no tokens last
+    with pytest.raises(InputError, match="no column 'rewards' to sort by; columns: id, reward, advantages"):
+        show(uri, sort="rewards")
