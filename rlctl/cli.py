@@ -376,13 +376,13 @@ def show(
 
 @app.command()
 def plot(
-    run_dir: Annotated[str, typer.Argument(help="A run folder written by rlctl pipeline.")],
-    out: Annotated[Optional[str], typer.Option("--out", help="PNG file to write (default RUN/metrics.png).")] = None,
+    run_dirs: Annotated[list[str], typer.Argument(help="Run folders written by rlctl pipeline; several share the panels, a line each.")],
+    out: Annotated[Optional[str], typer.Option("--out", help="PNG file to write (default RUN/metrics.png; for several runs, compare.png in their common folder).")] = None,
 ) -> None:
     """Plot reward, KL, entropy, response length and validation score by iteration."""
-    from rlctl.plot import plot_run
+    from rlctl.plot import plot_runs
 
-    typer.echo(plot_run(run_dir, out))
+    typer.echo(plot_runs(run_dirs, out))
 
 
 @model_app.command("init")

@@ -1,42 +1,88 @@
-"""`rlctl plot RUN`: one PNG of reward, KL, entropy, response length and validation score by
-iteration, from RUN/metrics.jsonl.
+"""`rlctl plot RUN [RUN ...]`: one PNG of reward, KL, entropy, response length and validation
+score by iteration, from each RUN/metrics.jsonl; several runs share the panels, a line each,
+to compare algorithms or settings on the same task.
 
-    rlctl plot runs/grpo --out runs/grpo/metrics.png
+    rlctl plot runs/grpo                          # runs/grpo/metrics.png
+    rlctl plot runs/grpo runs/drgrpo runs/dapo    # runs/compare.png
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+from rlctl.errors import InputError
 from rlctl.runinfo import read_metrics
 
 PANELS = (("reward_mean", "reward (mean)"), ("kl", "KL to reference"), ("entropy", "entropy"), ("response_length", "response length (tokens)"), ("val/score", "validation score"))
+COMPARE_NAME = "compare.png"
 
 
 def plot_run(run_dir: str, out: str | None = None) -> str:
+    return plot_runs([run_dir], out)
+
+
+def plot_runs(run_dirs: list[str], out: str | None = None) -> str:
+    """Write the panels of `run_dirs` to `out` (default: RUN/metrics.png for one run, the runs'
+    common folder's compare.png for several) and return its path."""
+    if not run_dirs:
+        raise InputError("plot: name at least one run folder")
+    if len(set(map(os.path.abspath, run_dirs))) < len(run_dirs):
+        raise InputError("plot: a run folder is named twice")
+    runs = {label: read_metrics(run_dir) for label, run_dir in zip(run_labels(run_dirs), run_dirs)}
+    target = Path(out) if out else default_output(run_dirs)
+    fig = metrics_figure(runs, " · ".join(run_dirs))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, dpi=100)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return str(target)
+
+
+def metrics_figure(runs: dict[str, list[dict]], title: str):
+    """The panels, a line per run (label → its metrics rows), a legend where there are several."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(run_dir)
-    target = Path(out) if out else Path(run_dir) / "metrics.png"
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.2), constrained_layout=True)
     for ax, (key, title) in zip(axes, PANELS):
-        points = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
-        if points:
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="o", markersize=3)
-            if key == "reward_mean" and all("reward_std" in r for r in rows):
-                std = [r["reward_std"] for r in rows]
-                ax.fill_between(xs, [y - s for y, s in zip(ys, std)], [y + s for y, s in zip(ys, std)], alpha=0.2)
-        else:
+        drawn = False
+        for color, (label, rows) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"] * len(runs), runs.items()):
+            drawn |= _draw(ax, rows, key, label, color)
+        if not drawn:
             ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes, color="gray")
         ax.set_title(title)
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
-    fig.suptitle(str(run_dir))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, dpi=100)
-    plt.close(fig)
-    return str(target)
+    if len(runs) > 1:
+        axes[0].legend(fontsize="small")
+    fig.suptitle(title)
+    return fig
+
+
+def _draw(ax, rows: list[dict], key: str, label: str, color: str) -> bool:
+    """One run's line on one panel (with ±1 std of the reward where recorded); False where the
+    run did not record `key`."""
+    points = [(r["iteration"], r[key], r.get("reward_std")) for r in rows if r.get(key) is not None]
+    if not points:
+        return False
+    xs, ys, stds = zip(*points)
+    ax.plot(xs, ys, marker="o", markersize=3, color=color, label=label)
+    if key == "reward_mean" and all(s is not None for s in stds):
+        ax.fill_between(xs, [y - s for y, s in zip(ys, stds)], [y + s for y, s in zip(ys, stds)], color=color, alpha=0.2)
+    return True
+
+
+def run_labels(run_dirs: list[str]) -> list[str]:
+    """Each run's folder name, or the path as given where two runs share a name."""
+    names = [Path(d).name or str(d) for d in run_dirs]
+    return names if len(set(names)) == len(names) else [str(d) for d in run_dirs]
+
+
+def default_output(run_dirs: list[str]) -> Path:
+    if len(run_dirs) == 1:
+        return Path(run_dirs[0]) / "metrics.png"
+    return Path(os.path.commonpath([os.path.abspath(d) for d in run_dirs])) / COMPARE_NAME
