@@ -12,7 +12,7 @@ _rlctl() {
     'reshard:Turn a training checkpoint into rollout weights (an HF folder, cast to a dtype; a LoRA'
     'rollout:Sample responses from the policy for each prompt (writes the rollouts schema).'
     'score:Score rollouts with a reward; optionally add ref/old log-probs and critic values.'
-    'show:Print a shard, a manifest, a checkpoint or a whole run as a table.'
+    'show:Print a shard, a manifest, a checkpoint, a run or one of its iterations as a table.'
     'update:Train the policy (and critic) on a batch with the PPO/GRPO loss; write a checkpoint.'
   )
   local cmd="${words[2]}"

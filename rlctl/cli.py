@@ -360,7 +360,7 @@ def replay(
 
 @app.command()
 def show(
-    uri: Annotated[str, typer.Argument(help="A shard folder or file, a manifest, a checkpoint, a run folder, or -.")],
+    uri: Annotated[str, typer.Argument(help="A shard folder or file, a manifest, a checkpoint, a run folder, one of its iteration folders, or -.")],
     rows: Annotated[int, typer.Option("--rows", help="Rows to show.", min=0)] = 10,
     width: Annotated[Optional[int], typer.Option("--width", help="Longest cell shown, in characters (default: 40 in a table, the terminal's line in records).", min=4)] = None,
     columns: Annotated[Optional[str], typer.Option("--columns", help="Comma-separated columns to show.")] = None,
@@ -368,7 +368,7 @@ def show(
     layout: Annotated[str, typer.Option("--layout", help="A shard's rows as a table, or as records (a line per column); auto: records where the table's columns would be too narrow to read.", metavar=_choices(choices.SHOW_LAYOUTS))] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
 ) -> None:
-    """Print a shard, a manifest, a checkpoint or a whole run as a table."""
+    """Print a shard, a manifest, a checkpoint, a run or one of its iterations as a table."""
     from rlctl.show import show as show_uri
 
     show_uri(uri, rows=rows, width=width, as_json=as_json, columns=columns.split(",") if columns else None, layout=layout, sort=sort)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.errors import InputError
+from rlctl.manifest import MANIFEST_NAME, Manifest
 
 SUMMARY_COLUMNS = ("iteration", "reward_mean", "kl", "entropy", "response_length", "pg_clipfrac", "grad_norm", "val/score", "seconds/total")
 
@@ -37,3 +38,35 @@ def iteration_folders(root: Path) -> list[Path]:
         return []
     found = [(n, p) for p in root.iterdir() if p.is_dir() and (n := iteration_number(p)) is not None]
     return [p for _, p in sorted(found)]
+
+
+STAGE_ORDER = ("prompts", "rollout", "score", "advantage", "update", "val")
+
+
+def is_iteration_folder(path: Path) -> bool:
+    """`RUN/iter-N`: named so, holding at least one committed stage output."""
+    return iteration_number(path) is not None and any((p / MANIFEST_NAME).is_file() for p in path.iterdir() if p.is_dir())
+
+
+def iteration_summary(folder: str | Path) -> dict[str, Any]:
+    """One iteration of a run: each committed stage's rows, seconds and metrics, in the loop's
+    order, and the iteration's row of RUN/metrics.jsonl where the run has one."""
+    path = Path(folder)
+    number = iteration_number(path)
+    stages = []
+    names = sorted((p.name for p in path.iterdir() if (p / MANIFEST_NAME).is_file()), key=lambda n: (STAGE_ORDER.index(n) if n in STAGE_ORDER else len(STAGE_ORDER), n))
+    for name in names:
+        manifest = Manifest.from_json((path / name / MANIFEST_NAME).read_text())
+        stages.append({"folder": name, "stage": manifest.stage, "rows": manifest.rows if _holds_rows(manifest) else None, "seconds": manifest.timings.get("seconds"), "metrics": manifest.metrics})
+    uncommitted = sorted(p.name for p in path.iterdir() if p.is_dir() and not (p / MANIFEST_NAME).is_file())
+    run_metrics = path.parent / "metrics.jsonl"
+    rows = read_metrics(path.parent) if run_metrics.exists() else []
+    metrics = next((r for r in rows if r.get("iteration") == number), None)
+    return {"iteration": number, "folder": str(folder), "stages": stages, "uncommitted": uncommitted, "metrics": metrics}
+
+
+def _holds_rows(manifest: Manifest) -> bool:
+    """A shard output (rows), not a checkpoint or weights folder (files without rows)."""
+    if not manifest.files:  # an empty shard output still has its schema
+        return manifest.schema is not None
+    return any(f.path.endswith((".arrow", ".parquet")) for f in manifest.files)

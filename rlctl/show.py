@@ -1,5 +1,5 @@
-"""`rlctl show URI`: a shard's first rows, a manifest, a checkpoint or a run, as a table on
-stdout (`--json` for machines).
+"""`rlctl show URI`: a shard's first rows, a manifest, a checkpoint, a run or one of its
+iterations, as a table on stdout (`--json` for machines).
 
     rlctl show runs/x/iter-0001/rollout --rows 5
 
@@ -21,7 +21,7 @@ from rich.table import Table
 from rlctl.choices import SHOW_LAYOUTS
 from rlctl.errors import InputError
 from rlctl.manifest import MANIFEST_NAME, Manifest
-from rlctl.shards import STDIO, filesystem, read
+from rlctl.shards import STDIO, filesystem, local_path, read
 
 TOKEN_ID_COLUMNS = ("prompt_ids", "response_ids")
 LAYOUTS = SHOW_LAYOUTS
@@ -48,6 +48,11 @@ def show(
 
         summary = run_summary(uri)
         _emit(console, summary, as_json, lambda: _run_table(summary))
+    elif kind == "iteration":
+        from rlctl.runinfo import iteration_summary
+
+        summary = iteration_summary(uri)
+        _emit(console, summary, as_json, lambda: _iteration_view(summary))
     elif kind == "checkpoint":
         summary = checkpoint_summary(uri)
         _emit(console, summary, as_json, lambda: _dict_table(f"checkpoint {uri}", summary))
@@ -116,6 +121,12 @@ def classify(uri: str) -> str:
             return "run"
         if fs.exists(path.rstrip("/") + "/config.json"):
             return "checkpoint"
+        local = local_path(uri)
+        if local is not None and not fs.exists(path.rstrip("/") + "/" + MANIFEST_NAME):
+            from rlctl.runinfo import is_iteration_folder
+
+            if is_iteration_folder(Path(local)):
+                return "iteration"
     return "shards"
 
 
@@ -254,6 +265,32 @@ def _dict_table(title: str, data: dict[str, Any]) -> Table:
 
 def _round(value: Any) -> Any:
     return round(value, 6) if isinstance(value, float) else value
+
+
+ITERATION_METRICS = {  # a stage's metrics worth a glance (all of them: --json)
+    "rollout": ("response_length", "rollout_tokens_per_s"),
+    "score": ("reward_mean",),
+    "advantage": ("reward_mean", "reward_std", "kl", "advantage_mean"),
+    "update": ("pg_loss", "pg_clipfrac", "entropy", "kl_divergence", "grad_norm", "vf_loss"),
+    "validate": ("score",),
+}
+
+
+def _iteration_view(summary: dict[str, Any]) -> Group:
+    """The iteration's stages in the loop's order (rows, seconds, key metrics), then its row of
+    the run's metrics."""
+    stages = Table(title=f"iteration {summary['iteration']}: {summary['folder']}", title_justify="left")
+    for name, justify in (("stage", "left"), ("rows", "right"), ("seconds", "right"), ("metrics", "left")):
+        stages.add_column(name, justify=justify)
+    for stage in summary["stages"]:
+        shown = [f"{k} {_fmt(stage['metrics'][k])}" for k in ITERATION_METRICS.get(stage["stage"], ()) if stage["metrics"].get(k) is not None]
+        stages.add_row(stage["folder"], _fmt(stage["rows"]), _fmt(stage["seconds"]), "  ".join(shown))
+    for name in summary["uncommitted"]:
+        stages.add_row(name, "-", "-", "not committed (the run stopped here, or a stage is running)")
+    parts: list[Any] = [stages]
+    if summary["metrics"]:
+        parts.append(_dict_table("the run's metrics for this iteration", summary["metrics"]))
+    return Group(*parts)
 
 
 def _run_table(summary: dict[str, Any]) -> Table:

@@ -7,7 +7,7 @@ import pytest
 
 from rlctl import shards
 from rlctl.errors import InputError
-from rlctl.manifest import Manifest
+from rlctl.manifest import MANIFEST_NAME, FileEntry, Manifest
 from rlctl.show import show
 
 RESPONSE = "The sum of 17 and 25 is 42, because 17 + 25 = 42."
@@ -94,3 +94,28 @@ def test_sort_orders_the_rows_by_a_column_or_a_list_columns_mean(tmp_path, capsy
     assert ids("-advantages") == ["b", "a", "c"]  # means 0.5, -1.0; no tokens last
     with pytest.raises(InputError, match="no column 'rewards' to sort by; columns: id, reward, advantages"):
         show(uri, sort="rewards")
+
+
+def test_an_iteration_folder_shows_its_stages_in_the_loops_order_and_the_runs_metrics(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    iteration = run / "iter-0003"
+    shards.write(pa.table(ROLLOUTS), str(iteration / "rollout"), Manifest(stage="rollout"), schema="rollouts")
+    scored = pa.table({**ROLLOUTS, "reward": pa.array([1.0, 0.0], pa.float32())})
+    shards.write(scored, str(iteration / "advantage"), Manifest(stage="advantage", metrics={"reward_mean": 0.5, "kl": 0.01}))
+    shards.write(pa.table({"id": ["q1"], "prompt": ["p"]}), str(iteration / "prompts"), Manifest(stage="prompts"))
+    (iteration / "update").mkdir()  # a stage that had not committed when the run stopped
+    (iteration / "weights").mkdir()  # a checkpoint-like output: files without rows
+    weights = Manifest(stage="reshard", files=[FileEntry("model.safetensors", 0, 10, "0" * 64)])
+    (iteration / "weights" / MANIFEST_NAME).write_text(weights.to_json())
+    (run / "metrics.jsonl").write_text(json.dumps({"iteration": 2, "reward_mean": 0.1}) + "\n" + json.dumps({"iteration": 3, "reward_mean": 0.5}) + "\n")
+
+    show(str(iteration), as_json=True)
+    summary = json.loads(capsys.readouterr().out)
+    assert [s["folder"] for s in summary["stages"]] == ["prompts", "rollout", "advantage", "weights"]
+    assert [s["rows"] for s in summary["stages"]] == [1, 2, 2, None] and summary["stages"][1]["seconds"] > 0
+    assert summary["uncommitted"] == ["update"] and summary["metrics"] == {"iteration": 3, "reward_mean": 0.5}
+
+    out = shown(capsys, monkeypatch, 100, str(iteration))
+    assert out.startswith(f"iteration 3: {iteration}")
+    assert "reward_mean 0.5  kl 0.01" in out and "not committed" in out
+    assert out.index("│ prompts") < out.index("│ rollout") < out.index("│ advantage") < out.index("│ update")
