@@ -101,6 +101,8 @@ def _output(uri: str, fmt: str, rows_per_part: int, as_json: bool):
 
     if as_json and uri == "-":
         raise InputError("--json prints the manifest to stdout, which --out - already uses for data")
+    if uri == "-" and sys.stdout.isatty():
+        raise InputError("--out - writes an Arrow stream to stdout, which is a terminal: pipe it into a command (| rlctl score --rollouts - ...) or redirect it (> file.arrow)")
     return OutputSpec(uri=uri, format=fmt, rows_per_part=rows_per_part)
 
 

@@ -61,6 +61,8 @@ def read(uri: str, schema: str | None = None, *, stdin: BinaryIO | None = None, 
     """Read a committed output folder (every part verified against its manifest; `verify=False`
     checks sizes only), a single file, or `-`; validate against `schema`."""
     if uri == STDIO:
+        if stdin is None and sys.stdin.isatty():
+            raise InputError("input - reads an Arrow stream from stdin, which is a terminal: pipe one in (rlctl rollout ... --out - | rlctl score --rollouts - ...)")
         shards = _read_stream(stdin or sys.stdin.buffer)
     else:
         fs, path = filesystem(uri)

@@ -2,6 +2,9 @@
 and no output folder left behind."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pyarrow as pa
 import pytest
@@ -266,3 +269,28 @@ def test_an_output_that_is_also_the_input(cli, tmp_path):
     result = score(cli, source, str(tmp_path / "in" / ".." / "in"))
     assert result.exit_code == 2 and "is also an input of this score" in one_line_error(result)
     assert (tmp_path / "in" / MANIFEST_NAME).read_bytes() == before
+
+
+def run_on_a_terminal(*args: str, stream: str) -> subprocess.CompletedProcess[str]:
+    """`rlctl ARGS` in a child whose stdin or stdout (`stream`) is a pseudo-terminal."""
+    leader, follower = os.openpty()
+    try:
+        attached = {"stdin": follower} if stream == "stdin" else {"stdout": follower, "stdin": subprocess.DEVNULL}
+        return subprocess.run([sys.executable, "-m", "rlctl", *args], stderr=subprocess.PIPE, text=True, timeout=120, **attached)
+    finally:
+        os.close(leader)
+        os.close(follower)
+
+
+def test_reading_dash_from_a_terminal_is_refused_not_a_hang(tmp_path):
+    result = run_on_a_terminal("score", "--rollouts", "-", "--out", str(tmp_path / "out"), "--reward", "builtin:length", stream="stdin")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "stdin, which is a terminal" in result.stderr
+    assert_not_written(tmp_path / "out")
+
+
+def test_writing_an_arrow_stream_to_a_terminal_is_refused(tmp_path):
+    source = rollouts(tmp_path)
+    result = run_on_a_terminal("score", "--rollouts", source, "--out", "-", "--reward", "builtin:length", stream="stdout")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "stdout, which is a terminal" in result.stderr
