@@ -21,7 +21,7 @@ _rlctl() {
     case "$cmd" in
         "advantage") opts="--config --estimator --force --format --gamma --help --json --kl-coef --kl-controller --kl-estimator --kl-state --lam --no-norm-by-std --norm-by-std --out --rows-per-part --scores --set" ;;
         "config show") opts="--help --json --set" ;;
-        "model init") opts="--help --preset --seed" ;;
+        "model init") opts="--force --help --preset --seed" ;;
         "pipeline") opts="--address --dry-run --from --help --iterations --quiet --resume --resume-with-changes --run-dir --set --until --workers --workers-backend" ;;
         "plot") opts="--help --out" ;;
         "replay") opts="--check --help --out --reward --set --trust-run-code" ;;

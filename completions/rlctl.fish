@@ -23,6 +23,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from show' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from show' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from show' -l set
 complete -c rlctl -n '__fish_seen_subcommand_from model' -a 'init' -d 'Write a random Qwen2-style model + byte-level BPE tokenizer, fully offline.'
+complete -c rlctl -n '__fish_seen_subcommand_from init' -l force
 complete -c rlctl -n '__fish_seen_subcommand_from init' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from init' -l preset -xa 'tiny small medium'
 complete -c rlctl -n '__fish_seen_subcommand_from init' -l seed

@@ -20,7 +20,7 @@ _rlctl() {
   case $cmd in
     advantage) _arguments '*:file:_files' '--config' '--estimator:estimator:(gae grpo reinforce_pp reinforce_pp_baseline rloo)' '--force' '--format:format:(arrow parquet)' '--gamma' '--help' '--json' '--kl-coef' '--kl-controller:kl-controller:(fixed adaptive)' '--kl-estimator:kl-estimator:(abs abs+ k1 k1+ k2 k2+ k3 k3+ kl kl+ low_var_kl low_var_kl+ mse mse+)' '--kl-state' '--lam' '--no-norm-by-std' '--norm-by-std' '--out' '--rows-per-part' '--scores' '--set' ;;
     config-show) _arguments '*:file:_files' '--help' '--json' '--set' ;;
-    model-init) _arguments '*:file:_files' '--help' '--preset:preset:(tiny small medium)' '--seed' ;;
+    model-init) _arguments '*:file:_files' '--force' '--help' '--preset:preset:(tiny small medium)' '--seed' ;;
     pipeline) _arguments '*:file:_files' '--address' '--dry-run' '--from:from:(rollout score advantage update)' '--help' '--iterations' '--quiet' '--resume' '--resume-with-changes' '--run-dir' '--set' '--until:until:(rollout score advantage update)' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
     plot) _arguments '*:file:_files' '--help' '--out' ;;
     replay) _arguments '*:file:_files' '--check' '--help' '--out' '--reward' '--set' '--trust-run-code' ;;

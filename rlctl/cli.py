@@ -392,13 +392,14 @@ def model_init(
     directory: Annotated[Path, typer.Argument(help="Folder to write the model into.")],
     preset: Annotated[str, typer.Option("--preset", help="tiny (≈0.85M params), small (≈25M) or medium (≈494M, Qwen2.5-0.5B's shape).", metavar=_choices(choices.PRESETS))] = "tiny",
     seed: Annotated[int, typer.Option("--seed", help="Seed for weights and tokenizer text.")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="Replace the model a folder holds already (never a folder of other files).")] = False,
 ) -> None:
     """Write a random Qwen2-style model + byte-level BPE tokenizer, fully offline."""
     from rlctl.backends.hf import quiet_transformers
     from rlctl.modelinit import init_model
 
     quiet_transformers()
-    path = init_model(directory, preset=preset, seed=seed)
+    path = init_model(directory, preset=preset, seed=seed, replace=force)
     typer.echo(str(path))
 
 

@@ -143,8 +143,10 @@ def preset_fields(preset: str) -> dict:
     }
 
 
-def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
-    """Write a random model + tokenizer folder to `out_dir`; same seed → same files."""
+def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, *, replace: bool = False) -> Path:
+    """Write a random model + tokenizer folder to `out_dir`; same seed → same files. A folder
+    that holds a model already (perhaps a trained one) is replaced only when `replace` says so;
+    any other non-empty folder never."""
     import torch
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
@@ -155,8 +157,11 @@ def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path
         raise InputError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
     p = PRESETS[preset]
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not (out / "config.json").exists():
-        raise InputError(f"{out}: exists and is not empty (and not a model folder); choose another DIR")
+    if out.exists() and any(out.iterdir()):
+        if not (out / "config.json").exists():
+            raise InputError(f"{out}: exists and is not empty (and not a model folder); choose another DIR")
+        if not replace:
+            raise InputError(f"{out}: holds a model already; choose another DIR, or --force to replace it with a random one")
     tokenizer = train_tokenizer(p.vocab_size, seed)
     config = model_config(p, tokenizer)
     with torch.random.fork_rng():

@@ -71,3 +71,18 @@ def test_model_init_command(cli, tmp_path):
     assert result.exit_code == 0, result.stderr
     assert (tmp_path / "m" / "model.safetensors").exists()
     assert cli("model", "init", tmp_path / "x", "--preset", "huge").exit_code == 2
+
+
+def test_model_init_never_overwrites_a_model_unless_forced(cli, tmp_path):
+    folder = tmp_path / "m"
+    init_model(folder, "tiny", seed=1)
+    before = digest(folder)
+    again = cli("model", "init", folder, "--preset", "tiny", "--seed", "2")
+    assert again.exit_code == 2 and "holds a model already" in again.stderr
+    assert digest(folder) == before
+    assert cli("model", "init", folder, "--preset", "tiny", "--seed", "2", "--force").exit_code == 0
+    assert digest(folder)["model.safetensors"] != before["model.safetensors"]
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("mine")
+    refused = cli("model", "init", tmp_path / "notes", "--force")
+    assert refused.exit_code == 2 and "not a model folder" in refused.stderr and not (tmp_path / "notes" / "config.json").exists()
