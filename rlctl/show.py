@@ -228,7 +228,7 @@ def _shard_title(uri: str, table: pa.Table, manifest: Manifest | None) -> str:
 
 
 def _shard_table(title: str, head: pa.Table, width: int) -> Table:
-    out = Table(title=title, title_justify="left")
+    out = Table(title=title, title_justify="left", min_width=len(title))  # the title on one line (rich caps it at the terminal)
     for name in head.column_names:
         out.add_column(name, no_wrap=True, overflow="ellipsis", max_width=width)
     for row in head.to_pylist():
@@ -240,7 +240,7 @@ def _shard_records(title: str, head: pa.Table, width: int) -> Group:
     """One two-column block per row: the column's name, then its value on one line."""
     blocks = []
     for index, row in enumerate(head.to_pylist()):
-        block = Table(title=title if index == 0 else None, title_justify="left", show_header=False)
+        block = Table(title=title if index == 0 else None, title_justify="left", show_header=False, min_width=len(title))
         block.add_column("column", style="bold")
         block.add_column(f"row {index}", no_wrap=True, overflow="ellipsis", max_width=width)
         block.add_row("row", str(index), end_section=True)
