@@ -18,10 +18,6 @@ PANELS = (("reward_mean", "reward (mean)"), ("kl", "KL to reference"), ("entropy
 COMPARE_NAME = "compare.png"
 
 
-def plot_run(run_dir: str, out: str | None = None) -> str:
-    return plot_runs([run_dir], out)
-
-
 def plot_runs(run_dirs: list[str], out: str | None = None) -> str:
     """Write the panels of `run_dirs` to `out` (default: RUN/metrics.png for one run, the runs'
     common folder's compare.png for several) and return its path."""
@@ -47,10 +43,12 @@ def metrics_figure(runs: dict[str, list[dict]], title: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = [palette[i % len(palette)] for i in range(len(runs))]  # a run keeps its colour on panels where another recorded nothing
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.2), constrained_layout=True)
     for ax, (key, title) in zip(axes, PANELS):
         drawn = False
-        for color, (label, rows) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"] * len(runs), runs.items()):
+        for color, (label, rows) in zip(colors, runs.items()):
             drawn |= _draw(ax, rows, key, label, color)
         if not drawn:
             ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes, color="gray")

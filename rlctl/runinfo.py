@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rlctl.choices import PIPELINE_STAGES
 from rlctl.errors import InputError
 from rlctl.manifest import MANIFEST_NAME, Manifest
+from rlctl.shards import PART_SUFFIX
 
 SUMMARY_COLUMNS = ("iteration", "reward_mean", "kl", "entropy", "response_length", "pg_clipfrac", "grad_norm", "val/score", "seconds/total")
 
@@ -40,7 +42,7 @@ def iteration_folders(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-STAGE_ORDER = ("prompts", "rollout", "score", "advantage", "update", "val")
+STAGE_ORDER = ("prompts", *PIPELINE_STAGES, "val")  # an iteration folder's outputs, in the loop's order
 
 
 def is_iteration_folder(path: Path) -> bool:
@@ -53,12 +55,14 @@ def iteration_summary(folder: str | Path) -> dict[str, Any]:
     order, and the iteration's row of RUN/metrics.jsonl where the run has one."""
     path = Path(folder)
     number = iteration_number(path)
+    folders = [p for p in path.iterdir() if p.is_dir()]
+    committed = [p for p in folders if (p / MANIFEST_NAME).is_file()]
+    uncommitted = sorted(p.name for p in folders if p not in committed)
     stages = []
-    names = sorted((p.name for p in path.iterdir() if (p / MANIFEST_NAME).is_file()), key=lambda n: (STAGE_ORDER.index(n) if n in STAGE_ORDER else len(STAGE_ORDER), n))
-    for name in names:
-        manifest = Manifest.from_json((path / name / MANIFEST_NAME).read_text())
-        stages.append({"folder": name, "stage": manifest.stage, "rows": manifest.rows if _holds_rows(manifest) else None, "seconds": manifest.timings.get("seconds"), "metrics": manifest.metrics})
-    uncommitted = sorted(p.name for p in path.iterdir() if p.is_dir() and not (p / MANIFEST_NAME).is_file())
+    for stage_dir in sorted(committed, key=lambda p: (STAGE_ORDER.index(p.name) if p.name in STAGE_ORDER else len(STAGE_ORDER), p.name)):
+        manifest = Manifest.from_json((stage_dir / MANIFEST_NAME).read_text())
+        rows = manifest.rows if _holds_rows(manifest) else None
+        stages.append({"folder": stage_dir.name, "stage": manifest.stage, "rows": rows, "seconds": manifest.timings.get("seconds"), "metrics": manifest.metrics})
     run_metrics = path.parent / "metrics.jsonl"
     rows = read_metrics(path.parent) if run_metrics.exists() else []
     metrics = next((r for r in rows if r.get("iteration") == number), None)
@@ -69,4 +73,4 @@ def _holds_rows(manifest: Manifest) -> bool:
     """A shard output (rows), not a checkpoint or weights folder (files without rows)."""
     if not manifest.files:  # an empty shard output still has its schema
         return manifest.schema is not None
-    return any(f.path.endswith((".arrow", ".parquet")) for f in manifest.files)
+    return any(f.path.endswith(tuple(PART_SUFFIX.values())) for f in manifest.files)

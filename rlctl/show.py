@@ -24,7 +24,6 @@ from rlctl.manifest import MANIFEST_NAME, Manifest
 from rlctl.shards import STDIO, filesystem, local_path, read
 
 TOKEN_ID_COLUMNS = ("prompt_ids", "response_ids")
-LAYOUTS = SHOW_LAYOUTS
 TABLE_CELL_WIDTH = 40  # a table's cells at most, unless --width says otherwise
 READABLE_CELL_WIDTH = 24  # auto: narrower table cells than this, and the rows become records
 
@@ -39,8 +38,8 @@ def show(
     layout: str = "auto",
     sort: str | None = None,
 ) -> None:
-    if layout not in LAYOUTS:
-        raise InputError(f"unknown layout {layout!r}; use {', '.join(LAYOUTS)}")
+    if layout not in SHOW_LAYOUTS:
+        raise InputError(f"unknown layout {layout!r}; use {', '.join(SHOW_LAYOUTS)}")
     console = Console(soft_wrap=False)
     kind = classify(uri)
     if kind == "run":
