@@ -29,6 +29,7 @@ from rlctl.choices import (
     POLICY_LOSSES,
     RESHARD_DTYPES,
     ROLLOUT_BACKENDS,
+    RUN_CHECKS,
     TRUNCATE,
     WORKER_BACKENDS,
 )
@@ -279,11 +280,15 @@ class PipelineConfig:
     wandb_mode: str = "online"  # online | offline (offline: RUN/wandb, no network; `wandb sync` it later)
     mlflow_uri: str = ""  # tracking URI of the mlflow logger; "" = the file store RUN/mlruns
     mlflow_experiment: str = "rlctl"  # the MLflow experiment of the mlflow logger
+    ignore_checks: tuple[str, ...] = ()  # findings `rlctl show RUN` and the pipeline's end leave out: truncated | equal_rewards | engine_mismatch | skipped_steps
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.loggers if name not in LOGGER_NAMES]
         if unknown:
             raise ConfigError(f"pipeline.loggers: unknown logger {unknown[0]!r}; available: {', '.join(LOGGER_NAMES)}")
+        unknown = [name for name in self.ignore_checks if name not in RUN_CHECKS]
+        if unknown:
+            raise ConfigError(f"pipeline.ignore_checks: unknown check {unknown[0]!r}; the checks: {', '.join(RUN_CHECKS)}")
         check_ranges(self, "pipeline", {"wandb_mode": one_of("online", "offline"), "max_sampling_rounds": at_least(1), "rollout_is_threshold": above(1.0), "iterations": at_least(1), "save_every": at_least(0), "keep_checkpoints": at_least(0), "keep_shards": at_least(0), "val_every": at_least(0)})
 
 

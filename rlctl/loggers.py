@@ -10,6 +10,10 @@ or the plain `iter N/total ...` lines. `tensorboard` writes event files to RUN/t
 RUN/wandb without a network); `mlflow` logs to `pipeline.mlflow_uri` (default: the file store
 RUN/mlruns). Each logs the numeric values of a row at step = iteration, and the resolved config
 once. A logger whose package is missing is exit 2 naming the extra to install.
+
+MLflow's file store keeps a metric in a file named by its key, so `val/score` (a file) and
+`val/score/odd` (a file in a folder of the same name) cannot both be there: in a file store the
+keys read `.` for `/` (`val.score`, `val.score.odd`); a tracking server or database keeps them.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
 from rlctl.algos.registry import Registry
 from rlctl.errors import ConfigError
@@ -122,6 +127,12 @@ class WandbLogger:
         self.run.finish()
 
 
+def mlflow_file_store_key(name: str) -> str:
+    """A metric's key in MLflow's file store, where a key is a path: no key is both a file and
+    the folder of another (`response_length` and `response_length/max`)."""
+    return name.replace("/", ".")
+
+
 @LOGGERS.register("mlflow")
 class MlflowLogger:
     def __init__(self, *, run_dir: Path, config: dict[str, Any], settings: Any) -> None:
@@ -131,6 +142,7 @@ class MlflowLogger:
         if not uri:  # the local default; MLflow 3 keeps its file store only behind this switch
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             uri = (run_dir / "mlruns").resolve().as_uri()
+        self.key = mlflow_file_store_key if urlparse(uri).scheme in ("", "file") else str
         self.client = mlflow.MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(settings.mlflow_experiment)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(settings.mlflow_experiment)
@@ -147,7 +159,7 @@ class MlflowLogger:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, step) for key, value in metrics.items()])
+        self.client.log_batch(self.run_id, metrics=[Metric(self.key(key), value, now, step) for key, value in metrics.items()])
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

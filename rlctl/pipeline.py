@@ -45,7 +45,9 @@ from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest, strict_json_value
 from rlctl.modelinit import preset_fields
 from rlctl.passes import ModelShape, as_recorded, decided_micro_batch_tokens, ranks_at_once
 from rlctl.rewards import RewardSet, load_rewards
+from rlctl.run_checks import run_findings
 from rlctl.runinfo import iteration_folders
+from rlctl.sample_stats import reward_stats, rollout_stats
 from rlctl.shards import Shards, commit_empty, filesystem, is_committed, read, read_manifest, write
 from rlctl.stages.rollout import stage_config as rollout_stage_config
 from rlctl.threads import ThreadGovernor
@@ -357,14 +359,14 @@ class Pipeline:
         rollout_cfg = replace(cfg.rollout, seed=cfg.rollout.seed + i + ROUND_SEED_STRIDE * (r - 1))
         rollout = stage(
             "rollout" + suffix, rollout_stage_config(rollout_cfg, cfg.data, cfg.vllm), [prompts.ref(), model_inputs[0]],
-            lambda: (self._rollout(prompts.table, rollout_cfg), {}, {}), "rollouts",
+            lambda: _with_stats(self._rollout(prompts.table, rollout_cfg), rollout_stats), "rollouts",
             write_parts=self._rollout_parts(prompts.table, rollout_cfg), kind="rollout",
         )
         if rollout is None:
             return prompts, None, None
         score = stage(
             "score" + suffix, {"score": to_dict(cfg.score), "reward": self.reward.spec, "old_logprobs": old_logprobs_source(cfg)}, [rollout.ref(), *model_inputs],
-            lambda: (self._score(rollout.table), {}, {}), "scores",
+            lambda: _with_stats(self._score(rollout.table), reward_stats), "scores",
             write_parts=self._score_parts(rollout.table), kind="score",
         )
         return prompts, rollout, score
@@ -593,13 +595,15 @@ class Pipeline:
             "ppo_kl": train.get("ppo_kl"),
             "grad_norm": train.get("grad_norm"),
             "lr": train.get("lr"),
-            "response_length": float(lengths.mean()),
+            **rollout_stats(rollouts),
+            **reward_stats(scores),
             "logprob_mismatch": _logprob_mismatch(scores) if "old_logprobs" in scores.column_names else train.get("logprob_mismatch"),  # "update": measured in the update
             **rollout_correction(scores, self.cfg.pipeline.rollout_is_threshold),
             "rollout_tokens_per_s": float(lengths.sum() / timings["rollout"]) if timings.get("rollout") else None,
             "train_tokens_per_s": train.get("tokens_per_s"),
             "prompt_sharing": train.get("prompt_sharing"),
             "zero_advantage_skipped": train.get("zero_advantage_skipped"),  # share of the rows the update left out (rlctl.trainer.rows_with_gradient)
+            **{k: train[k] for k in ("skipped_steps", "vf_skipped_steps") if k in train},  # optimizer steps left out for a non-finite gradient
             "torch_threads": train.get("torch_threads"),
             "seconds/io": io["seconds"],
             **reward_component_means(scores),
@@ -729,7 +733,7 @@ def describe_workers(cfg: Config) -> str:
 NOT_TRAINING = {
     "pipeline": {
         "iterations", "run_dir", "save_every", "keep_checkpoints", "keep_shards", "val_every", "rollout_is_threshold",
-        "loggers", "wandb_project", "wandb_mode", "mlflow_uri", "mlflow_experiment",
+        "loggers", "wandb_project", "wandb_mode", "mlflow_uri", "mlflow_experiment", "ignore_checks",
     },
     "model": {"device", "init_preset", "init_seed"}, "data": {"val_prompts"}, "workers": None, "vllm": None,
     # the rollout's own log-probs or a recompute: the same numbers to ~3e-7 where auto picks the former; how passes are cut
@@ -839,6 +843,11 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _with_stats(table: pa.Table, stats) -> tuple[pa.Table, dict, dict]:
+    """A stage's (table, state, metrics) where its metrics are `stats(table)`."""
+    return table, {}, stats(table)
+
+
 def reward_component_means(scores: pa.Table) -> dict[str, float]:
     """`reward_mean/NAME` for every numeric `reward/NAME` column (components, reported values),
     over the rows that have one."""
@@ -903,4 +912,6 @@ def run_pipeline_command(
         if pipeline.iteration >= total:
             view.message(f"{pipeline.run_dir}: all {total} iterations are done")
         pipeline.run(total)
+    for finding in run_findings(pipeline.history, pipeline.cfg):  # what the metrics suggest changing
+        notice(f"rlctl: {finding.message}")
     print(pipeline.run_dir)

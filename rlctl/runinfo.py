@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from rlctl.choices import PIPELINE_STAGES
 from rlctl.errors import InputError
 from rlctl.manifest import MANIFEST_NAME, Manifest
+from rlctl.run_checks import resolved_config, run_findings
 from rlctl.shards import PART_SUFFIX
 
-SUMMARY_COLUMNS = ("iteration", "reward_mean", "kl", "entropy", "response_length", "pg_clipfrac", "grad_norm", "val/score", "seconds/total")
+SUMMARY_COLUMNS = (
+    "iteration", "reward_mean", "kl", "entropy", "response_length", "response_length/clip_ratio", "pg_clipfrac", "grad_norm", "val/score", "seconds/total",
+)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -25,7 +29,8 @@ def run_summary(run_dir: str | Path) -> dict[str, Any]:
     rows = read_metrics(run_dir)
     columns = [c for c in SUMMARY_COLUMNS if any(c in r for r in rows)]
     checkpoints = [p.name for p in iteration_folders(Path(run_dir) / "checkpoints")]
-    return {"run_dir": str(run_dir), "iterations_done": len(rows), "columns": columns, "rows": rows, "checkpoints": checkpoints}
+    checks = [asdict(f) for f in run_findings(rows, resolved_config(run_dir))]
+    return {"run_dir": str(run_dir), "iterations_done": len(rows), "columns": columns, "rows": rows, "checkpoints": checkpoints, "checks": checks}
 
 
 def iteration_number(folder: Path) -> int | None:

@@ -17,6 +17,7 @@ from typing import Any
 import pyarrow as pa
 from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 from rlctl.choices import SHOW_LAYOUTS
 from rlctl.errors import InputError
@@ -46,7 +47,7 @@ def show(
         from rlctl.runinfo import run_summary
 
         summary = run_summary(uri)
-        _emit(console, summary, as_json, lambda: _run_table(summary))
+        _emit(console, summary, as_json, lambda: _run_view(summary))
     elif kind == "iteration":
         from rlctl.runinfo import iteration_summary
 
@@ -267,8 +268,8 @@ def _round(value: Any) -> Any:
 
 
 ITERATION_METRICS = {  # a stage's metrics worth a glance (all of them: --json)
-    "rollout": ("response_length", "rollout_tokens_per_s"),
-    "score": ("reward_mean",),
+    "rollout": ("response_length", "response_length/clip_ratio", "rollout_tokens_per_s"),
+    "score": ("reward_min", "reward_max", "groups/equal_rewards"),
     "advantage": ("reward_mean", "reward_std", "kl", "advantage_mean"),
     "update": ("pg_loss", "pg_clipfrac", "entropy", "kl_divergence", "grad_norm", "vf_loss"),
     "validate": ("score",),
@@ -292,10 +293,17 @@ def _iteration_view(summary: dict[str, Any]) -> Group:
     return Group(*parts)
 
 
+def _run_view(summary: dict[str, Any]) -> Group:
+    """The run's metrics table, then what its metrics suggest changing (rlctl.run_checks)."""
+    parts: list[Any] = [_run_table(summary)]
+    parts.extend(Text(f"! {check['message']}", style="yellow") for check in summary["checks"])
+    return Group(*parts)
+
+
 def _run_table(summary: dict[str, Any]) -> Table:
     out = Table(title=f"run {summary['run_dir']}: {summary['iterations_done']} iterations", title_justify="left")
     columns = summary["columns"]
-    labels = {"iteration": "iter", "reward_mean": "reward", "response_length": "len", "pg_clipfrac": "clip", "grad_norm": "grad", "val/score": "val", "seconds/total": "s"}
+    labels = {"iteration": "iter", "reward_mean": "reward", "response_length": "len", "response_length/clip_ratio": "cut", "pg_clipfrac": "clip", "grad_norm": "grad", "val/score": "val", "seconds/total": "s"}
     for name in columns:
         out.add_column(labels.get(name, name), justify="right")
     for row in summary["rows"]:

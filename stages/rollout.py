@@ -21,6 +21,7 @@ from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
 from rlctl.manifest import Manifest
 from rlctl.progress import progress_bar
+from rlctl.sample_stats import rollout_stats
 from rlctl.shards import OutputSpec, read, write
 from rlctl.tensors import list_column, set_columns
 
@@ -59,6 +60,7 @@ def run(
         finally:
             if hasattr(generator, "close"):
                 generator.close()
+    manifest.metrics = rollout_stats(table)
     return write(table, out.uri, manifest, schema="rollouts", format=out.format, rows_per_part=out.rows_per_part)
 
 

@@ -15,6 +15,7 @@ from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
 from rlctl.manifest import Manifest
 from rlctl.rewards import RewardSamples, RewardScores, RewardSet, load_rewards, overlong_penalty
+from rlctl.sample_stats import reward_stats
 from rlctl.schemas import spec
 from rlctl.shards import OutputSpec, read, write
 from rlctl.stages.rollout import sampling_of
@@ -57,6 +58,7 @@ def run(
             if out.uri != "-":
                 return score_parts_on_workers(group, source.table, reward, models, cfg, out, manifest)
             table = score_table(source.table, reward, models, cfg)
+        manifest.metrics = reward_stats(table)
         return write(table, out.uri, manifest, schema="scores", format=out.format, rows_per_part=out.rows_per_part)
     models = ScoringModels(
         ref=HFPolicy.load(ref, device) if ref else None,
@@ -64,6 +66,7 @@ def run(
         critic=ValueModel.load(critic, resolve_device(device)) if critic else None,
     )
     table = score_table(source.table, reward, models, cfg)
+    manifest.metrics = reward_stats(table)
     return write(table, out.uri, manifest, schema="scores", format=out.format, rows_per_part=out.rows_per_part)
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from rlctl.config import load_config
 from rlctl.errors import ConfigError
-from rlctl.loggers import check_loggers, numeric
+from rlctl.loggers import check_loggers, mlflow_file_store_key, numeric
 from rlctl.pipeline import Pipeline
 from tests.e2e.test_pipeline import PROMPTS
 
@@ -64,6 +64,9 @@ def test_mlflow_has_one_run_with_every_iteration(logged, monkeypatch):
     assert [step for step, _ in logged_points] == [r["iteration"] for r in rows]
     assert [value for _, value in logged_points] == pytest.approx([r["reward_mean"] for r in rows])
     assert tracked.data.params["update.lr"] == "1e-06"
+    for key, value in numeric(rows[-1]).items():  # a metric and its group (response_length, response_length/max) both kept
+        assert tracked.data.metrics[mlflow_file_store_key(key)] == pytest.approx(value, rel=1e-6), key
+    assert {"response_length", "response_length.max", "seconds.total"} <= set(tracked.data.metrics)
 
 
 def test_wandb_offline_writes_one_run_folder(logged):

@@ -69,7 +69,8 @@ def metrics_without_timings(run_dir: Path) -> list[dict]:
 def reference_run(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("reference")
     config = write_config(tmp, tiny_model)
-    rlctl("pipeline", config, "--run-dir", tmp / "run", "--quiet")
+    result = rlctl("pipeline", config, "--run-dir", tmp / "run", "--quiet")
+    (tmp / "stderr.txt").write_text(result.stderr)
     return config, tmp / "run"
 
 
@@ -248,6 +249,30 @@ def test_run_folder_layout_show_and_plot(cli, reference_run, tmp_path):
     assert json.loads(summary.stdout)["iterations_done"] == 4
     plot = cli("plot", run, "--out", tmp_path / "m.png")
     assert plot.exit_code == 0 and (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_each_iteration_records_what_its_samples_look_like_and_the_run_says_what_to_change(reference_run):
+    _, run = reference_run
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        folder = run / f"iter-{row['iteration']:04d}"
+        rollouts = shards.read(str(folder / "rollout"), "rollouts").table
+        cut = np.mean([reason == "length" for reason in rollouts.column("finish_reason").to_pylist()])
+        assert row["response_length/clip_ratio"] == pytest.approx(cut)
+        assert row["response_length/max"] == max(len(r) for r in rollouts.column("response_ids").to_pylist()) <= 6
+        assert row["prompt_length/max"] == max(len(p) for p in rollouts.column("prompt_ids").to_pylist())
+        rewards = shards.read(str(folder / "score"), "scores").table.column("reward").to_pylist()
+        assert (row["reward_min"], row["reward_max"]) == (pytest.approx(min(rewards)), pytest.approx(max(rewards)))
+        pairs = [rewards[i : i + 2] for i in range(0, len(rewards), 2)]  # n = 2, rows in prompt order
+        assert row["groups/equal_rewards"] == pytest.approx(np.mean([a == b for a, b in pairs]))
+        for stage in ("rollout", "score"):  # the stages' own manifests carry the same figures
+            recorded = shards.read_manifest(str(folder / stage))[0].metrics
+            assert recorded and all(row[k] == pytest.approx(v) for k, v in recorded.items())
+    said = (run.parent / "stderr.txt").read_text()
+    if rows[-1]["response_length/clip_ratio"] >= 0.2:  # a random tiny model seldom stops by itself
+        assert f"rlctl: iteration {rows[-1]['iteration']}: " in said and "raise rollout.max_new_tokens" in said
+    else:
+        assert "max_new_tokens" not in said
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(cli, tmp_path, tiny_model):

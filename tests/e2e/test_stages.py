@@ -52,6 +52,18 @@ def test_rollout_rows_follow_the_contract(scored):
     assert all(len(r) <= 8 for r in table.column("response_ids").to_pylist())
 
 
+def test_rollout_and_score_manifests_describe_their_samples(tmp_path, scored):
+    rollouts = shards.read(str(tmp_path / "r"), "rollouts").table
+    lengths = [len(r) for r in rollouts.column("response_ids").to_pylist()]
+    metrics = shards.read_manifest(str(tmp_path / "r"))[0].metrics
+    assert metrics["response_length"] == pytest.approx(np.mean(lengths)) and metrics["response_length/max"] == max(lengths)
+    assert metrics["response_length/clip_ratio"] == pytest.approx(np.mean([r == "length" for r in rollouts.column("finish_reason").to_pylist()]))
+    rewards = shards.read(str(scored), "scores").table.column("reward").to_pylist()
+    metrics = shards.read_manifest(str(scored))[0].metrics
+    assert metrics["reward_max"] == pytest.approx(max(rewards)) and metrics["reward_min"] == pytest.approx(min(rewards))
+    assert 0.0 <= metrics["groups/equal_rewards"] <= 1.0
+
+
 def test_rollout_logprobs_agree_with_scores_old_logprobs(scored):
     table = shards.read(str(scored), "scores").table
     for rollout_lp, old_lp in zip(table.column("rollout_logprobs").to_pylist(), table.column("old_logprobs").to_pylist()):

@@ -119,3 +119,23 @@ def test_an_iteration_folder_shows_its_stages_in_the_loops_order_and_the_runs_me
     assert out.startswith(f"iteration 3: {iteration}")
     assert "reward_mean 0.5  kl 0.01" in out and "not committed" in out
     assert out.index("│ prompts") < out.index("│ rollout") < out.index("│ advantage") < out.index("│ update")
+
+
+def test_a_run_shows_its_metrics_then_what_they_suggest_changing(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"iteration": i, "reward_mean": 0.1 * i, "response_length": 24.0, "response_length/max": 24.0, "response_length/clip_ratio": 0.75} for i in (1, 2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "config.resolved.toml").write_text("[score]\noverlong_buffer = 8\n")
+
+    show(str(run), as_json=True)
+    summary = json.loads(capsys.readouterr().out)
+    assert [c["check"] for c in summary["checks"]] == ["truncated"] and summary["checks"][0]["iterations"] == [2]
+    assert "overlong_buffer" not in summary["checks"][0]["message"]  # the run's config already has one
+
+    out = shown(capsys, monkeypatch, 200, str(run))
+    header = next(line for line in out.splitlines() if "iter" in line and "reward" in line)
+    assert [c.strip() for c in header.strip("┃ ").split("┃")] == ["iter", "reward", "len", "cut"]  # the columns the run has
+    words = " ".join(out.split())  # the finding wraps at the terminal's width
+    assert words.endswith("! iteration 2: 75% of the responses ended at the length limit (24 tokens), not at a stop token, so a reward "
+                          "that wants a finished answer judged cut-off text: raise rollout.max_new_tokens if the answers need more room")

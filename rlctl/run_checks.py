@@ -1,0 +1,104 @@
+"""Signs in a run's metrics that its training is not doing what the practitioner thinks, each
+with what to change: responses cut at the length limit, prompt groups that carry no signal,
+an engine that samples from other probabilities than the trainer computes, optimizer steps
+skipped for a non-finite gradient. `rlctl show RUN` lists them, and a pipeline prints them
+when it stops; `pipeline.ignore_checks` leaves out those a run expects (a reward that wants
+long responses is not hurt by the length limit). Each rule reads only metrics.jsonl rows (and the run's resolved config where
+there is one), so it judges a finished run and a running one alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlctl.config import Config, load_config
+from rlctl.errors import RlctlError
+
+TRUNCATED_SHARE = 0.2  # of the last iteration's responses cut at max_new_tokens
+EQUAL_REWARDS_SHARE = 0.9  # of the prompt groups, in each of the last EQUAL_REWARDS_WINDOW iterations
+EQUAL_REWARDS_WINDOW = 3
+MISMATCHED_TOKENS = 0.01  # of the last iteration's tokens beyond pipeline.rollout_is_threshold
+GROUP_RELATIVE = ("grpo", "rloo")  # estimators whose advantage is 0 for a group of equal rewards
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str  # one of choices.RUN_CHECKS; `pipeline.ignore_checks` leaves it out
+    iterations: tuple[int, ...]
+    message: str
+
+
+def run_findings(rows: list[dict[str, Any]], cfg: Config | None = None) -> list[Finding]:
+    """The findings of a run's metrics rows (iterations in order); `cfg` is its resolved config,
+    None where the run folder has none (the advice then names every option)."""
+    rows = [r for r in rows if not r.get("stopped_early")]
+    if not rows:
+        return []
+    found = [truncated(rows[-1], cfg), equal_rewards(rows[-EQUAL_REWARDS_WINDOW:], cfg), engine_mismatch(rows[-1], cfg), skipped_steps(rows)]
+    ignored = cfg.pipeline.ignore_checks if cfg is not None else ()
+    return [f for f in found if f is not None and f.check not in ignored]
+
+
+def truncated(row: dict[str, Any], cfg: Config | None) -> Finding | None:
+    share = row.get("response_length/clip_ratio")
+    if share is None or share < TRUNCATED_SHARE:
+        return None
+    limit = row.get("response_length/max")
+    at = f" ({limit:.0f} tokens)" if limit is not None else ""
+    smoother = "" if cfg is not None and cfg.score.overlong_buffer > 0 else "; score.overlong_buffer (DAPO) penalises length gradually"
+    return Finding("truncated", (row["iteration"],), (
+        f"iteration {row['iteration']}: {share:.0%} of the responses ended at the length limit{at}, not at a stop token, so a reward "
+        f"that wants a finished answer judged cut-off text: raise rollout.max_new_tokens if the answers need more room{smoother}"
+    ))
+
+
+def equal_rewards(rows: list[dict[str, Any]], cfg: Config | None) -> Finding | None:
+    if cfg is not None and (cfg.advantage.estimator not in GROUP_RELATIVE or cfg.pipeline.dynamic_sampling):
+        return None  # a critic's or a batch baseline still gives them an advantage; dynamic sampling drops them
+    shares = [r.get("groups/equal_rewards") for r in rows]
+    if len(rows) < EQUAL_REWARDS_WINDOW or any(s is None or s < EQUAL_REWARDS_SHARE for s in shares):
+        return None
+    first, last = rows[0]["iteration"], rows[-1]["iteration"]
+    estimator = cfg.advantage.estimator.upper() if cfg is not None else "a group-relative estimator (GRPO, RLOO)"
+    return Finding("equal_rewards", tuple(r["iteration"] for r in rows), (
+        f"iterations {first}-{last}: {min(shares):.0%} or more of the prompt groups gave every sample the same reward "
+        f"(mean reward {rows[-1].get('reward_mean', float('nan')):.3g}), and {estimator} gives those groups no advantage: the prompts are "
+        "too easy or too hard for the policy now; other prompts, more samples per prompt (rollout.n), or pipeline.dynamic_sampling = true"
+    ))
+
+
+def engine_mismatch(row: dict[str, Any], cfg: Config | None) -> Finding | None:
+    share = row.get("rollout_is/frac_beyond_threshold")
+    if share is None or share < MISMATCHED_TOKENS or (cfg is not None and cfg.update.rollout_is != "off"):
+        return None
+    threshold = f" {cfg.pipeline.rollout_is_threshold:g}" if cfg is not None else ""
+    return Finding("engine_mismatch", (row["iteration"],), (
+        f"iteration {row['iteration']}: {share:.1%} of the tokens have a trainer/engine probability ratio beyond pipeline.rollout_is_threshold"
+        f"{threshold}: the engine samples from other probabilities than the trainer computes (bf16, vLLM, stale weights); "
+        'update.rollout_is = "token" weights the update for it'
+    ))
+
+
+def skipped_steps(rows: list[dict[str, Any]]) -> Finding | None:
+    hit = [r for r in rows if (r.get("skipped_steps") or 0) + (r.get("vf_skipped_steps") or 0) > 0]
+    if not hit:
+        return None
+    steps = sum(int((r.get("skipped_steps") or 0) + (r.get("vf_skipped_steps") or 0)) for r in hit)
+    shown = ", ".join(str(r["iteration"]) for r in hit[:8]) + (", ..." if len(hit) > 8 else "")
+    return Finding("skipped_steps", tuple(r["iteration"] for r in hit), (
+        f"iteration{'s' if len(hit) > 1 else ''} {shown}: {steps} optimizer step{'s' if steps > 1 else ''} skipped for a non-finite "
+        "gradient (update.allow_skipped_steps): lower update.lr, or look at the rewards' scale"
+    ))
+
+
+def resolved_config(run_dir: str | Path) -> Config | None:
+    """The run's `config.resolved.toml` as a Config; None where it is missing or unreadable
+    (a run folder of another rlctl version): the findings then do without it."""
+    path = Path(run_dir) / "config.resolved.toml"
+    if not path.is_file():
+        return None
+    try:
+        return load_config(path)
+    except RlctlError:
+        return None

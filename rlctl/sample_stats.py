@@ -1,0 +1,58 @@
+"""What a batch of samples looks like beyond its mean reward: how long prompts and responses
+are, how many responses the length limit cut off, and how many prompt groups gave all their
+samples the same reward (group-relative estimators learn nothing from those). Names follow
+verl's (`response_length/clip_ratio`) and TRL's ideas (its `frac_reward_zero_std`) where they
+have one; the pipeline's metrics row and the rollout and score manifests carry them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from rlctl.tensors import list_lengths
+
+EQUAL_REWARD_TOLERANCE = 1e-6  # rewards this close count as equal: the group's std is ~0
+
+
+def rollout_stats(rollouts: pa.Table) -> dict[str, float | None]:
+    """Response and prompt lengths in tokens, and the share of responses that ended at the
+    length limit (`finish_reason == "length"`) rather than at a stop token."""
+    if rollouts.num_rows == 0:
+        return {}
+    responses = list_lengths(rollouts.column("response_ids")).astype(np.float64)
+    prompts = list_lengths(rollouts.column("prompt_ids")).astype(np.float64)
+    cut = np.asarray(rollouts.column("finish_reason").to_pylist(), dtype=object) == "length"
+    return {
+        "response_length": float(responses.mean()),
+        "response_length/max": float(responses.max()),
+        "response_length/min": float(responses.min()),
+        "response_length/clip_ratio": float(cut.mean()),
+        "prompt_length": float(prompts.mean()),
+        "prompt_length/max": float(prompts.max()),
+    }
+
+
+def reward_stats(scores: pa.Table) -> dict[str, float | None]:
+    """The rewards' range, and `groups/equal_rewards`: the share of prompt groups (rows of one
+    `id`, two or more of them) whose samples all got the same reward. None where no group has
+    two samples (rollout.n = 1): there is nothing to compare then."""
+    if scores.num_rows == 0:
+        return {}
+    rewards = np.asarray(scores.column("reward").to_pylist(), dtype=np.float64)
+    return {"reward_max": float(rewards.max()), "reward_min": float(rewards.min()), "groups/equal_rewards": equal_reward_share(scores)}
+
+
+def equal_reward_share(scores: pa.Table) -> float | None:
+    if "id" not in scores.column_names:
+        return None
+    rewards = np.asarray(scores.column("reward").to_pylist(), dtype=np.float64)
+    ids = np.asarray(scores.column("id").to_pylist(), dtype=object).astype(str)
+    _, group, sizes = np.unique(ids, return_inverse=True, return_counts=True)
+    highest, lowest = np.full(len(sizes), -np.inf), np.full(len(sizes), np.inf)
+    np.maximum.at(highest, group, rewards)
+    np.minimum.at(lowest, group, rewards)
+    spread = highest - lowest
+    compared = sizes > 1
+    if not compared.any():
+        return None
+    return float((spread[compared] <= EQUAL_REWARD_TOLERANCE).mean())

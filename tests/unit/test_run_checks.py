@@ -1,0 +1,110 @@
+"""What a run's metrics suggest changing: each rule fires on its sign, says what to change, and
+stays quiet where the run's config already deals with it."""
+
+import pytest
+
+from rlctl.choices import RUN_CHECKS
+from rlctl.config import load_config
+from rlctl.errors import ConfigError
+from rlctl.run_checks import resolved_config, run_findings
+
+
+def rows(count: int, **metrics) -> list[dict]:
+    return [{"iteration": i, "reward_mean": 0.5, **metrics} for i in range(1, count + 1)]
+
+
+def checks(found) -> list[str]:
+    return [f.check for f in found]
+
+
+def test_a_healthy_run_has_no_findings():
+    healthy = rows(5, **{"response_length/clip_ratio": 0.05, "groups/equal_rewards": 0.25, "rollout_is/frac_beyond_threshold": 0.0})
+    assert run_findings(healthy) == []
+    assert run_findings([]) == []
+
+
+def test_responses_cut_at_the_length_limit_say_to_raise_max_new_tokens():
+    found = run_findings(rows(3, **{"response_length/clip_ratio": 0.62, "response_length/max": 24.0}))
+    assert checks(found) == ["truncated"] and found[0].iterations == (3,)
+    assert "iteration 3: 62% of the responses ended at the length limit (24 tokens)" in found[0].message
+    assert "raise rollout.max_new_tokens" in found[0].message and "score.overlong_buffer" in found[0].message
+
+
+def test_only_the_last_iteration_counts_for_truncation():
+    history = rows(3, **{"response_length/clip_ratio": 0.9})
+    history[-1]["response_length/clip_ratio"] = 0.1  # the policy learned to stop
+    assert run_findings(history) == []
+
+
+def test_a_run_with_an_overlong_buffer_is_not_told_to_add_one():
+    cfg = load_config(overrides=["score.overlong_buffer=4"])
+    (found,) = run_findings(rows(1, **{"response_length/clip_ratio": 0.5}), cfg)
+    assert "raise rollout.max_new_tokens" in found.message and "overlong_buffer" not in found.message
+
+
+def test_groups_of_equal_rewards_over_the_last_three_iterations_say_the_prompts_carry_no_signal():
+    history = rows(4, **{"groups/equal_rewards": 0.95})
+    history[-1]["groups/equal_rewards"] = 1.0
+    found = run_findings(history, load_config(overrides=['advantage.estimator="rloo"']))
+    assert checks(found) == ["equal_rewards"] and found[0].iterations == (2, 3, 4)
+    assert "iterations 2-4: 95% or more of the prompt groups gave every sample the same reward" in found[0].message
+    assert "RLOO gives those groups no advantage" in found[0].message and "pipeline.dynamic_sampling" in found[0].message
+
+
+def test_equal_rewards_need_three_iterations_in_a_row():
+    history = rows(3, **{"groups/equal_rewards": 1.0})
+    history[1]["groups/equal_rewards"] = 0.5
+    assert run_findings(history) == []
+    assert run_findings(rows(2, **{"groups/equal_rewards": 1.0})) == []
+    assert run_findings(rows(3, **{"groups/equal_rewards": None})) == []  # rollout.n = 1
+
+
+def test_equal_rewards_are_no_finding_where_an_advantage_does_not_compare_within_the_group():
+    equal = rows(3, **{"groups/equal_rewards": 1.0})
+    assert checks(run_findings(equal)) == ["equal_rewards"]  # no config: the rule assumes a group-relative estimator
+    assert run_findings(equal, load_config(overrides=['advantage.estimator="gae"'])) == []  # a critic's values
+    assert run_findings(equal, load_config(overrides=["pipeline.dynamic_sampling=true"])) == []  # those groups are dropped
+
+
+def test_tokens_the_engine_and_trainer_disagree_on_point_to_rollout_is():
+    mismatched = rows(2, **{"rollout_is/frac_beyond_threshold": 0.03})
+    (found,) = run_findings(mismatched, load_config(overrides=["pipeline.rollout_is_threshold=1.5"]))
+    assert found.check == "engine_mismatch"
+    assert "iteration 2: 3.0% of the tokens have a trainer/engine probability ratio beyond pipeline.rollout_is_threshold 1.5" in found.message
+    assert 'update.rollout_is = "token"' in found.message
+    assert run_findings(mismatched, load_config(overrides=['update.rollout_is="token"'])) == []  # already corrected
+
+
+def test_skipped_optimizer_steps_are_counted_over_the_whole_run():
+    history = rows(5)
+    history[1]["skipped_steps"] = 2
+    history[3]["vf_skipped_steps"] = 1
+    (found,) = run_findings(history)
+    assert found.check == "skipped_steps" and found.iterations == (2, 4)
+    assert found.message.startswith("iterations 2, 4: 3 optimizer steps skipped for a non-finite gradient")
+
+
+def test_an_iteration_stopped_by_until_is_not_judged():
+    history = rows(2, **{"response_length/clip_ratio": 0.0})
+    history.append({"iteration": 3, "stopped_early": True})
+    assert run_findings(history) == []
+
+
+def test_a_run_folder_without_a_readable_config_is_judged_without_one(tmp_path):
+    assert resolved_config(tmp_path) is None
+    (tmp_path / "config.resolved.toml").write_text("[nosuchsection]\n")
+    assert resolved_config(tmp_path) is None
+    (tmp_path / "config.resolved.toml").write_text('[advantage]\nestimator = "gae"\n')
+    assert resolved_config(tmp_path).advantage.estimator == "gae"
+
+
+def test_a_run_can_leave_out_the_checks_it_expects_to_fire():
+    cut = rows(1, **{"response_length/clip_ratio": 1.0})
+    assert run_findings(cut, load_config(overrides=['pipeline.ignore_checks=["truncated"]'])) == []
+    with pytest.raises(ConfigError, match="pipeline.ignore_checks: unknown check 'truncation'; the checks: truncated, equal_rewards, engine_mismatch, skipped_steps"):
+        load_config(overrides=['pipeline.ignore_checks=["truncation"]'])
+
+
+def test_every_check_is_named_in_the_choices():
+    every = rows(3, **{"response_length/clip_ratio": 1.0, "groups/equal_rewards": 1.0, "rollout_is/frac_beyond_threshold": 0.5, "skipped_steps": 1})
+    assert tuple(checks(run_findings(every))) == RUN_CHECKS

@@ -1,0 +1,55 @@
+"""What a batch of samples looks like: lengths, the share cut at the length limit, and the
+prompt groups whose samples all got the same reward."""
+
+import pyarrow as pa
+import pytest
+
+from rlctl.sample_stats import equal_reward_share, reward_stats, rollout_stats
+
+TOKENS = pa.list_(pa.int32())
+
+
+def rollouts(prompt_ids, response_ids, finish_reasons) -> pa.Table:
+    return pa.table({
+        "prompt_ids": pa.array(prompt_ids, TOKENS),
+        "response_ids": pa.array(response_ids, TOKENS),
+        "finish_reason": finish_reasons,
+    })
+
+
+def scores(ids, rewards) -> pa.Table:
+    return pa.table({"id": ids, "reward": pa.array(rewards, pa.float32())})
+
+
+def test_rollout_stats_give_the_lengths_and_the_share_cut_at_the_length_limit():
+    table = rollouts([[1, 2, 3], [1, 2, 3], [4]], [[5, 6], [7, 8, 9, 10], []], ["stop", "length", "stop"])
+    assert rollout_stats(table) == {
+        "response_length": 2.0,
+        "response_length/max": 4.0,
+        "response_length/min": 0.0,
+        "response_length/clip_ratio": pytest.approx(1 / 3),
+        "prompt_length": pytest.approx(7 / 3),
+        "prompt_length/max": 3.0,
+    }
+
+
+def test_no_rows_give_no_stats():
+    assert rollout_stats(rollouts([], [], pa.array([], pa.string()))) == {}
+    assert reward_stats(scores(pa.array([], pa.string()), [])) == {}
+
+
+def test_equal_rewards_counts_the_groups_whose_samples_all_scored_alike():
+    table = scores(["a", "a", "b", "b", "c", "c", "d", "d"], [1, 1, 0, 1, 0, 0, -2, -2])
+    assert equal_reward_share(table) == 0.75  # a (all 1), c (all 0), d (all -2, below zero too); b differs
+    assert reward_stats(table) == {"reward_max": 1.0, "reward_min": -2.0, "groups/equal_rewards": 0.75}
+
+
+def test_rewards_a_float32_rounding_apart_count_as_equal():
+    assert equal_reward_share(scores(["a", "a"], [0.3, 0.3 + 1e-8])) == 1.0
+    assert equal_reward_share(scores(["a", "a"], [0.3, 0.31])) == 0.0
+
+
+def test_groups_of_one_sample_are_not_compared():
+    assert equal_reward_share(scores(["a", "b", "c"], [1, 1, 1])) is None  # rollout.n = 1: nothing to compare
+    assert equal_reward_share(scores(["a", "a", "b"], [1, 0, 1])) == 0.0  # b alone is left out
+    assert equal_reward_share(pa.table({"reward": pa.array([1.0, 1.0], pa.float32())})) is None  # no id column
