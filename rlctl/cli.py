@@ -363,9 +363,9 @@ def replay(
 @app.command()
 def show(
     uri: Annotated[str, typer.Argument(help="A shard folder or file, a manifest, a checkpoint, a run folder, one of its iteration folders, or -.")],
-    rows: Annotated[int, typer.Option("--rows", help="Rows to show.", min=0)] = 10,
+    rows: Annotated[Optional[int], typer.Option("--rows", help="Rows to show: a shard's first (10 unless given), a run's last iterations (all unless given).", min=0)] = None,
     width: Annotated[Optional[int], typer.Option("--width", help="Longest cell shown, in characters (default: 40 in a table, the terminal's line in records).", min=4)] = None,
-    columns: Annotated[Optional[str], typer.Option("--columns", help="Comma-separated columns to show.")] = None,
+    columns: Annotated[Optional[str], typer.Option("--columns", help="Comma-separated columns to show: a shard's, or a run's metrics (any in metrics.jsonl).")] = None,
     sort: Annotated[Optional[str], typer.Option("--sort", help="Show a shard's rows ordered by COLUMN, or -COLUMN for descending (a list column by its mean): --sort reward for the worst samples.")] = None,
     layout: Annotated[str, typer.Option("--layout", help="A shard's rows as a table, or as records (a line per column); auto: records where the table's columns would be too narrow to read.", metavar=_choices(choices.SHOW_LAYOUTS))] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,

@@ -379,7 +379,7 @@ def from_dict(raw: dict[str, Any], source: str = "config") -> Config:
     sections = {}
     for name, values in raw.items():
         if name not in SECTIONS:
-            raise ConfigError(f"{source}: unknown section [{name}]{_suggest(name, SECTIONS)}")
+            raise ConfigError(f"{source}: unknown section [{name}]{suggest(name, SECTIONS)}")
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: [{name}] must be a table of keys")
         sections[name] = section_from_dict(name, values, source)
@@ -407,7 +407,7 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         if not sep or not dot:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
         if section not in SECTIONS:
-            raise ConfigError(f"--set {item!r}: unknown section {section!r}{_suggest(section, SECTIONS)}")
+            raise ConfigError(f"--set {item!r}: unknown section {section!r}{suggest(section, SECTIONS)}")
         hints = typing.get_type_hints(SECTIONS[section])
         key, _, inner = key.partition(".")  # update.lora.r: a key of the table update.lora
         if key not in hints or (inner and not dataclasses.is_dataclass(hints[key])):
@@ -416,7 +416,7 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         if inner:
             table = dataclasses.asdict(getattr(getattr(cfg, section), key))
             if inner not in table:
-                raise ConfigError(f"--set {item!r}: unknown key {section}.{key}.{inner}{_suggest(inner, table, prefix=f'{section}.{key}.')}")
+                raise ConfigError(f"--set {item!r}: unknown key {section}.{key}.{inner}{suggest(inner, table, prefix=f'{section}.{key}.')}")
             value = {**table, inner: value}
         value = coerce(value, hints[key], dotted)
         try:
@@ -499,7 +499,7 @@ def _coerce_table(value: Any, cls: type, key: str, *, entry: bool = False) -> An
         raise ConfigError(f"{key}: expected {'tables' if entry else 'a table'} like {{{', '.join(f'{k} = ...' for k in hints)}}}, got {value!r}")
     unknown = [k for k in value if k not in hints]
     if unknown:
-        raise ConfigError(f"{key}: unknown key {unknown[0]!r}{_suggest(unknown[0], hints)}")
+        raise ConfigError(f"{key}: unknown key {unknown[0]!r}{suggest(unknown[0], hints)}")
     missing = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in value]
     if missing:
         raise ConfigError(f"{key}: every entry needs {missing[0]}, got {value!r}")
@@ -560,9 +560,10 @@ def suggest_key(section: str, key: str) -> str:
     near = difflib.get_close_matches(key, list(by_name), n=1, cutoff=0.75)
     if near:
         return f"; did you mean {by_name[near[0]]}?"
-    return _suggest(key, hints, prefix=section + ".")
+    return suggest(key, hints, prefix=section + ".")
 
 
-def _suggest(word: str, options, prefix: str = "") -> str:
+def suggest(word: str, options, prefix: str = "") -> str:
+    """`; did you mean X?` for the closest of `options`, else `; valid: ...` naming them all."""
     close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
     return f"; did you mean {prefix}{close[0]}?" if close else f"; valid: {', '.join(sorted(options))}"

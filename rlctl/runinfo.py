@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.choices import PIPELINE_STAGES
+from rlctl.config import suggest
 from rlctl.errors import InputError
 from rlctl.manifest import MANIFEST_NAME, Manifest
 from rlctl.run_checks import resolved_config, run_findings
@@ -25,12 +26,25 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_summary(run_dir: str | Path) -> dict[str, Any]:
+def run_summary(run_dir: str | Path, *, columns: list[str] | None = None, last: int | None = None) -> dict[str, Any]:
+    """A run's metrics rows with the columns worth a glance (or `columns`, any metrics the rows
+    have, the iteration first), its last `last` iterations only where given, its checkpoints,
+    and what its metrics suggest changing (judged on every row)."""
     rows = read_metrics(run_dir)
-    columns = [c for c in SUMMARY_COLUMNS if any(c in r for r in rows)]
+    if columns:
+        known = sorted({key for row in rows for key in row})
+        missing = [c for c in columns if c not in known]
+        if missing:
+            raise InputError(f"{run_dir}: no metric {missing[0]!r}{suggest(missing[0], known)}")
+        chosen = ["iteration", *(c for c in columns if c != "iteration")]
+    else:
+        chosen = [c for c in SUMMARY_COLUMNS if any(c in r for r in rows)]
+    shown = rows if last is None else rows[max(len(rows) - last, 0):]
+    if columns:
+        shown = [{c: r.get(c) for c in chosen} for r in shown]
     checkpoints = [p.name for p in iteration_folders(Path(run_dir) / "checkpoints")]
     checks = [asdict(f) for f in run_findings(rows, resolved_config(run_dir))]
-    return {"run_dir": str(run_dir), "iterations_done": len(rows), "columns": columns, "rows": rows, "checkpoints": checkpoints, "checks": checks}
+    return {"run_dir": str(run_dir), "iterations_done": len(rows), "columns": chosen, "rows": shown, "checkpoints": checkpoints, "checks": checks}
 
 
 def iteration_number(folder: Path) -> int | None:

@@ -2,6 +2,7 @@
 iterations, as a table on stdout (`--json` for machines).
 
     rlctl show runs/x/iter-0001/rollout --rows 5
+    rlctl show runs/x --columns groups/equal_rewards,response_length/clip_ratio --rows 20
 
 A shard's rows are a table while every column gets a readable width on the terminal, and
 otherwise records — one block per row, a line per column — so that a rollout's prompt and
@@ -26,13 +27,14 @@ from rlctl.shards import STDIO, filesystem, local_path, read
 
 TOKEN_ID_COLUMNS = ("prompt_ids", "response_ids")
 TABLE_CELL_WIDTH = 40  # a table's cells at most, unless --width says otherwise
+SHARD_ROWS = 10  # a shard's rows shown unless --rows says
 READABLE_CELL_WIDTH = 24  # auto: narrower table cells than this, and the rows become records
 
 
 def show(
     uri: str,
     *,
-    rows: int = 10,
+    rows: int | None = None,
     width: int | None = None,
     as_json: bool = False,
     columns: list[str] | None = None,
@@ -46,7 +48,7 @@ def show(
     if kind == "run":
         from rlctl.runinfo import run_summary
 
-        summary = run_summary(uri)
+        summary = run_summary(uri, columns=columns, last=rows)
         _emit(console, summary, as_json, lambda: _run_view(summary))
     elif kind == "iteration":
         from rlctl.runinfo import iteration_summary
@@ -62,6 +64,7 @@ def show(
         _emit(console, data, as_json, lambda: _dict_table(f"manifest {uri}", _manifest_summary(manifest)))
     else:
         shards = read(uri)
+        rows = SHARD_ROWS if rows is None else rows
         head = sorted_rows(shards.table, sort, uri).slice(0, rows) if sort else shards.table.slice(0, rows)
         if columns:
             missing = [c for c in columns if c not in head.column_names]

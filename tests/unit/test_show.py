@@ -139,3 +139,25 @@ def test_a_run_shows_its_metrics_then_what_they_suggest_changing(tmp_path, capsy
     words = " ".join(out.split())  # the finding wraps at the terminal's width
     assert words.endswith("! iteration 2: 75% of the responses ended at the length limit (24 tokens), not at a stop token, so a reward "
                           "that wants a finished answer judged cut-off text: raise rollout.max_new_tokens if the answers need more room")
+
+
+def test_a_run_shows_the_metrics_asked_for_over_its_last_iterations(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"iteration": i, "reward_mean": 0.1 * i, "groups/equal_rewards": 0.25, "seconds/total": 1.0} for i in range(1, 6)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    show(str(run), as_json=True, columns=["groups/equal_rewards"], rows=2)
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["columns"] == ["iteration", "groups/equal_rewards"] and summary["iterations_done"] == 5
+    assert summary["rows"] == [{"iteration": 4, "groups/equal_rewards": 0.25}, {"iteration": 5, "groups/equal_rewards": 0.25}]
+
+    show(str(run), as_json=True)  # no --rows: every iteration
+    assert [r["iteration"] for r in json.loads(capsys.readouterr().out)["rows"]] == [1, 2, 3, 4, 5]
+
+    monkeypatch.setenv("COLUMNS", "100")
+    show(str(run), columns=["groups/equal_rewards"], rows=1)
+    out = capsys.readouterr().out
+    assert "groups/equal_rewards" in out and "│    5 │" in out and "│    4 │" not in out
+    with pytest.raises(InputError, match="no metric 'reward_man'; did you mean reward_mean"):
+        show(str(run), columns=["reward_man"])
