@@ -41,6 +41,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l until -xa 'rollou
 complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l workers
 complete -c rlctl -n '__fish_seen_subcommand_from pipeline' -l workers-backend -xa 'local ray'
 complete -c rlctl -n '__fish_seen_subcommand_from plot' -l help
+complete -c rlctl -n '__fish_seen_subcommand_from plot' -l metrics
 complete -c rlctl -n '__fish_seen_subcommand_from plot' -l out
 complete -c rlctl -n '__fish_seen_subcommand_from replay' -l check
 complete -c rlctl -n '__fish_seen_subcommand_from replay' -l help

@@ -380,11 +380,12 @@ def show(
 def plot(
     run_dirs: Annotated[list[str], typer.Argument(help="Run folders written by rlctl pipeline; several share the panels, a line each.")],
     out: Annotated[Optional[str], typer.Option("--out", help="PNG file to write (default RUN/metrics.png; for several runs, compare.png in their common folder).")] = None,
+    metrics: Annotated[Optional[str], typer.Option("--metrics", help="Comma-separated metrics of metrics.jsonl, a panel each, instead of the usual panels.")] = None,
 ) -> None:
     """Plot reward, KL, entropy, response length and validation score by iteration."""
     from rlctl.plot import plot_runs
 
-    typer.echo(plot_runs(run_dirs, out))
+    typer.echo(plot_runs(run_dirs, out, metrics.split(",") if metrics else None))
 
 
 @model_app.command("init")

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from rlctl.errors import InputError
-from rlctl.plot import metrics_figure, plot_runs, run_labels
+from rlctl.plot import chosen_panels, metrics_figure, plot_runs, run_labels
 
 
 def make_run(folder, rewards, kl=None):
@@ -57,3 +57,15 @@ def test_a_folder_that_is_not_a_run_or_named_twice_is_refused(tmp_path):
     with pytest.raises(InputError, match="named twice"):
         plot_runs([run, str(tmp_path / "grpo") + "/"])
     assert not (tmp_path / "compare.png").exists()
+
+
+def test_metrics_asked_for_replace_the_usual_panels(tmp_path):
+    grpo = make_run(tmp_path / "runs" / "grpo", [0.1, 0.5], kl=0.02)
+    runs = {"grpo": [{"iteration": 1, "groups/equal_rewards": 0.5, "entropy": 2.0}, {"iteration": 2, "groups/equal_rewards": 0.75, "entropy": 1.0}]}
+    fig = metrics_figure(runs, "t", chosen_panels(["groups/equal_rewards", "entropy"], runs))
+    assert [ax.get_title() for ax in fig.axes] == ["groups/equal_rewards", "entropy"]  # a usual panel keeps its title
+    assert list(fig.axes[0].get_lines()[0].get_ydata()) == [0.5, 0.75]
+    assert is_png(plot_runs([grpo], str(tmp_path / "one.png"), metrics=["kl"]))  # one panel
+    with pytest.raises(InputError, match="no run recorded 'reward_man'; did you mean reward_mean"):
+        plot_runs([grpo], str(tmp_path / "bad.png"), metrics=["reward_man"])
+    assert not (tmp_path / "bad.png").exists()
