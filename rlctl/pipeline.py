@@ -167,6 +167,7 @@ class Pipeline:
         self.view = view
         self._workers = None
         self._stepped = False  # --from/--until shape only the first iteration of this run
+        self._findings_said: set[str] = set()
         checkpoint = latest_checkpoint(self.run_dir)
         self.checkpoint = checkpoint
         state = _pipeline_state(checkpoint) if checkpoint else {}
@@ -314,7 +315,16 @@ class Pipeline:
         self._prune(i)
         if self.view:
             self.view.iteration_done(row, total)
+            self._say_new_findings()
         return row
+
+    def _say_new_findings(self) -> None:
+        """What the metrics suggest changing (rlctl.run_checks), each check the first time it
+        fires in this process: once said, `rlctl show RUN` keeps the current state."""
+        for finding in run_findings(self.history, self.cfg):
+            if finding.check not in self._findings_said:
+                self._findings_said.add(finding.check)
+                self.view.message(f"rlctl: {finding.message}")
 
     def _compute_state(self, threads: int | None, *, by_workers: bool) -> dict:
         """What a stage's last bits depend on besides its inputs, for its manifest: torch's
@@ -912,6 +922,4 @@ def run_pipeline_command(
         if pipeline.iteration >= total:
             view.message(f"{pipeline.run_dir}: all {total} iterations are done")
         pipeline.run(total)
-    for finding in run_findings(pipeline.history, pipeline.cfg):  # what the metrics suggest changing
-        notice(f"rlctl: {finding.message}")
     print(pipeline.run_dir)

@@ -1,10 +1,11 @@
 """Signs in a run's metrics that its training is not doing what the practitioner thinks, each
 with what to change: responses cut at the length limit, prompt groups that carry no signal,
 an engine that samples from other probabilities than the trainer computes, optimizer steps
-skipped for a non-finite gradient. `rlctl show RUN` lists them, and a pipeline prints them
-when it stops; `pipeline.ignore_checks` leaves out those a run expects (a reward that wants
-long responses is not hurt by the length limit). Each rule reads only metrics.jsonl rows (and the run's resolved config where
-there is one), so it judges a finished run and a running one alike."""
+skipped for a non-finite gradient. `rlctl show RUN` lists them, and a pipeline says each the
+first time it shows; `pipeline.ignore_checks` leaves out those a run expects (a reward that
+wants long responses is not hurt by the length limit). Each rule reads only metrics.jsonl rows
+(and the run's resolved config where there is one), so it judges a finished run and a running
+one alike."""
 
 from __future__ import annotations
 
