@@ -112,6 +112,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from show' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from show' -l layout -xa 'auto table records'
 complete -c rlctl -n '__fish_seen_subcommand_from show' -l rows
 complete -c rlctl -n '__fish_seen_subcommand_from show' -l sort
+complete -c rlctl -n '__fish_seen_subcommand_from show' -l where
 complete -c rlctl -n '__fish_seen_subcommand_from show' -l width
 complete -c rlctl -n '__fish_seen_subcommand_from update' -l address
 complete -c rlctl -n '__fish_seen_subcommand_from update' -l batch

@@ -27,7 +27,7 @@ _rlctl() {
     reshard) _arguments '*:file:_files' '--check' '--checkpoint' '--config' '--dtype:dtype:(bf16 fp16 fp32)' '--force' '--help' '--json' '--merge-lora' '--out' '--set' '--to' ;;
     rollout) _arguments '*:file:_files' '--address' '--backend:backend:(hf vllm)' '--chat-template' '--config' '--device' '--dtype:dtype:(auto fp32 bf16)' '--force' '--format:format:(arrow parquet)' '--help' '--json' '--max-new-tokens' '--max-prompt-tokens' '--model' '--n' '--no-chat-template' '--out' '--prompts' '--rows-per-part' '--seed' '--set' '--temperature' '--top-k' '--top-p' '--truncate:truncate:(error left)' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
     score) _arguments '*:file:_files' '--address' '--batch-size' '--config' '--critic' '--device' '--dtype:dtype:(auto fp32 bf16)' '--force' '--format:format:(arrow parquet)' '--help' '--json' '--out' '--policy' '--ref' '--reward' '--reward-timeout' '--rollouts' '--rows-per-part' '--set' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
-    show) _arguments '*:file:_files' '--columns' '--help' '--json' '--layout:layout:(auto table records)' '--rows' '--sort' '--width' ;;
+    show) _arguments '*:file:_files' '--columns' '--help' '--json' '--layout:layout:(auto table records)' '--rows' '--sort' '--where' '--width' ;;
     update) _arguments '*:file:_files' '--address' '--batch' '--bf16' '--config' '--critic' '--device' '--epochs' '--force' '--help' '--json' '--loss-agg-mode:loss-agg-mode:(token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm)' '--lr' '--micro-batch-size' '--mini-batch-size' '--model' '--no-bf16' '--out' '--seed' '--set' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
     *) _describe 'command' commands ;;
   esac

@@ -367,13 +367,14 @@ def show(
     width: Annotated[Optional[int], typer.Option("--width", help="Longest cell shown, in characters (default: 40 in a table, the terminal's line in records).", min=4)] = None,
     columns: Annotated[Optional[str], typer.Option("--columns", help="Comma-separated columns to show: a shard's, or a run's metrics (any in metrics.jsonl).")] = None,
     sort: Annotated[Optional[str], typer.Option("--sort", help="Show a shard's rows ordered by COLUMN, or -COLUMN for descending (a list column by its mean): --sort reward for the worst samples.")] = None,
+    where: Annotated[Optional[list[str]], typer.Option("--where", help="Only a shard's rows where COLUMN OP VALUE holds (OP: = != < <= > >=; a list column by its mean), e.g. --where 'reward < 0.5'; repeat: all hold.")] = None,
     layout: Annotated[str, typer.Option("--layout", help="A shard's rows as a table, or as records (a line per column); auto: records where the table's columns would be too narrow to read.", metavar=_choices(choices.SHOW_LAYOUTS))] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
 ) -> None:
     """Print a shard, a manifest, a checkpoint, a run or one of its iterations as a table."""
     from rlctl.show import show as show_uri
 
-    show_uri(uri, rows=rows, width=width, as_json=as_json, columns=columns.split(",") if columns else None, layout=layout, sort=sort)
+    show_uri(uri, rows=rows, width=width, as_json=as_json, columns=columns.split(",") if columns else None, layout=layout, sort=sort, where=where)
 
 
 @app.command()

@@ -23,6 +23,7 @@ from rich.text import Text
 from rlctl.choices import SHOW_LAYOUTS
 from rlctl.errors import InputError
 from rlctl.manifest import MANIFEST_NAME, Manifest
+from rlctl.row_filter import list_means, rows_where
 from rlctl.shards import STDIO, filesystem, local_path, read
 
 TOKEN_ID_COLUMNS = ("prompt_ids", "response_ids")
@@ -40,6 +41,7 @@ def show(
     columns: list[str] | None = None,
     layout: str = "auto",
     sort: str | None = None,
+    where: list[str] | None = None,
 ) -> None:
     if layout not in SHOW_LAYOUTS:
         raise InputError(f"unknown layout {layout!r}; use {', '.join(SHOW_LAYOUTS)}")
@@ -65,7 +67,8 @@ def show(
     else:
         shards = read(uri)
         rows = SHARD_ROWS if rows is None else rows
-        head = sorted_rows(shards.table, sort, uri).slice(0, rows) if sort else shards.table.slice(0, rows)
+        selected = rows_where(shards.table, where or [], uri)
+        head = sorted_rows(selected, sort, uri).slice(0, rows) if sort else selected.slice(0, rows)
         if columns:
             missing = [c for c in columns if c not in head.column_names]
             if missing:
@@ -76,11 +79,12 @@ def show(
         data = {
             "uri": uri,
             "rows": shards.table.num_rows,
+            "matched": selected.num_rows if where else None,
             "schema": _schema_name(shards.table.schema),
             "manifest": json.loads(shards.manifest.to_json()) if shards.manifest else None,
             "head": head.to_pylist(),
         }
-        title = _shard_title(uri, shards.table, shards.manifest)
+        title = _shard_title(uri, shards.table, shards.manifest) + (f"; {selected.num_rows} where {' and '.join(where)}" if where else "")
         fit = max(6, (console.width - 1) // max(len(head.column_names), 1) - 3)  # every column stays visible
         narrow = fit < min(width or TABLE_CELL_WIDTH, READABLE_CELL_WIDTH)
         if head.num_rows and (layout == "records" or (layout == "auto" and narrow)):
@@ -100,15 +104,10 @@ def sorted_rows(table: pa.Table, sort: str, uri: str) -> pa.Table:
     if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
         if not pa.types.is_floating(column.type.value_type) and not pa.types.is_integer(column.type.value_type):
             raise InputError(f"{uri}: column {name!r} holds lists of {column.type.value_type}; sort by a number or text column")
-        column = _list_means(column)
+        column = list_means(column)
     key = "_rlctl_sort_key"
     keyed = table.append_column(key, column)
     return keyed.sort_by([(key, order)]).drop_columns([key])
-
-
-def _list_means(column: pa.ChunkedArray) -> pa.Array:
-    means = [sum(v) / len(v) if v else None for v in column.to_pylist()]
-    return pa.array(means, pa.float64())
 
 
 def classify(uri: str) -> str:

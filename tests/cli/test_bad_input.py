@@ -294,3 +294,8 @@ def test_writing_an_arrow_stream_to_a_terminal_is_refused(tmp_path):
     result = run_on_a_terminal("score", "--rollouts", source, "--out", "-", "--reward", "builtin:length", stream="stdout")
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "stdout, which is a terminal" in result.stderr
+
+
+def test_show_where_names_the_column_it_does_not_know(cli, tmp_path):
+    result = cli("show", rollouts(tmp_path), "--where", "rewrd < 0.5")
+    assert result.exit_code == 2 and "no column 'rewrd' for --where" in one_line_error(result)

@@ -161,3 +161,11 @@ def test_a_run_shows_the_metrics_asked_for_over_its_last_iterations(tmp_path, ca
     assert "groups/equal_rewards" in out and "│    5 │" in out and "│    4 │" not in out
     with pytest.raises(InputError, match="no metric 'reward_man'; did you mean reward_mean"):
         show(str(run), columns=["reward_man"])
+
+
+def test_where_shows_the_rows_a_condition_holds_for_and_how_many(rollouts, capsys, monkeypatch):
+    show(rollouts, as_json=True, where=["response = 42"])
+    data = json.loads(capsys.readouterr().out)
+    assert (data["rows"], data["matched"]) == (2, 1) and [r["sample"] for r in data["head"]] == [1]
+    out = shown(capsys, monkeypatch, 200, rollouts, where=["sample >= 1"], layout="table")
+    assert out.startswith(f"{rollouts}: 2 rows, rollouts") and "; 1 where sample >= 1" in out.splitlines()[0]
