@@ -96,7 +96,7 @@ class DataConfig:
     """The prompts each iteration draws, and how they become token ids."""
 
     prompts: str = ""  # prompts: a .jsonl, .json (JSON Lines or one array of objects) or .parquet file, or a shard folder (any fsspec URL)
-    val_prompts: str = ""  # held-out prompts scored greedily every pipeline.val_every iterations ("" = none)
+    val_prompts: str = ""  # held-out prompts scored every pipeline.val_every iterations, greedily unless pipeline.val_temperature ("" = none)
     batch_size: int = 8  # prompts per iteration
     shuffle: bool = True  # a new seeded permutation of the prompts every epoch
     max_prompt_tokens: int = 512  # longest prompt in tokens (see truncate)
@@ -271,6 +271,8 @@ class PipelineConfig:
     keep_checkpoints: int = 2  # 0 = keep all
     keep_shards: int = 0  # keep the stage outputs of the last K iterations; 0 = all
     val_every: int = 0  # 0 = no validation
+    val_n: int = 1  # samples per validation prompt: val/score is their mean (verl's mean@N), val/best_of_N the mean of each prompt's best (best@N)
+    val_temperature: float = 0.0  # sampling temperature of validation; 0 = greedy (one sample per prompt then)
     seed: int = 0  # seed of the prompt order
     rollout_is_threshold: float = 2.0  # importance ratio trainer/engine beyond which a token counts as mismatched
     dynamic_sampling: bool = False  # DAPO: train only on groups whose rewards differ, sampling more prompts to fill the batch
@@ -289,7 +291,7 @@ class PipelineConfig:
         unknown = [name for name in self.ignore_checks if name not in RUN_CHECKS]
         if unknown:
             raise ConfigError(f"pipeline.ignore_checks: unknown check {unknown[0]!r}; the checks: {', '.join(RUN_CHECKS)}")
-        check_ranges(self, "pipeline", {"wandb_mode": one_of("online", "offline"), "max_sampling_rounds": at_least(1), "rollout_is_threshold": above(1.0), "iterations": at_least(1), "save_every": at_least(0), "keep_checkpoints": at_least(0), "keep_shards": at_least(0), "val_every": at_least(0)})
+        check_ranges(self, "pipeline", {"wandb_mode": one_of("online", "offline"), "max_sampling_rounds": at_least(1), "rollout_is_threshold": above(1.0), "iterations": at_least(1), "save_every": at_least(0), "keep_checkpoints": at_least(0), "keep_shards": at_least(0), "val_every": at_least(0), "val_n": at_least(1), "val_temperature": at_least(0.0)})
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from rlctl.passes import ModelShape, as_recorded, decided_micro_batch_tokens, ra
 from rlctl.rewards import RewardSet, load_rewards
 from rlctl.run_checks import run_findings
 from rlctl.runinfo import iteration_folders
-from rlctl.sample_stats import reward_stats, rollout_stats
+from rlctl.sample_stats import reward_stats, rollout_stats, validation_metrics
 from rlctl.shards import Shards, commit_empty, filesystem, is_committed, read, read_manifest, write
 from rlctl.stages.rollout import stage_config as rollout_stage_config
 from rlctl.threads import ThreadGovernor
@@ -118,7 +118,9 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
         require_vllm()
         logprobs_mode(sampling_params(cfg.rollout))
     if cfg.rollout.temperature <= 0:
-        raise ConfigError("rollout.temperature must be > 0 for training rollouts (validation is greedy)")
+        raise ConfigError("rollout.temperature must be > 0 for training rollouts (validation is greedy unless pipeline.val_temperature)")
+    if cfg.pipeline.val_n > 1 and cfg.pipeline.val_temperature == 0:
+        raise ConfigError(f"pipeline.val_n = {cfg.pipeline.val_n} with val_temperature = 0: greedy samples of a prompt are all alike; set pipeline.val_temperature (e.g. 0.6)")
     if cfg.pipeline.dynamic_sampling and cfg.rollout.n < 2:
         raise ConfigError("pipeline.dynamic_sampling keeps groups whose rewards differ: it needs rollout.n ≥ 2")
     if cfg.workers.backend == "ray" and cfg.workers.address not in ("", "auto"):
@@ -561,21 +563,20 @@ class Pipeline:
         return table, {"kl_controller": {"kl_coef": next_state.kl_coef, "steps": next_state.steps}}, stats
 
     def _validate(self, i: int) -> dict[str, float]:
-        """Greedy rollouts on the held-out prompts, scored with the same reward."""
+        """Rollouts on the held-out prompts — greedy, or `pipeline.val_n` samples each at
+        `pipeline.val_temperature` from the same seed every time, so iterations compare —
+        scored with the same reward."""
         from rlctl.stages.rollout import rollout_table
         from rlctl.stages.score import ScoringModels, score_table
 
-        greedy = replace(self.cfg.rollout, n=1, temperature=0.0, seed=0)
-        table = rollout_table(self.val_dataset, self.workers.engine, greedy, self.cfg.data, policy_version=self.workers.trainer.step)
+        settings = self.cfg.pipeline
+        sampling = replace(self.cfg.rollout, n=settings.val_n, temperature=settings.val_temperature, seed=0)
+        table = rollout_table(self.val_dataset, self.workers.engine, sampling, self.cfg.data, policy_version=self.workers.trainer.step)
         scored = score_table(table, self.reward, ScoringModels(), self.cfg.score)
-        write(scored, str(self._dir(i, "val")), Manifest(stage="validate", state={"iteration": i}), schema="scores")
-        rewards = np.asarray(scored.column("reward").to_pylist(), dtype=np.float64)
-        out = {"val/score": float(rewards.mean())}
-        if "data_source" in scored.column_names:
-            sources = np.asarray([s or "unknown" for s in scored.column("data_source").to_pylist()], dtype=object)
-            for source in sorted(set(sources)):
-                out[f"val/score/{source}"] = float(rewards[sources == source].mean())
-        return out
+        metrics = validation_metrics(scored, settings.val_n)
+        manifest = Manifest(stage="validate", config={"rollout": to_dict(sampling)}, state={"iteration": i}, metrics=metrics)
+        write(scored, str(self._dir(i, "val")), manifest, schema="scores")
+        return metrics
 
     def _stop_early(self, i: int, timings: dict) -> dict:
         row = {"iteration": i, "stopped_early": True, **{f"seconds/{k}": v for k, v in timings.items()}}
@@ -742,7 +743,7 @@ def describe_workers(cfg: Config) -> str:
 # keys that do not change what is trained: how long, where, how often saved, how the models are held
 NOT_TRAINING = {
     "pipeline": {
-        "iterations", "run_dir", "save_every", "keep_checkpoints", "keep_shards", "val_every", "rollout_is_threshold",
+        "iterations", "run_dir", "save_every", "keep_checkpoints", "keep_shards", "val_every", "val_n", "val_temperature", "rollout_is_threshold",
         "loggers", "wandb_project", "wandb_mode", "mlflow_uri", "mlflow_experiment", "ignore_checks",
     },
     "model": {"device", "init_preset", "init_seed"}, "data": {"val_prompts"}, "workers": None, "vllm": None,

@@ -45,14 +45,36 @@ def reward_stats(scores: pa.Table) -> dict[str, float | None]:
 def equal_reward_share(scores: pa.Table) -> float | None:
     if "id" not in scores.column_names:
         return None
+    highest, lowest, sizes = group_extremes(scores)
+    compared = sizes > 1
+    if not compared.any():
+        return None
+    return float((highest[compared] - lowest[compared] <= EQUAL_REWARD_TOLERANCE).mean())
+
+
+def group_extremes(scores: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each prompt group's (rows of one `id`) highest and lowest reward and its size, groups
+    in the order of their ids."""
     rewards = np.asarray(scores.column("reward").to_pylist(), dtype=np.float64)
     ids = np.asarray(scores.column("id").to_pylist(), dtype=object).astype(str)
     _, group, sizes = np.unique(ids, return_inverse=True, return_counts=True)
     highest, lowest = np.full(len(sizes), -np.inf), np.full(len(sizes), np.inf)
     np.maximum.at(highest, group, rewards)
     np.minimum.at(lowest, group, rewards)
-    spread = highest - lowest
-    compared = sizes > 1
-    if not compared.any():
-        return None
-    return float((spread[compared] <= EQUAL_REWARD_TOLERANCE).mean())
+    return highest, lowest, sizes
+
+
+def validation_metrics(scored: pa.Table, samples: int) -> dict[str, float]:
+    """`val/score`: the mean reward over every sample (verl's mean@N), overall and per
+    `data_source`; with several samples per prompt also `val/best_of_N`: the mean over prompts
+    of their best sample's reward (verl's best@N; pass@N for a 0/1 reward)."""
+    parts = {"": scored}
+    if "data_source" in scored.column_names:
+        sources = np.asarray([s or "unknown" for s in scored.column("data_source").to_pylist()], dtype=object)
+        parts.update({f"/{source}": scored.filter(pa.array(sources == source)) for source in sorted(set(sources))})
+    out = {}
+    for suffix, part in parts.items():
+        out[f"val/score{suffix}"] = float(np.mean(part.column("reward").to_pylist()))
+        if samples > 1:
+            out[f"val/best_of_{samples}{suffix}"] = float(group_extremes(part)[0].mean())
+    return out

@@ -274,7 +274,7 @@ ITERATION_METRICS = {  # a stage's metrics worth a glance (all of them: --json)
     "score": ("reward_min", "reward_max", "groups/equal_rewards"),
     "advantage": ("reward_mean", "reward_std", "kl", "advantage_mean"),
     "update": ("pg_loss", "pg_clipfrac", "entropy", "kl_divergence", "grad_norm", "vf_loss"),
-    "validate": ("score",),
+    "validate": ("val/score",),
 }
 
 

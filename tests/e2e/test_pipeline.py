@@ -238,6 +238,22 @@ def test_validation_scores_overall_and_per_data_source(reference_run):
     assert (run / "iter-0002" / "val" / "_manifest.json").exists()
 
 
+def test_sampled_validation_scores_the_mean_and_the_best_of_n_samples_from_the_same_seed(tmp_path, tiny_model):
+    config = write_config(tmp_path, tiny_model, pipeline={"iterations": 2, "val_every": 1, "val_n": 3, "val_temperature": 1.0})
+    with Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"]) as pipeline:
+        rows = pipeline.run()
+    for row in rows:
+        scored = shards.read(str(tmp_path / "run" / f"iter-{row['iteration']:04d}" / "val"), "scores").table
+        assert scored.num_rows == 3 * len(PROMPTS) and scored.column("sample").to_pylist() == [0, 1, 2] * len(PROMPTS)
+        rewards = np.asarray(scored.column("reward").to_pylist()).reshape(len(PROMPTS), 3)
+        assert row["val/score"] == pytest.approx(rewards.mean()) and row["val/best_of_3"] == pytest.approx(rewards.max(axis=1).mean())
+        assert row["val/best_of_3"] >= row["val/score"] and {"val/best_of_3/odd", "val/best_of_3/even"} <= set(row)
+    val = [shards.read(str(tmp_path / "run" / f"iter-{i:04d}" / "val"), "scores").table for i in (1, 2)]
+    assert val[0].column("response_ids").to_pylist() != val[1].column("response_ids").to_pylist()  # the policy moved
+    manifest = shards.read_manifest(str(tmp_path / "run" / "iter-0001" / "val"))[0]
+    assert manifest.config["rollout"]["n"] == 3 and manifest.config["rollout"]["seed"] == 0 and manifest.metrics["val/best_of_3"] == rows[0]["val/best_of_3"]
+
+
 def test_run_folder_layout_show_and_plot(cli, reference_run, tmp_path):
     _, run = reference_run
     assert (run / "config.resolved.toml").exists() and len((run / "metrics.jsonl").read_text().splitlines()) == 4
@@ -297,6 +313,7 @@ def test_keep_shards_prunes_old_stage_outputs(tmp_path, tiny_model):
     (["--set", "model.ref="], "kl_coef > 0 needs a reference model"),
     (["--set", "model.critic="], "estimator gae needs a critic"),
     (["--set", "advantage.estimator=ppo"], "unknown advantage estimator 'ppo'"),
+    (["--set", "pipeline.val_n=4"], "pipeline.val_n = 4 with val_temperature = 0: greedy samples of a prompt are all alike"),
 ])
 def test_bad_configs_fail_before_any_work(cli, tmp_path, tiny_model, args, fragment):
     config = write_config(tmp_path, tiny_model)

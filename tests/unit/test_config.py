@@ -93,3 +93,9 @@ def test_micro_batch_tokens_is_auto_or_a_count_of_tokens(tmp_path):
     for bad in ("-1", "lots", "1e4"):
         with pytest.raises(ConfigError, match=r"update.micro_batch_tokens must be auto, 0 \(no cap\) or a number of tokens"):
             load_config(None, [f"update.micro_batch_tokens={bad}"])
+
+
+def test_validation_samples_are_at_least_one():
+    assert load_config(overrides=["pipeline.val_n=4", "pipeline.val_temperature=0.6"]).pipeline.val_n == 4
+    with pytest.raises(ConfigError, match="pipeline.val_n must be ≥ 1"):
+        load_config(overrides=["pipeline.val_n=0"])

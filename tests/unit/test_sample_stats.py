@@ -4,7 +4,7 @@ prompt groups whose samples all got the same reward."""
 import pyarrow as pa
 import pytest
 
-from rlctl.sample_stats import equal_reward_share, reward_stats, rollout_stats
+from rlctl.sample_stats import equal_reward_share, reward_stats, rollout_stats, validation_metrics
 
 TOKENS = pa.list_(pa.int32())
 
@@ -53,3 +53,13 @@ def test_groups_of_one_sample_are_not_compared():
     assert equal_reward_share(scores(["a", "b", "c"], [1, 1, 1])) is None  # rollout.n = 1: nothing to compare
     assert equal_reward_share(scores(["a", "a", "b"], [1, 0, 1])) == 0.0  # b alone is left out
     assert equal_reward_share(pa.table({"reward": pa.array([1.0, 1.0], pa.float32())})) is None  # no id column
+
+
+def test_validation_scores_the_mean_of_every_sample_and_the_mean_of_each_prompts_best():
+    table = scores(["a", "a", "a", "b", "b", "b"], [0, 1, 0, 0, 0, 0]).append_column("data_source", pa.array(["x", "x", "x", "y", "y", "y"]))
+    assert validation_metrics(table, 3) == {
+        "val/score": pytest.approx(1 / 6), "val/best_of_3": 0.5,  # a solved by one of its three samples, b by none
+        "val/score/x": pytest.approx(1 / 3), "val/best_of_3/x": 1.0,
+        "val/score/y": 0.0, "val/best_of_3/y": 0.0,
+    }
+    assert validation_metrics(scores(["a", "b"], [1, 0]), 1) == {"val/score": 0.5}  # one greedy sample: no best of
