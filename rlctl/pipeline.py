@@ -323,7 +323,7 @@ class Pipeline:
     def _say_new_findings(self) -> None:
         """What the metrics suggest changing (rlctl.run_checks), each check the first time it
         fires in this process: once said, `rlctl show RUN` keeps the current state."""
-        for finding in run_findings(self.history, self.cfg):
+        for finding in run_findings(self.history, self.cfg, self.run_dir):
             if finding.check not in self._findings_said:
                 self._findings_said.add(finding.check)
                 self.view.message(f"rlctl: {finding.message}")

@@ -1,5 +1,6 @@
 """Signs in a run's metrics that its training is not doing what the practitioner thinks, each
-with what to change: responses cut at the length limit, prompt groups that carry no signal,
+with what to change: responses cut at the length limit, a reward that gives every sample one
+value, prompt groups that carry no signal,
 an engine that samples from other probabilities than the trainer computes, optimizer steps
 skipped for a non-finite gradient. `rlctl show RUN` lists them, and a pipeline says each the
 first time it shows; `pipeline.ignore_checks` leaves out those a run expects (a reward that
@@ -15,6 +16,7 @@ from typing import Any
 
 from rlctl.config import Config, load_config
 from rlctl.errors import RlctlError
+from rlctl.sample_stats import EQUAL_REWARD_TOLERANCE
 
 TRUNCATED_SHARE = 0.2  # of the last iteration's responses cut at max_new_tokens
 EQUAL_REWARDS_SHARE = 0.9  # of the prompt groups, in each of the last EQUAL_REWARDS_WINDOW iterations
@@ -30,13 +32,15 @@ class Finding:
     message: str
 
 
-def run_findings(rows: list[dict[str, Any]], cfg: Config | None = None) -> list[Finding]:
+def run_findings(rows: list[dict[str, Any]], cfg: Config | None = None, run_dir: str | Path = "RUN") -> list[Finding]:
     """The findings of a run's metrics rows (iterations in order); `cfg` is its resolved config,
     None where the run folder has none (the advice then names every option)."""
     rows = [r for r in rows if not r.get("stopped_early")]
     if not rows:
         return []
-    found = [truncated(rows[-1], cfg), equal_rewards(rows[-EQUAL_REWARDS_WINDOW:], cfg), engine_mismatch(rows[-1], cfg), skipped_steps(rows)]
+    window = rows[-EQUAL_REWARDS_WINDOW:]
+    constant = constant_reward(window, run_dir)  # then every group is equal too: one finding, not two
+    found = [truncated(rows[-1], cfg), constant or equal_rewards(window, cfg), engine_mismatch(rows[-1], cfg), skipped_steps(rows)]
     ignored = cfg.pipeline.ignore_checks if cfg is not None else ()
     return [f for f in found if f is not None and f.check not in ignored]
 
@@ -51,6 +55,21 @@ def truncated(row: dict[str, Any], cfg: Config | None) -> Finding | None:
     return Finding("truncated", (row["iteration"],), (
         f"iteration {row['iteration']}: {share:.0%} of the responses ended at the length limit{at}, not at a stop token, so a reward "
         f"that wants a finished answer judged cut-off text: raise rollout.max_new_tokens if the answers need more room{smoother}"
+    ))
+
+
+def constant_reward(rows: list[dict[str, Any]], run_dir: str | Path = "RUN") -> Finding | None:
+    """The reward gave every sample of the last iterations one value: a reward function that
+    cannot parse the responses (or a task no sample solves) — nothing to learn from, whatever
+    the estimator."""
+    if len(rows) < EQUAL_REWARDS_WINDOW or any(r.get("reward_max") is None or r["reward_max"] - r["reward_min"] > EQUAL_REWARD_TOLERANCE for r in rows):
+        return None
+    first, last = rows[0]["iteration"], rows[-1]["iteration"]
+    values = sorted({round(r["reward_max"], 6) for r in rows})
+    return Finding("constant_reward", tuple(r["iteration"] for r in rows), (
+        f"iterations {first}-{last}: the reward gave every sample of each iteration the same value ({', '.join(f'{v:g}' for v in values)}), so no advantage "
+        f"has anything to learn from: look at what it scored (rlctl show {run_dir}/iter-{last:04d}/score --columns response,reward) "
+        "and try the reward function on those responses"
     ))
 
 

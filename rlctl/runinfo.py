@@ -43,7 +43,7 @@ def run_summary(run_dir: str | Path, *, columns: list[str] | None = None, last: 
     if columns:
         shown = [{c: r.get(c) for c in chosen} for r in shown]
     checkpoints = [p.name for p in iteration_folders(Path(run_dir) / "checkpoints")]
-    checks = [asdict(f) for f in run_findings(rows, resolved_config(run_dir))]
+    checks = [asdict(f) for f in run_findings(rows, resolved_config(run_dir), run_dir)]
     return {"run_dir": str(run_dir), "iterations_done": len(rows), "columns": chosen, "rows": shown, "checkpoints": checkpoints, "checks": checks}
 
 

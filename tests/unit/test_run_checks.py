@@ -101,10 +101,21 @@ def test_a_run_folder_without_a_readable_config_is_judged_without_one(tmp_path):
 def test_a_run_can_leave_out_the_checks_it_expects_to_fire():
     cut = rows(1, **{"response_length/clip_ratio": 1.0})
     assert run_findings(cut, load_config(overrides=['pipeline.ignore_checks=["truncated"]'])) == []
-    with pytest.raises(ConfigError, match="pipeline.ignore_checks: unknown check 'truncation'; the checks: truncated, equal_rewards, engine_mismatch, skipped_steps"):
+    with pytest.raises(ConfigError, match="pipeline.ignore_checks: unknown check 'truncation'; the checks: truncated, constant_reward, equal_rewards"):
         load_config(overrides=['pipeline.ignore_checks=["truncation"]'])
+
+
+def test_a_reward_that_gives_every_sample_one_value_is_one_finding_whatever_the_estimator():
+    flat = rows(4, **{"reward_max": 0.0, "reward_min": 0.0, "groups/equal_rewards": 1.0})
+    found = run_findings(flat, load_config(overrides=['advantage.estimator="gae"']), "runs/x")
+    assert checks(found) == ["constant_reward"] and found[0].iterations == (2, 3, 4)  # not equal_rewards as well
+    assert found[0].message.startswith("iterations 2-4: the reward gave every sample of each iteration the same value (0), so no advantage has anything to learn from")
+    assert "rlctl show runs/x/iter-0004/score --columns response,reward" in found[0].message
+    flat[-1]["reward_max"] = 0.1  # one sample scored: a signal, if a weak one
+    assert checks(run_findings(flat)) == ["equal_rewards"]
 
 
 def test_every_check_is_named_in_the_choices():
     every = rows(3, **{"response_length/clip_ratio": 1.0, "groups/equal_rewards": 1.0, "rollout_is/frac_beyond_threshold": 0.5, "skipped_steps": 1})
-    assert tuple(checks(run_findings(every))) == RUN_CHECKS
+    flat = rows(3, reward_max=1.0, reward_min=1.0)
+    assert sorted({*checks(run_findings(every)), *checks(run_findings(flat))}) == sorted(RUN_CHECKS)
