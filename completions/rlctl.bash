@@ -9,7 +9,7 @@ _rlctl() {
     fi
     cmd="${COMP_WORDS[1]}"
     case "$cmd" in
-        config) words="show" ;;
+        config) words="diff show" ;;
         model) words="init" ;;
         *) words="" ;;
     esac
@@ -20,6 +20,7 @@ _rlctl() {
     [[ -n "$words" ]] && cmd="$cmd ${COMP_WORDS[2]}"
     case "$cmd" in
         "advantage") opts="--config --estimator --force --format --gamma --help --json --kl-coef --kl-controller --kl-estimator --kl-state --lam --no-norm-by-std --norm-by-std --out --rows-per-part --scores --set" ;;
+        "config diff") opts="--help --json" ;;
         "config show") opts="--help --json --set" ;;
         "model init") opts="--force --help --preset --seed" ;;
         "pipeline") opts="--address --dry-run --from --help --iterations --quiet --resume --resume-with-changes --run-dir --set --until --workers --workers-backend" ;;

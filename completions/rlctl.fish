@@ -18,6 +18,9 @@ complete -c rlctl -n '__fish_seen_subcommand_from advantage' -l out
 complete -c rlctl -n '__fish_seen_subcommand_from advantage' -l rows-per-part
 complete -c rlctl -n '__fish_seen_subcommand_from advantage' -l scores
 complete -c rlctl -n '__fish_seen_subcommand_from advantage' -l set
+complete -c rlctl -n '__fish_seen_subcommand_from config' -a 'diff' -d 'Print the keys two configs or runs differ in, defaults filled in (values as written).'
+complete -c rlctl -n '__fish_seen_subcommand_from diff' -l help
+complete -c rlctl -n '__fish_seen_subcommand_from diff' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from config' -a 'show' -d 'Print every config key with its type, default, current value and meaning.'
 complete -c rlctl -n '__fish_seen_subcommand_from show' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from show' -l json

@@ -420,6 +420,34 @@ def config_show(
     typer.echo(json.dumps(config_doc.as_json(cfg), indent=1) if as_json else config_doc.show(cfg))
 
 
+@config_app.command("diff")
+def config_diff(
+    first: Annotated[str, typer.Argument(help="A TOML config file, or a run folder (the config it ran with).")],
+    second: Annotated[str, typer.Argument(help="Another one.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list of {key, first, second}.")] = False,
+) -> None:
+    """Print the keys two configs or runs differ in, defaults filled in (values as written)."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from rlctl.config import _toml_value
+    from rlctl.config_doc import config_of, differences
+
+    found = differences(config_of(first), config_of(second))
+    if as_json:
+        typer.echo(json.dumps([{"key": k, "first": a, "second": b} for k, a, b in found], indent=1, default=str))
+        return
+    if not found:
+        typer.echo(f"{first} and {second}: the same config")
+        return
+    table = Table("key", first, second, title=f"{len(found)} keys differ", title_justify="left")
+    for key, a, b in found:
+        table.add_row(key, _toml_value(a), _toml_value(b))
+    Console(soft_wrap=False).print(table)
+
+
 # --- the one place errors become exit codes -------------------------------------------------
 
 

@@ -3,6 +3,7 @@ themselves (the comment beside each field, the class docstring of each section),
 `rlctl config show` prints and docs/config.md can never drift from the code.
 
     rlctl config show examples/ppo.toml --set update.lr=1e-5
+    rlctl config diff runs/grpo runs/drgrpo        # the keys two runs (or TOML files) differ in
     python -m rlctl.config_doc docs/config.md      # regenerate the reference (a test checks it)
 """
 
@@ -18,7 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlctl.config import SECTIONS, Config, RewardTerm, _toml_value, to_dict
+from rlctl.config import (
+    SECTIONS,
+    Config,
+    ConfigError,
+    RewardTerm,
+    _toml_value,
+    load_config,
+    to_dict,
+)
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,24 @@ def show(cfg: Config) -> str:
         changed = "" if value == doc.default else f"; default {_toml_value(doc.default)}"
         lines.append(f"{assignment:<40} # {doc.type}{changed}: {doc.description}" if len(assignment) <= 40 else f"{assignment}\n{'':<40} # {doc.type}{changed}: {doc.description}")
     return "\n".join(lines)
+
+
+def differences(a: Config, b: Config) -> list[tuple[str, Any, Any]]:
+    """(key, value in a, value in b) of every key where the two configs differ, in the order
+    `rlctl config show` lists them."""
+    left, right = to_dict(a), to_dict(b)
+    return [(d.name, value_of(left, d), value_of(right, d)) for d in key_docs() if value_of(left, d) != value_of(right, d)]
+
+
+def config_of(source: str | Path) -> Config:
+    """A TOML config file, or a run folder's config.resolved.toml (what it ran with)."""
+    path = Path(source)
+    if path.is_dir():
+        resolved = path / "config.resolved.toml"
+        if not resolved.is_file():
+            raise ConfigError(f"{source}: a folder without config.resolved.toml (not a pipeline run folder)")
+        path = resolved
+    return load_config(path)
 
 
 def as_json(cfg: Config) -> list[dict[str, Any]]:

@@ -299,3 +299,9 @@ def test_writing_an_arrow_stream_to_a_terminal_is_refused(tmp_path):
 def test_show_where_names_the_column_it_does_not_know(cli, tmp_path):
     result = cli("show", rollouts(tmp_path), "--where", "rewrd < 0.5")
     assert result.exit_code == 2 and "no column 'rewrd' for --where" in one_line_error(result)
+
+
+def test_config_diff_of_a_folder_that_is_not_a_run(cli, tmp_path):
+    (tmp_path / "a.toml").write_text("[rollout]\nn = 2\n")
+    result = cli("config", "diff", tmp_path / "a.toml", tmp_path)
+    assert result.exit_code == 2 and "a folder without config.resolved.toml" in one_line_error(result)
