@@ -25,6 +25,7 @@ from rlctl.choices import (
     AUTOCAST_CHOICES,
     COMPUTE_DTYPES,
     KL_CONTROLLERS,
+    LR_SCHEDULES,
     OLD_LOGPROBS,
     POLICY_LOSSES,
     RESHARD_DTYPES,
@@ -227,6 +228,9 @@ class UpdateConfig:
     max_grad_norm: float = 1.0  # gradient clipping by global norm; 0 = off
     weight_decay: float = 0.0  # AdamW weight decay
     warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
+    lr_schedule: str = "constant"  # constant | linear | cosine: after the warm-up, lr falls to lr × min_lr_ratio at optimizer step decay_steps, then holds
+    decay_steps: int = 0  # optimizer steps from the first to the floor of a linear or cosine schedule (the pipeline's plan says its steps per iteration)
+    min_lr_ratio: float = 0.0  # the floor of the decay, as a share of lr
     bf16: str = "auto"  # bf16 autocast in training: auto (where the CPU/GPU has native bf16) | true | false
     compile: bool = False  # torch.compile the decoder layers' training pass: ~5–20 s once per process (a C++ compiler on the CPU), then small-preset updates 0.93× (fp32) / 0.87× (bf16), Qwen2.5-0.5B's shape ~1×
     seed: int = 0  # seed of mini-batch shuffling and dropout
@@ -245,6 +249,7 @@ class UpdateConfig:
             "rollout_is": one_of("off", "token", "sequence"), "rollout_is_threshold": above(1.0),
             "loss_horizon": at_least(0), "kl_loss_coef": at_least(0.0), "cliprange_value": above(0.0), "vf_coef": at_least(0.0),
             "max_grad_norm": at_least(0.0), "weight_decay": at_least(0.0), "warmup_steps": at_least(0), "bf16": one_of(*AUTOCAST_CHOICES),
+            "lr_schedule": one_of(*LR_SCHEDULES), "decay_steps": at_least(0), "min_lr_ratio": between(0.0, 1.0),
             "micro_batch_tokens": lambda v: None if v == "auto" or (isinstance(v, str) and v.isascii() and v.isdigit()) else "must be auto, 0 (no cap) or a number of tokens",
         })
 
@@ -538,7 +543,7 @@ def _toml_value(value: Any) -> str:
 
 # what verl and TRL users type, for the key that means it here
 FOREIGN_KEYS = {
-    "learning_rate": "update.lr", "lr_warmup_steps": "update.warmup_steps", "num_train_epochs": "update.epochs",
+    "learning_rate": "update.lr", "lr_warmup_steps": "update.warmup_steps", "lr_scheduler_type": "update.lr_schedule", "warmup_style": "update.lr_schedule", "num_train_epochs": "update.epochs",
     "ppo_epochs": "update.epochs", "ppo_mini_batch_size": "update.mini_batch_size", "ppo_micro_batch_size": "update.micro_batch_size",
     "per_device_train_batch_size": "update.micro_batch_size", "clip_ratio": "update.clip_ratio_low", "cliprange": "update.clip_ratio_low",
     "kl_loss_type": "update.kl_loss_estimator", "grad_clip": "update.max_grad_norm",

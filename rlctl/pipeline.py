@@ -441,6 +441,7 @@ class Pipeline:
             f"outputs       {self.run_dir}/iter-NNNN/{{prompts,rollout,score,{'filter,' if cfg.pipeline.dynamic_sampling else ''}advantage,update}}, metrics.jsonl",
             *([f"sampling      dynamic: groups with equal rewards dropped, up to {cfg.pipeline.max_sampling_rounds} rounds (prompts-rN, rollout-rN, score-rN)"]
               if cfg.pipeline.dynamic_sampling else []),
+            f"optimizer     AdamW, {describe_schedule(cfg.update, cfg.data.batch_size * cfg.rollout.n)}",
             f"checkpoints   {self.run_dir}/checkpoints/ every {cfg.pipeline.save_every or 'run end'}, keep {cfg.pipeline.keep_checkpoints or 'all'}",
         ]
         committed = [
@@ -727,6 +728,19 @@ def one_step_on_policy(cfg: Config) -> bool:
 def kl_in_reward(cfg: Config) -> bool:
     """Does the advantage stage put a KL penalty (policy vs reference) into the reward?"""
     return cfg.advantage.kl_coef > 0
+
+
+def describe_schedule(update, batch_size: int) -> str:
+    """`lr 1e-06, 2 optimizer steps per iteration, cosine decay to 0.1× at step 60 (iteration 30)`."""
+    from rlctl.trainer import optimizer_steps
+
+    steps = optimizer_steps(update, batch_size)
+    text = f"lr {update.lr:g}, {steps} optimizer step{'s' if steps > 1 else ''} per iteration"
+    if update.warmup_steps:
+        text += f", warm-up over {update.warmup_steps} steps"
+    if update.lr_schedule != "constant":
+        text += f", {update.lr_schedule} decay to {update.min_lr_ratio:g}× at step {update.decay_steps} (iteration {update.decay_steps / steps:g})"
+    return text
 
 
 def describe_workers(cfg: Config) -> str:

@@ -25,6 +25,7 @@ from rlctl.algos.losses import (
     clipped_value_loss,
     rollout_is_weights,
 )
+from rlctl.algos.lr_schedule import lr_at
 from rlctl.backends import compiled_layers
 from rlctl.backends.hf import (
     HFPolicy,
@@ -98,6 +99,17 @@ def check_update_config(cfg: UpdateConfig, batch_size: int | None = None) -> Non
         raise InputError("update: micro_batch_size and epochs must be ≥ 1, mini_batch_size ≥ 0")
     if batch_size is not None and cfg.mini_batch_size and batch_size % cfg.mini_batch_size:
         raise InputError(f"update: mini_batch_size={cfg.mini_batch_size} does not divide the batch of {batch_size} sequences")
+    if cfg.lr_schedule != "constant" and cfg.decay_steps <= cfg.warmup_steps:
+        per_batch = f"; this batch takes {optimizer_steps(cfg, batch_size)} optimizer steps per update" if batch_size else ""
+        raise InputError(
+            f"update.lr_schedule = {cfg.lr_schedule} decays until update.decay_steps ({cfg.decay_steps}), which must exceed "
+            f"update.warmup_steps ({cfg.warmup_steps}): set it in optimizer steps{per_batch}"
+        )
+
+
+def optimizer_steps(cfg: UpdateConfig, batch_size: int) -> int:
+    """Optimizer steps one update of `batch_size` sequences takes: a step per mini-batch, per epoch."""
+    return cfg.epochs * (-(-batch_size // cfg.mini_batch_size) if cfg.mini_batch_size else 1)
 
 
 @dataclass(frozen=True)
@@ -248,10 +260,9 @@ class Trainer:
             self.critic_optimizer.load_state_dict(state["critic_optimizer"])
 
     def lr_at(self, step: int) -> float:
-        """Linear warmup over `warmup_steps` optimizer steps, then constant."""
-        if self.cfg.warmup_steps <= 0:
-            return self.cfg.lr
-        return self.cfg.lr * min(1.0, (step + 1) / self.cfg.warmup_steps)
+        """The policy's rate at optimizer step `step` (rlctl.algos.lr_schedule)."""
+        cfg = self.cfg
+        return lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule, decay_steps=cfg.decay_steps, min_lr_ratio=cfg.min_lr_ratio)
 
     # -- training ---------------------------------------------------------------------
 

@@ -314,6 +314,7 @@ def test_keep_shards_prunes_old_stage_outputs(tmp_path, tiny_model):
     (["--set", "model.critic="], "estimator gae needs a critic"),
     (["--set", "advantage.estimator=ppo"], "unknown advantage estimator 'ppo'"),
     (["--set", "pipeline.val_n=4"], "pipeline.val_n = 4 with val_temperature = 0: greedy samples of a prompt are all alike"),
+    (["--set", "update.lr_schedule=cosine"], "decays until update.decay_steps (0), which must exceed update.warmup_steps (0): set it in optimizer steps; this batch takes 4 optimizer steps per update"),
 ])
 def test_bad_configs_fail_before_any_work(cli, tmp_path, tiny_model, args, fragment):
     config = write_config(tmp_path, tiny_model)

@@ -503,3 +503,16 @@ def test_a_replay_leaves_out_zero_advantage_rows_only_where_the_recorded_update_
     assert replayed({"lr": 1e-3, "skip_zero_advantage": False}) is False
     assert replayed({"lr": 1e-3}) is False
     assert replayed({"lr": 1e-3}, ["update.skip_zero_advantage=true"]) is True
+
+
+def test_the_trainer_follows_the_configured_schedule_and_a_decay_needs_its_steps():
+    from rlctl.errors import InputError
+    from rlctl.trainer import check_update_config, optimizer_steps
+
+    cosine = UpdateConfig(lr=1.0, warmup_steps=1, lr_schedule="cosine", decay_steps=3, min_lr_ratio=0.2, mini_batch_size=4, epochs=2)
+    fake = type("T", (), {"cfg": cosine})()
+    assert [Trainer.lr_at(fake, s) for s in range(5)] == pytest.approx([1.0, 1.0, 0.6, 0.2, 0.2])
+    assert optimizer_steps(cosine, 8) == 4 and optimizer_steps(UpdateConfig(epochs=3), 8) == 3
+    with pytest.raises(InputError, match=r"update.lr_schedule = cosine decays until update.decay_steps \(0\), which must exceed update.warmup_steps \(0\): "
+                                         r"set it in optimizer steps; this batch takes 4 optimizer steps per update"):
+        check_update_config(UpdateConfig(lr_schedule="cosine", mini_batch_size=4, epochs=2), 8)
