@@ -19,7 +19,7 @@ _rlctl() {
     fi
     [[ -n "$words" ]] && cmd="$cmd ${COMP_WORDS[2]}"
     case "$cmd" in
-        "advantage") opts="--config --estimator --force --format --gamma --help --json --kl-coef --kl-controller --kl-estimator --kl-state --lam --no-norm-by-std --norm-by-std --out --rows-per-part --scores --set" ;;
+        "advantage") opts="--config --estimator --force --format --gamma --help --json --kl-coef --kl-controller --kl-estimator --kl-state --lam --no-norm-by-std --norm-by-std --out --rows-per-part --scores --set --std-scope" ;;
         "config diff") opts="--help --json" ;;
         "config show") opts="--help --json --set" ;;
         "model init") opts="--force --help --preset --seed" ;;
@@ -36,6 +36,7 @@ _rlctl() {
     case "$cmd $prev" in
         "advantage --estimator") values="gae grpo reinforce_pp reinforce_pp_baseline rloo" ;;
         "advantage --kl-estimator") values="abs abs+ k1 k1+ k2 k2+ k3 k3+ kl kl+ low_var_kl low_var_kl+ mse mse+" ;;
+        "advantage --std-scope") values="group batch" ;;
         "advantage --kl-controller") values="fixed adaptive" ;;
         "advantage --format") values="arrow parquet" ;;
         "model init --preset") values="tiny small medium" ;;

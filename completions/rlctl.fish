@@ -18,6 +18,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from advantage' -l out
 complete -c rlctl -n '__fish_seen_subcommand_from advantage' -l rows-per-part
 complete -c rlctl -n '__fish_seen_subcommand_from advantage' -l scores
 complete -c rlctl -n '__fish_seen_subcommand_from advantage' -l set
+complete -c rlctl -n '__fish_seen_subcommand_from advantage' -l std-scope -xa 'group batch'
 complete -c rlctl -n '__fish_seen_subcommand_from config' -a 'diff' -d 'Print the keys two configs or runs differ in, defaults filled in (values as written).'
 complete -c rlctl -n '__fish_seen_subcommand_from diff' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from diff' -l json

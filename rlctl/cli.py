@@ -234,6 +234,7 @@ def advantage(
     kl_coef: Annotated[Optional[float], typer.Option("--kl-coef", help="KL penalty coefficient in the reward." + _default("advantage.kl_coef"))] = None,
     kl_estimator: Annotated[Optional[str], typer.Option("--kl-estimator", help="k1 (kl), k2 (mse), k3 (low_var_kl, bounded) or abs; a + suffix takes k2's gradient." + _default("advantage.kl_estimator"), metavar=_choices(choices.KL_ESTIMATORS))] = None,
     norm_by_std: Annotated[Optional[bool], typer.Option("--norm-by-std/--no-norm-by-std", help="GRPO: divide by the group's std." + _default("advantage.norm_by_std"))] = None,
+    std_scope: Annotated[Optional[str], typer.Option("--std-scope", help="GRPO's std with --norm-by-std: the group's or the batch's." + _default("advantage.std_scope"), metavar=_choices(choices.STD_SCOPES))] = None,
     kl_controller: Annotated[Optional[str], typer.Option("--kl-controller", help="KL coefficient: fixed, or adaptive towards a target KL." + _default("advantage.kl_controller"), metavar=_choices(choices.KL_CONTROLLERS))] = None,
     kl_state: Annotated[Optional[str], typer.Option("--kl-state", help="A previous advantage output whose KL controller state to continue.")] = None,
     config: ConfigOpt = None,
@@ -248,7 +249,7 @@ def advantage(
     from rlctl.stages import advantage as stage
 
     cfg = _stage_config(config, set_)
-    adv_cfg = override_section(cfg.advantage, estimator=estimator, gamma=gamma, lam=lam, kl_coef=kl_coef, kl_estimator=kl_estimator, norm_by_std=norm_by_std, kl_controller=kl_controller)
+    adv_cfg = override_section(cfg.advantage, estimator=estimator, gamma=gamma, lam=lam, kl_coef=kl_coef, kl_estimator=kl_estimator, norm_by_std=norm_by_std, std_scope=std_scope, kl_controller=kl_controller)
     manifest = stage.run(scores=scores, out=_output(out, fmt, rows_per_part, as_json), cfg=adv_cfg, kl_state=kl_state, force=force)
     _report(manifest, as_json)
 

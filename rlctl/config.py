@@ -31,6 +31,7 @@ from rlctl.choices import (
     RESHARD_DTYPES,
     ROLLOUT_BACKENDS,
     RUN_CHECKS,
+    STD_SCOPES,
     TRUNCATE,
     WORKER_BACKENDS,
 )
@@ -172,6 +173,7 @@ class AdvantageConfig:
     gamma: float = 1.0  # discount of GAE and REINFORCE++ returns
     lam: float = 1.0  # GAE's lambda
     norm_by_std: bool = True  # GRPO: divide by the group's reward std (false = Dr. GRPO)
+    std_scope: str = "group"  # GRPO with norm_by_std: the std of the prompt's group, or of the whole batch (TRL's scale_rewards="batch", Lite PPO)
     kl_coef: float = 0.0  # KL penalty in the per-token reward (needs model.ref); 0 = off
     kl_estimator: str = "k1"  # k1 | k2 | k3 | abs (verl's kl, mse, low_var_kl; + suffix: k2's gradient)
     kl_controller: str = "fixed"  # fixed | adaptive
@@ -181,7 +183,7 @@ class AdvantageConfig:
     def __post_init__(self) -> None:
         check_ranges(self, "advantage", {
             "gamma": between(0.0, 1.0), "lam": between(0.0, 1.0), "kl_coef": at_least(0.0), "kl_controller": one_of(*KL_CONTROLLERS),
-            "kl_target": above(0.0), "kl_horizon": at_least(1),
+            "kl_target": above(0.0), "kl_horizon": at_least(1), "std_scope": one_of(*STD_SCOPES),
         })
 
 
@@ -549,7 +551,7 @@ FOREIGN_KEYS = {
     "kl_loss_type": "update.kl_loss_estimator", "grad_clip": "update.max_grad_norm",
     "num_generations": "rollout.n", "max_completion_length": "rollout.max_new_tokens", "response_length": "rollout.max_new_tokens",
     "max_prompt_length": "data.max_prompt_tokens", "train_batch_size": "data.batch_size", "adv_estimator": "advantage.estimator",
-    "kl_penalty": "advantage.kl_estimator", "beta": "advantage.kl_coef", "norm_adv_by_std_in_grpo": "advantage.norm_by_std",
+    "kl_penalty": "advantage.kl_estimator", "beta": "advantage.kl_coef", "norm_adv_by_std_in_grpo": "advantage.norm_by_std", "scale_rewards": "advantage.std_scope",
     "total_epochs": "pipeline.iterations", "total_training_steps": "pipeline.iterations", "save_freq": "pipeline.save_every",
     "test_freq": "pipeline.val_every", "reward_funcs": "score.rewards", "reward_weights": "score.rewards", "report_to": "pipeline.loggers", "gpu_memory_utilization": "vllm.gpu_memory_utilization",
 }

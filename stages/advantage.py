@@ -86,7 +86,7 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
     _, group_index = np.unique(np.asarray(table.column("id").to_pylist(), dtype=object).astype(str), return_inverse=True)
     result = ESTIMATORS.get(cfg.estimator)(
         token_rewards=token_rewards, response_mask=mask, values=values, group_index=torch.from_numpy(group_index.astype(np.int64)),
-        gamma=cfg.gamma, lam=cfg.lam, norm_by_std=cfg.norm_by_std,
+        gamma=cfg.gamma, lam=cfg.lam, norm_by_std=cfg.norm_by_std, std_scope=cfg.std_scope,
     )
     next_state = next_kl_state(
         state, controller=cfg.kl_controller, observed_kl=observed_kl or 0.0, batch_sequences=len(lengths), target=cfg.kl_target, horizon=cfg.kl_horizon

@@ -38,6 +38,7 @@ class AdvantageEstimator(Protocol):
         gamma: float,
         lam: float,
         norm_by_std: bool,
+        std_scope: str = "group",  # grpo's divisor with norm_by_std: its group's std, or the batch's
     ) -> AdvantageOutput: ...
 
 
@@ -85,7 +86,7 @@ def group_stats(scores: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.
 
 
 @ESTIMATORS.register("gae")
-def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std) -> AdvantageOutput:
+def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group") -> AdvantageOutput:
     """Generalised advantage estimation with a critic; advantages whitened over the batch.
 
     Masked positions are skipped, as if absent: the recursion carries over them unchanged.
@@ -109,13 +110,17 @@ def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_b
 
 
 @ESTIMATORS.register("grpo")
-def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std) -> AdvantageOutput:
-    """Group-relative outcome advantage: (score - group mean) [/ group std], on every token.
-    `norm_by_std=False` (with the seq-mean-token-sum-norm loss) is Dr.GRPO."""
+def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group") -> AdvantageOutput:
+    """Group-relative outcome advantage: (score - group mean) [/ std], on every token. The std
+    is the group's, or with `std_scope="batch"` every sequence's of the batch (TRL's
+    `scale_rewards="batch"`, Lite PPO's group mean with batch std). `norm_by_std=False` (with the
+    seq-mean-token-sum-norm loss) is Dr.GRPO."""
     scores = sequence_scores(token_rewards, response_mask)
     mean, std, size = group_stats(scores, group_index)
     adv = scores - mean
     if norm_by_std:
+        if std_scope == "batch":
+            std = scores.std() if scores.numel() > 1 else torch.zeros((), dtype=scores.dtype)
         adv = adv / (std + EPS)
     adv = torch.where(size > 1, adv, 0)
     advantages = torch.where(response_mask, adv.unsqueeze(-1), 0)
@@ -123,7 +128,7 @@ def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_
 
 
 @ESTIMATORS.register("rloo")
-def rloo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std) -> AdvantageOutput:
+def rloo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group") -> AdvantageOutput:
     """Leave-one-out baseline: score - mean of the other samples of the same prompt."""
     scores = sequence_scores(token_rewards, response_mask)
     mean, _, size = group_stats(scores, group_index)
@@ -145,14 +150,14 @@ def discounted_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor,
 
 
 @ESTIMATORS.register("reinforce_pp")
-def reinforce_pp(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std) -> AdvantageOutput:
+def reinforce_pp(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group") -> AdvantageOutput:
     """REINFORCE++: discounted per-token returns, whitened over the whole batch."""
     returns = discounted_returns(token_rewards, response_mask, gamma)
     return AdvantageOutput(masked_whiten(returns, response_mask), returns)
 
 
 @ESTIMATORS.register("reinforce_pp_baseline")
-def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std) -> AdvantageOutput:
+def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group") -> AdvantageOutput:
     """REINFORCE++ with a group-mean baseline: (score - group mean) on every token, whitened
     over the batch. Groups of one carry no signal (advantage 0) and stay out of the whitening
     statistics, as for grpo and rloo; verl instead uses a baseline of 0 for them, so their

@@ -25,8 +25,10 @@ def random_batch(seed=0, B=7, T=6, groups=(0, 0, 0, 1, 1, 2, 3)):
     return rewards, mask, values, torch.tensor(groups[:B]), lengths
 
 
-def call(name, rewards, mask, values, groups, gamma=0.9, lam=0.8, norm_by_std=True):
-    return ESTIMATORS.get(name)(token_rewards=rewards, response_mask=mask, values=values, group_index=groups, gamma=gamma, lam=lam, norm_by_std=norm_by_std)
+def call(name, rewards, mask, values, groups, gamma=0.9, lam=0.8, norm_by_std=True, std_scope="group"):
+    return ESTIMATORS.get(name)(
+        token_rewards=rewards, response_mask=mask, values=values, group_index=groups, gamma=gamma, lam=lam, norm_by_std=norm_by_std, std_scope=std_scope,
+    )
 
 
 # -- reference implementations: plain Python over valid tokens only --------------------------
@@ -58,8 +60,10 @@ def ref_scores(rewards, lengths):
     return [sum(rewards[i][:n]) for i, n in enumerate(lengths)]
 
 
-def ref_grpo(rewards, lengths, groups, norm_by_std):
+def ref_grpo(rewards, lengths, groups, norm_by_std, std_scope="group"):
     scores = ref_scores(rewards, lengths)
+    batch_mean = sum(scores) / len(scores)
+    batch_std = math.sqrt(sum((s - batch_mean) ** 2 for s in scores) / (len(scores) - 1))
     out = []
     for i, n in enumerate(lengths):
         members = [scores[j] for j in range(len(scores)) if groups[j] == groups[i]]
@@ -67,7 +71,7 @@ def ref_grpo(rewards, lengths, groups, norm_by_std):
             out.append([0.0] * n)
             continue
         mean = sum(members) / len(members)
-        std = math.sqrt(sum((s - mean) ** 2 for s in members) / (len(members) - 1))
+        std = math.sqrt(sum((s - mean) ** 2 for s in members) / (len(members) - 1)) if std_scope == "group" else batch_std
         a = (scores[i] - mean) / (std + 1e-6) if norm_by_std else scores[i] - mean
         out.append([a] * n)
     return out
@@ -124,6 +128,16 @@ def test_grpo_matches_loop(norm_by_std):
     rewards, mask, values, groups, lengths = random_batch(1)
     out = call("grpo", rewards, mask, None, groups, norm_by_std=norm_by_std)
     assert_rows(out.advantages, ref_grpo(rewards.tolist(), lengths, groups.tolist(), norm_by_std), lengths, mask)
+
+
+def test_grpo_with_the_batch_std_divides_each_group_relative_score_by_every_sequences_std():
+    rewards, mask, values, groups, lengths = random_batch(1)
+    out = call("grpo", rewards, mask, None, groups, std_scope="batch")
+    assert_rows(out.advantages, ref_grpo(rewards.tolist(), lengths, groups.tolist(), True, "batch"), lengths, mask)
+    grouped = call("grpo", rewards, mask, None, groups)
+    assert not torch.allclose(out.advantages, grouped.advantages)  # the two scopes differ on this batch
+    unscaled = call("grpo", rewards, mask, None, groups, norm_by_std=False, std_scope="batch")
+    assert torch.equal(unscaled.advantages, call("grpo", rewards, mask, None, groups, norm_by_std=False).advantages)  # no std: no scope
 
 
 def test_rloo_matches_loop():
