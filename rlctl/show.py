@@ -47,6 +47,8 @@ def show(
         raise InputError(f"unknown layout {layout!r}; use {', '.join(SHOW_LAYOUTS)}")
     console = Console(soft_wrap=False)
     kind = classify(uri)
+    if kind != "shards" and (where or sort):
+        raise InputError(f"{uri}: --where and --sort pick a shard's rows; a {kind} has none (a run: --columns and --rows pick its metrics)")
     if kind == "run":
         from rlctl.runinfo import run_summary
 

@@ -169,3 +169,13 @@ def test_where_shows_the_rows_a_condition_holds_for_and_how_many(rollouts, capsy
     assert (data["rows"], data["matched"]) == (2, 1) and [r["sample"] for r in data["head"]] == [1]
     out = shown(capsys, monkeypatch, 200, rollouts, where=["sample >= 1"], layout="table")
     assert out.startswith(f"{rollouts}: 2 rows, rollouts") and "; 1 where sample >= 1" in out.splitlines()[0]
+
+
+def test_where_and_sort_on_something_without_rows_are_refused_not_ignored(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"iteration": 1, "reward_mean": 0.5}) + "\n")
+    with pytest.raises(InputError, match="--where and --sort pick a shard's rows; a run has none"):
+        show(str(run), where=["reward_mean < 1"])
+    with pytest.raises(InputError, match="a run has none"):
+        show(str(run), sort="reward_mean")
