@@ -36,7 +36,15 @@ from rlctl import faults, mkl_kernels
 from rlctl.algos.kl import KLControllerState
 from rlctl.algos.sampling import enough, select_groups
 from rlctl.backends import compiled_layers
-from rlctl.config import Config, apply_overrides, from_dict, load_config, to_dict, to_toml
+from rlctl.config import (
+    Config,
+    UpdateConfig,
+    apply_overrides,
+    from_dict,
+    load_config,
+    to_dict,
+    to_toml,
+)
 from rlctl.dtypes import AUTO, models_device, resolve_dtypes
 from rlctl.errors import ConfigError, InputError
 from rlctl.lineage import make_manifest, shards_ref
@@ -730,7 +738,7 @@ def kl_in_reward(cfg: Config) -> bool:
     return cfg.advantage.kl_coef > 0
 
 
-def describe_schedule(update, batch_size: int) -> str:
+def describe_schedule(update: UpdateConfig, batch_size: int) -> str:
     """`lr 1e-06, 2 optimizer steps per iteration, cosine decay to 0.1× at step 60 (iteration 30)`."""
     from rlctl.trainer import optimizer_steps
 
