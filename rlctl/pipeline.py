@@ -305,8 +305,9 @@ class Pipeline:
         if dynamic:
             row.update({f"dynamic_sampling/{k}": v for k, v in score.manifest.metrics.items()})
         row.update({key: handover[key] for key in ("weights_in_sync", "weight_sync_seconds") if key in handover})
+        saving = (cfg.pipeline.save_every and i % cfg.pipeline.save_every == 0) or i == total
         if cfg.pipeline.val_every and self.val_dataset is not None and i % cfg.pipeline.val_every == 0:
-            row.update(self._validate(i))
+            row.update(self._validate(i, weights_kept=saving))
         update_manifest.metrics = row
         update_manifest.state = {
             **base_state, **compute_state, "handover": handover, "policy_version_after": workers.trainer.step, "train_metrics": train_metrics,
@@ -317,7 +318,7 @@ class Pipeline:
         self.kl_state = next_kl
         self.iteration = i
         self.stream_position += len(rounds) * cfg.data.batch_size
-        if (cfg.pipeline.save_every and i % cfg.pipeline.save_every == 0) or i == total:
+        if saving:
             self._save_checkpoint(i)
         faults.point(f"iter-{i:04d}:after-checkpoint")
         self._write_metrics()
@@ -571,19 +572,25 @@ class Pipeline:
         table, next_state, stats = advantage_table(scores, self.cfg.advantage, self.kl_state)
         return table, {"kl_controller": {"kl_coef": next_state.kl_coef, "steps": next_state.steps}}, stats
 
-    def _validate(self, i: int) -> dict[str, float]:
+    def _validate(self, i: int, *, weights_kept: bool) -> dict[str, float]:
         """Rollouts on the held-out prompts — greedy, or `pipeline.val_n` samples each at
         `pipeline.val_temperature` from the same seed every time, so iterations compare —
-        scored with the same reward."""
+        scored with the same reward. Its manifest names the checkpoint about to hold these
+        weights (`weights_kept`: this iteration saves one), so `rlctl replay` can re-run it."""
         from rlctl.stages.rollout import rollout_table
         from rlctl.stages.score import ScoringModels, score_table
 
         settings = self.cfg.pipeline
+        compute_state = self._compute_state(self._fit_threads(), by_workers=True)  # the threads it runs at, for replay
         sampling = replace(self.cfg.rollout, n=settings.val_n, temperature=settings.val_temperature, seed=0)
         table = rollout_table(self.val_dataset, self.workers.engine, sampling, self.cfg.data, policy_version=self.workers.trainer.step)
         scored = score_table(table, self.reward, ScoringModels(), self.cfg.score)
         metrics = validation_metrics(scored, settings.val_n)
-        manifest = Manifest(stage="validate", config={"rollout": to_dict(sampling)}, state={"iteration": i}, metrics=metrics)
+        state = {
+            "iteration": i, "policy_version": self.workers.trainer.step, **compute_state,
+            "weights_source": str(self.run_dir / "checkpoints" / f"iter-{i:04d}") if weights_kept else None,
+        }
+        manifest = Manifest(stage="validate", config={"rollout": to_dict(sampling), "reward": self.reward.spec}, state=state, metrics=metrics)
         write(scored, str(self._dir(i, "val")), manifest, schema="scores")
         return metrics
 

@@ -21,7 +21,7 @@ from rlctl.manifest import Manifest
 from rlctl.passes import as_recorded
 from rlctl.shards import read, read_manifest, write
 
-REPLAYABLE = ("prompts", "rollout", "score", "filter", "advantage", "update")
+REPLAYABLE = ("prompts", "rollout", "score", "filter", "advantage", "update", "val")
 TIMING_KEYS = ("seconds", "tokens_per_s")
 
 
@@ -42,9 +42,9 @@ def replay_stage(
     recorded, _ = read_manifest(str(path))
     cfg = _recorded_config(load_config(run_dir / "config.resolved.toml"), recorded, overrides or [])
     target = out or str(run_dir / "replay" / iter_dir.name / folder)
-    if name == "score":
-        cfg = _replay_rewards(cfg, recorded, iter_dir.name, reward, trust_run_code)
-    replay = {"prompts": _prompts, "rollout": _rollout, "score": _score, "filter": _filter, "advantage": _advantage, "update": _update}[name]
+    if name in ("score", "val"):
+        cfg = _replay_rewards(cfg, recorded, f"{iter_dir.name}/{folder}", reward, trust_run_code)
+    replay = {"prompts": _prompts, "rollout": _rollout, "score": _score, "filter": _filter, "advantage": _advantage, "update": _update, "val": _val}[name]
     result = replay(cfg, recorded, Round(iter_dir, f"-r{round_}" if round_ else ""), target)
     if not check:
         return f"replayed {iter_dir.name}/{name} into {target}"
@@ -75,7 +75,7 @@ def _compile_note(recorded: Manifest, cfg: Config) -> str:
     return f" (recorded with {how[was]} decoder layers, replayed with {how[cfg.update.compile]} ones: the last bits may differ)"
 
 
-def _replay_rewards(cfg: Config, recorded: Manifest, iteration: str, reward: str | None, trust_run_code: bool) -> Config:
+def _replay_rewards(cfg: Config, recorded: Manifest, stage: str, reward: str | None, trust_run_code: bool) -> Config:
     """The config whose rewards the replayed score uses: `reward` when given, else the
     recorded ones, which must not be code unless the user trusts the run folder."""
     if reward is not None:
@@ -84,13 +84,13 @@ def _replay_rewards(cfg: Config, recorded: Manifest, iteration: str, reward: str
     specs = [term.fn for term in cfg.score.rewards] or [recorded_spec]
     if recorded_spec.startswith("callable:"):
         raise InputError(
-            f"{iteration}/score used a Python function given to Pipeline(reward_fn=...) ({recorded_spec.partition(':')[2]}); replay cannot "
+            f"{stage} used a Python function given to Pipeline(reward_fn=...) ({recorded_spec.partition(':')[2]}); replay cannot "
             "import it: pass --reward file.py:function (or module:function, builtin:NAME) that computes the same reward"
         )
     code = [spec for spec in specs if is_code_reward(spec)]
     if code and not trust_run_code:
         raise InputError(
-            f"replaying {iteration}/score would run the reward code the run folder names ({', '.join(code)}); "
+            f"replaying {stage} would run the reward code the run folder names ({', '.join(code)}); "
             "pass --reward SPEC to choose it yourself, or --trust-run-code if you trust this run folder"
         )
     if cfg.score.rewards:
@@ -201,6 +201,23 @@ def _score(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> pa.
         models = ScoringModels(ref=workers.ref, policy=workers.policy if old_logprobs_source(cfg) == "recompute" else None, critic=workers.critic)
         table = score_table(read(str(iter_dir / "rollout"), "rollouts").table, reward, models, cfg.score)
     write(table, target, Manifest(stage="score", state={"replay_of": str(iter_dir / "score")}), schema="scores")
+    return read(target).table
+
+
+def _val(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> pa.Table:
+    """The validation again: the held-out prompts, sampled as recorded (its `rollout` section)
+    from the iteration's checkpoint, scored with the run's reward."""
+    from rlctl.rewards import load_rewards
+    from rlctl.stages.rollout import rollout_table
+    from rlctl.stages.score import ScoringModels, score_table
+
+    if not cfg.data.val_prompts:
+        raise InputError(f"{iter_dir.name}/val: the run's config names no data.val_prompts to validate on")
+    prompts = read(cfg.data.val_prompts, "prompts").table
+    reward = load_rewards(cfg.score, device=cfg.model.device)
+    with _run_workers(cfg, policy=_weights(recorded), generate=True) as workers:
+        table = rollout_table(prompts, workers.engine, cfg.rollout, cfg.data, policy_version=recorded.state["policy_version"])
+    write(score_table(table, reward, ScoringModels(), cfg.score), target, Manifest(stage="validate", state={"replay_of": str(iter_dir / "val")}), schema="scores")
     return read(target).table
 
 

@@ -169,7 +169,7 @@ def test_a_run_with_compiled_layers_resumes_bit_identical_and_replays_its_update
 
 
 def test_replay_check_is_identical_for_every_stage_at_the_thread_count_it_ran_at(cli, tmp_path, tiny_model, monkeypatch):
-    config = write_config(tmp_path, tiny_model, pipeline={"iterations": 2}, workers={"threads": 0})
+    config = write_config(tmp_path, tiny_model, pipeline={"iterations": 2, "val_every": 1, "val_n": 2, "val_temperature": 0.8}, workers={"threads": 0})
     monkeypatch.setattr(ThreadGovernor, "MIN_WINDOW", 0.0)
     monkeypatch.setattr("rlctl.threads.threads_for", lambda limit, others_busy: 1)  # other processes left one CPU free
     with Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"]) as pipeline:
@@ -178,7 +178,7 @@ def test_replay_check_is_identical_for_every_stage_at_the_thread_count_it_ran_at
     recorded = {s: shards.read_manifest(str(tmp_path / "run" / "iter-0002" / s))[0].state for s in ("rollout", "score", "advantage", "update")}
     assert {(state["torch_threads"], state["mkl_kernels"]) for state in recorded.values()} == {(1, mkl_kernels.recorded())}
     for i in (1, 2):
-        for stage in ("prompts", "rollout", "score", "advantage", "update"):
+        for stage in ("prompts", "rollout", "score", "advantage", "update", "val"):
             result = cli("replay", tmp_path / "run" / f"iter-{i:04d}" / stage, "--check")
             assert result.exit_code == 0, result.stderr
             assert result.stdout.strip() == "identical", (i, stage, result.stdout)
