@@ -233,6 +233,7 @@ class UpdateConfig:
     lr_schedule: str = "constant"  # constant | linear | cosine: after the warm-up, lr falls to lr × min_lr_ratio at optimizer step decay_steps, then holds
     decay_steps: int = 0  # optimizer steps from the first to the floor of a linear or cosine schedule (the pipeline's plan says its steps per iteration)
     min_lr_ratio: float = 0.0  # the floor of the decay, as a share of lr
+    critic_warmup: int = 0  # optimizer steps at the start that train only the critic (PPO with a fresh value head; verl's trainer.critic_warmup counts iterations, --dry-run says the steps per iteration); the policy's lr schedule starts after
     bf16: str = "auto"  # bf16 autocast in training: auto (where the CPU/GPU has native bf16) | true | false
     compile: bool = False  # torch.compile the decoder layers' training pass: ~5–20 s once per process (a C++ compiler on the CPU), then small-preset updates 0.93× (fp32) / 0.87× (bf16), Qwen2.5-0.5B's shape ~1×
     seed: int = 0  # seed of mini-batch shuffling and dropout
@@ -251,7 +252,7 @@ class UpdateConfig:
             "rollout_is": one_of("off", "token", "sequence"), "rollout_is_threshold": above(1.0),
             "loss_horizon": at_least(0), "kl_loss_coef": at_least(0.0), "cliprange_value": above(0.0), "vf_coef": at_least(0.0),
             "max_grad_norm": at_least(0.0), "weight_decay": at_least(0.0), "warmup_steps": at_least(0), "bf16": one_of(*AUTOCAST_CHOICES),
-            "lr_schedule": one_of(*LR_SCHEDULES), "decay_steps": at_least(0), "min_lr_ratio": between(0.0, 1.0),
+            "lr_schedule": one_of(*LR_SCHEDULES), "decay_steps": at_least(0), "min_lr_ratio": between(0.0, 1.0), "critic_warmup": at_least(0),
             "micro_batch_tokens": lambda v: None if v == "auto" or (isinstance(v, str) and v.isascii() and v.isdigit()) else "must be auto, 0 (no cap) or a number of tokens",
         })
 

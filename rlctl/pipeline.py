@@ -113,6 +113,8 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
         raise ConfigError("advantage.kl_coef > 0 needs a reference model: set model.ref")
     if cfg.update.use_kl_loss and not cfg.model.ref:
         raise ConfigError("update.use_kl_loss needs a reference model: set model.ref")
+    if cfg.update.critic_warmup and not cfg.model.critic:
+        raise ConfigError("update.critic_warmup trains only the critic for its steps: set model.critic")
     if cfg.advantage.estimator in NEEDS_VALUES and not cfg.model.critic:
         raise ConfigError(f"estimator {cfg.advantage.estimator} needs a critic: set model.critic")
     if cfg.data.batch_size < 1 or cfg.rollout.n < 1 or cfg.pipeline.iterations < 1:
@@ -631,6 +633,7 @@ class Pipeline:
             "prompt_sharing": train.get("prompt_sharing"),
             "zero_advantage_skipped": train.get("zero_advantage_skipped"),  # share of the rows the update left out (rlctl.trainer.rows_with_gradient)
             **{k: train[k] for k in ("skipped_steps", "vf_skipped_steps") if k in train},  # optimizer steps left out for a non-finite gradient
+            **({"critic_warmup": train["critic_warmup"]} if "critic_warmup" in train else {}),  # the share of steps that trained only the critic
             "torch_threads": train.get("torch_threads"),
             "seconds/io": io["seconds"],
             **reward_component_means(scores),

@@ -260,8 +260,12 @@ class Trainer:
             self.critic_optimizer.load_state_dict(state["critic_optimizer"])
 
     def lr_at(self, step: int) -> float:
-        """The policy's rate at optimizer step `step` (rlctl.algos.lr_schedule)."""
+        """The policy's rate at optimizer step `step` (rlctl.algos.lr_schedule); its schedule
+        starts when the critic's warm-up ends (0 before)."""
         cfg = self.cfg
+        step -= cfg.critic_warmup
+        if step < 0:
+            return 0.0
         return lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule, decay_steps=cfg.decay_steps, min_lr_ratio=cfg.min_lr_ratio)
 
     # -- training ---------------------------------------------------------------------
@@ -282,6 +286,7 @@ class Trainer:
         started = time.perf_counter()
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
         totals: dict[str, float] = {}
+        reported: dict[str, int] = {}
         steps = 0
         if self.policy is not None:
             self.policy.model.train()
@@ -293,6 +298,7 @@ class Trainer:
                 faults.point(f"rank-{self.ranks.rank}:optimizer-step-{self.step}")
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + v
+                    reported[k] = reported.get(k, 0) + 1
                 steps += 1
         if self.policy is not None:
             self.policy.model.eval()
@@ -304,7 +310,7 @@ class Trainer:
             )
         seconds = time.perf_counter() - started
         tokens = int(batch.response_mask.sum()) * cfg.epochs
-        metrics = {k: v / steps for k, v in totals.items()}
+        metrics = {k: v / reported[k] for k, v in totals.items()}  # a mean over the steps that measured it
         metrics.update({k: totals[k] for k in ("skipped_steps", "vf_skipped_steps") if k in totals})  # counts, not means
         metrics.update({"step": self.step, "lr": self.lr_at(self.step - 1), "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)})
         return metrics
@@ -317,14 +323,15 @@ class Trainer:
                 optimizer.zero_grad(set_to_none=True)
         mask = batch.response_mask[indices]
         norms = {"batch_tokens": int(mask.sum()), "batch_seqs": len(indices), "horizon": cfg.loss_horizon or batch.response_mask.shape[1]}
-        stats = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": 0.0, "entropy": 0.0} if self.policy is not None else {}
-        if self.policy is not None and batch.ref_logprobs is not None:  # reported whenever measurable; a loss only with use_kl_loss
+        policy = self.policy if self.policy_trains() else None  # the critic's warm-up leaves the policy alone
+        stats = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": 0.0, "entropy": 0.0} if policy is not None else {}
+        if policy is not None and batch.ref_logprobs is not None:  # reported whenever measurable; a loss only with use_kl_loss
             stats["kl"] = 0.0
         if self.critic is not None:
             stats["vf_loss"] = 0.0
-        if self.policy is not None and batch.old_logprobs is None and batch.rollout_logprobs is not None:
+        if policy is not None and batch.old_logprobs is None and batch.rollout_logprobs is not None:
             stats["logprob_mismatch"] = 0.0  # engine vs trainer, measured where the old log-probs are made
-        if self.policy is not None and cfg.rollout_is != "off":
+        if policy is not None and cfg.rollout_is != "off":
             if batch.rollout_logprobs is None:
                 raise InputError("update.rollout_is needs the engine's rollout_logprobs in the batch")
             stats["rollout_is_weight"] = 0.0
@@ -340,7 +347,7 @@ class Trainer:
         rows = trained.tolist()
         prompts = [batch.prompt_ids[i] for i in rows]
         # decided from the mini-batch's trained rows, so every rank makes the same forward calls (FSDP)
-        share_prompts = self.policy is not None and self.policy.shares_prompts(prompts)
+        share_prompts = policy is not None and policy.shares_prompts(prompts)
         groups = dict(zip(rows, distinct_prompts(prompts)[1])) if share_prompts else None  # the mini-batch's rows only
         for micro, weight in self.ranks.micro_batches(trained, cfg.micro_batch_size, lengths, groups, token_cap(cfg.micro_batch_tokens, device.type, *self.shapes)):
             scale = 0.0 if weightless else weight * self.ranks.grad_scale
@@ -355,7 +362,7 @@ class Trainer:
             def take(t: torch.Tensor, rows=micro, width=width) -> torch.Tensor:
                 return t[rows, :width].to(device)
 
-            if self.policy is not None:
+            if policy is not None:
                 shared_rows = ([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro]) if share_prompts else None
                 self._policy_backward(batch, packed, shared_rows, take, norms, weight, scale, tokens, forward_context, stats)
             if self.critic is not None:
@@ -369,7 +376,7 @@ class Trainer:
                 (cfg.vf_coef * vf_loss * scale).backward()
                 stats["vf_loss"] += weight * float(vf_loss.detach())
         stats = self.ranks.sum(stats)
-        if self.policy is not None:  # the same on every rank, so not summed: the share of optimizer steps whose passes ran
+        if policy is not None:  # the same on every rank, so not summed: the share of optimizer steps whose passes ran
             # each prompt once, and the share of the mini-batch's rows left out for a zero advantage (metrics)
             stats["prompt_sharing"] = float(share_prompts)
             stats["zero_advantage_skipped"] = (len(indices) - (0 if weightless else len(trained))) / len(indices)
@@ -420,9 +427,16 @@ class Trainer:
         stats["ppo_kl"] += weight * float(pg.approx_kl.detach().sum()) / tokens
         stats["entropy"] += weight * float(torch.where(m, entropy.detach(), 0).sum()) / tokens
 
+    def policy_trains(self) -> bool:
+        """Whether the coming optimizer step moves the policy: not during the critic's warm-up
+        (`update.critic_warmup`: the first optimizer steps train only the critic)."""
+        return self.policy is not None and self.step >= self.cfg.critic_warmup
+
     def _optimizer_step(self) -> dict[str, float]:
         stats: dict[str, float] = {}
-        if self.optimizer is not None:
+        if self.policy is not None and self.cfg.critic_warmup:
+            stats["critic_warmup"] = 0.0 if self.policy_trains() else 1.0  # the share of the update's steps the policy sat out
+        if self.optimizer is not None and self.policy_trains():
             lr = self.lr_at(self.step)
             stats["grad_norm"] = grad_norm = _clip(trainable(self.policy.model), self.cfg.max_grad_norm)
             for group in self.optimizer.param_groups:

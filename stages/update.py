@@ -57,6 +57,8 @@ def run(
     check_model_dir(model)
     if critic:
         check_model_dir(critic)
+    elif cfg.critic_warmup:
+        raise InputError("update.critic_warmup trains only the critic for its steps: give --critic")
     inputs = [shards_ref(source), model_ref(model)] + ([model_ref(critic)] if critic else [])
     manifest = make_manifest("update", {"update": to_dict(cfg), "critic": critic or ""}, inputs, seed=cfg.seed)
     if (existing := up_to_date(out, manifest, force)) is not None:

@@ -254,6 +254,19 @@ def test_sampled_validation_scores_the_mean_and_the_best_of_n_samples_from_the_s
     assert manifest.config["rollout"]["n"] == 3 and manifest.config["rollout"]["seed"] == 0 and manifest.metrics["val/best_of_3"] == rows[0]["val/best_of_3"]
 
 
+def test_a_critic_warm_up_holds_the_policy_for_its_optimizer_steps(tmp_path, tiny_model):
+    config = write_config(tmp_path, tiny_model, pipeline={"iterations": 2, "val_every": 0}, update={"critic_warmup": 4})  # one iteration's 4 steps
+    with Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"]) as pipeline:
+        digests = [pipeline.workers.weights_digest()]
+        rows = [pipeline.step(total=2)]
+        digests.append(pipeline.workers.weights_digest())
+        rows.append(pipeline.step(total=2))
+        digests.append(pipeline.workers.weights_digest())
+    assert digests[0] == digests[1] != digests[2]  # iteration 1 trained only the critic
+    assert [(r["critic_warmup"], r["lr"]) for r in rows] == [(1.0, 0.0), (0.0, 1e-3)]
+    assert rows[0]["pg_loss"] is None and rows[1]["pg_loss"] is not None and rows[0]["vf_loss"] is not None
+
+
 def test_run_folder_layout_show_and_plot(cli, reference_run, tmp_path):
     _, run = reference_run
     assert (run / "config.resolved.toml").exists() and len((run / "metrics.jsonl").read_text().splitlines()) == 4
@@ -314,6 +327,7 @@ def test_keep_shards_prunes_old_stage_outputs(tmp_path, tiny_model):
     (["--set", "model.critic="], "estimator gae needs a critic"),
     (["--set", "advantage.estimator=ppo"], "unknown advantage estimator 'ppo'"),
     (["--set", "pipeline.val_n=4"], "pipeline.val_n = 4 with val_temperature = 0: greedy samples of a prompt are all alike"),
+    (["--set", "model.critic=", "--set", "advantage.estimator=grpo", "--set", "update.critic_warmup=4"], "update.critic_warmup trains only the critic for its steps: set model.critic"),
     (["--set", "update.lr_schedule=cosine"], "decays until update.decay_steps (0), which must exceed update.warmup_steps (0): set it in optimizer steps; this batch takes 4 optimizer steps per update"),
 ])
 def test_bad_configs_fail_before_any_work(cli, tmp_path, tiny_model, args, fragment):

@@ -516,3 +516,26 @@ def test_the_trainer_follows_the_configured_schedule_and_a_decay_needs_its_steps
     with pytest.raises(InputError, match=r"update.lr_schedule = cosine decays until update.decay_steps \(0\), which must exceed update.warmup_steps \(0\): "
                                          r"set it in optimizer steps; this batch takes 4 optimizer steps per update"):
         check_update_config(UpdateConfig(lr_schedule="cosine", mini_batch_size=4, epochs=2), 8)
+
+
+def test_the_critics_warm_up_trains_only_the_critic_then_the_policy_starts_its_schedule(tiny_model):
+    from dataclasses import replace
+
+    from rlctl.backends.hf import ValueModel
+
+    policy = HFPolicy.load(tiny_model, "cpu")
+    critic = ValueModel.load(tiny_model, torch.device("cpu"))
+    batch = make_batch()
+    batch = replace(batch, old_values=torch.where(batch.response_mask, 0.1, 0.0), returns=torch.where(batch.response_mask, 1.0, 0.0))
+    cfg = UpdateConfig(lr=1e-3, critic_lr=1e-3, mini_batch_size=4, micro_batch_size=4, critic_warmup=3, warmup_steps=2)
+    trainer = Trainer(policy, cfg, critic=critic)
+    before, critic_before = weights(policy), {k: v.clone() for k, v in critic.state_dict().items()}
+
+    first = trainer.train(batch)  # steps 0 and 1: both within the warm-up
+    assert all(torch.equal(before[k], v) for k, v in weights(policy).items())  # the policy sat still
+    assert any(not torch.equal(critic_before[k], v) for k, v in critic.state_dict().items())  # the critic learned
+    assert (first["critic_warmup"], first["lr"]) == (1.0, 0.0) and "pg_loss" not in first and first["vf_loss"] > 0
+
+    second = trainer.train(batch)  # step 2 still warms the critic; step 3 is the policy's first, at its warm-up's first rate
+    assert second["critic_warmup"] == 0.5 and second["lr"] == pytest.approx(1e-3 / 2)
+    assert "pg_loss" in second and any(not torch.equal(before[k], v) for k, v in weights(policy).items())
