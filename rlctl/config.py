@@ -360,6 +360,15 @@ class Config:
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 
 
+RESOLVED_CONFIG = "config.resolved.toml"  # what a pipeline run folder records it runs with
+
+
+def recorded_config(run_dir: str | Path) -> Config | None:
+    """The config a run folder saved when it started, if any."""
+    saved = Path(run_dir) / RESOLVED_CONFIG
+    return load_config(saved) if saved.exists() else None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *, data: dict | None = None) -> Config:
     """Read `path` (or take `data`), apply `section.key=value` overrides, return a `Config`."""
     raw: dict[str, Any] = {}

@@ -20,12 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.config import (
+    RESOLVED_CONFIG,
     SECTIONS,
     Config,
     ConfigError,
     RewardTerm,
     _toml_value,
     load_config,
+    recorded_config,
     to_dict,
 )
 
@@ -117,13 +119,11 @@ def differences(a: Config, b: Config) -> list[tuple[str, Any, Any]]:
 
 def config_of(source: str | Path) -> Config:
     """A TOML config file, or a run folder's config.resolved.toml (what it ran with)."""
-    path = Path(source)
-    if path.is_dir():
-        resolved = path / "config.resolved.toml"
-        if not resolved.is_file():
-            raise ConfigError(f"{source}: a folder without config.resolved.toml (not a pipeline run folder)")
-        path = resolved
-    return load_config(path)
+    if not Path(source).is_dir():
+        return load_config(source)
+    if (recorded := recorded_config(source)) is None:
+        raise ConfigError(f"{source}: a folder without {RESOLVED_CONFIG} (not a pipeline run folder)")
+    return recorded
 
 
 def as_json(cfg: Config) -> list[dict[str, Any]]:

@@ -37,11 +37,13 @@ from rlctl.algos.kl import KLControllerState
 from rlctl.algos.sampling import enough, select_groups
 from rlctl.backends import compiled_layers
 from rlctl.config import (
+    RESOLVED_CONFIG,
     Config,
     UpdateConfig,
     apply_overrides,
     from_dict,
     load_config,
+    recorded_config,
     to_dict,
     to_toml,
 )
@@ -58,6 +60,7 @@ from rlctl.runinfo import iteration_folders
 from rlctl.sample_stats import reward_stats, rollout_stats, validation_metrics
 from rlctl.shards import Shards, commit_empty, filesystem, is_committed, read, read_manifest, write
 from rlctl.stages.rollout import stage_config as rollout_stage_config
+from rlctl.tensors import list_lengths
 from rlctl.threads import ThreadGovernor
 
 STAGES = ("rollout", "score", "advantage", "update")
@@ -605,7 +608,7 @@ class Pipeline:
     # -- metrics, checkpoints, files --------------------------------------------------
 
     def _metrics_row(self, i, rollouts: pa.Table, scores: pa.Table, adv_stats: dict, train: dict, timings: dict, io: dict) -> dict:
-        lengths = np.asarray([len(r) for r in rollouts.column("response_ids").to_pylist()], dtype=np.float64)
+        tokens = int(list_lengths(rollouts.column("response_ids")).sum())
         rewards = np.asarray(scores.column("reward").to_pylist(), dtype=np.float64)
         kl = adv_stats.get("kl")  # None without a reference model: not recorded
         row: dict[str, Any] = {
@@ -628,7 +631,7 @@ class Pipeline:
             **reward_stats(scores),
             "logprob_mismatch": _logprob_mismatch(scores) if "old_logprobs" in scores.column_names else train.get("logprob_mismatch"),  # "update": measured in the update
             **rollout_correction(scores, self.cfg.pipeline.rollout_is_threshold),
-            "rollout_tokens_per_s": float(lengths.sum() / timings["rollout"]) if timings.get("rollout") else None,
+            "rollout_tokens_per_s": tokens / timings["rollout"] if timings.get("rollout") else None,
             "train_tokens_per_s": train.get("tokens_per_s"),
             "prompt_sharing": train.get("prompt_sharing"),
             "zero_advantage_skipped": train.get("zero_advantage_skipped"),  # share of the rows the update left out (rlctl.trainer.rows_with_gradient)
@@ -671,7 +674,7 @@ class Pipeline:
 
     def _write_resolved_config(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.run_dir / "config.resolved.toml", to_toml(self.cfg))
+        _atomic_write(self.run_dir / RESOLVED_CONFIG, to_toml(self.cfg))
 
     def _commit_manifest(self, folder: Path, manifest: Manifest) -> None:
         commit_empty(str(folder), manifest)
@@ -797,17 +800,11 @@ def training_config(cfg: Config) -> dict[str, Any]:
     return out
 
 
-def recorded_config(run_dir: Path) -> Config | None:
-    """The config a run folder saved when it started, if any."""
-    saved = run_dir / "config.resolved.toml"
-    return load_config(saved) if saved.exists() else None
-
-
 def check_resume_config(run_dir: Path, cfg: Config, *, allow: bool) -> dict[str, list]:
     """A run folder with progress resumes with the config it started with: a change to a key
     that shapes the training is exit 2 with the changed keys, unless `allow`
     (`--resume-with-changes`); then the changes are returned, for the next checkpoint's record."""
-    saved = run_dir / "config.resolved.toml"
+    saved = run_dir / RESOLVED_CONFIG
     if not saved.exists() or not committed_checkpoints(run_dir):
         return {}
     before, after = training_config(load_config(saved)), training_config(cfg)

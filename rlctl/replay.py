@@ -15,7 +15,13 @@ from pathlib import Path
 import pyarrow as pa
 
 from rlctl import mkl_kernels
-from rlctl.config import Config, apply_overrides, load_config, section_from_dict
+from rlctl.config import (
+    RESOLVED_CONFIG,
+    Config,
+    apply_overrides,
+    recorded_config,
+    section_from_dict,
+)
 from rlctl.errors import InputError
 from rlctl.manifest import Manifest
 from rlctl.passes import as_recorded
@@ -37,10 +43,11 @@ def replay_stage(
     run_dir = iter_dir.parent
     if name not in REPLAYABLE or (round_ and not round_.isdigit()):
         raise InputError(f"{stage_dir}: not a stage folder; replayable stages are {', '.join(REPLAYABLE)}")
-    if not (run_dir / "config.resolved.toml").exists():
-        raise InputError(f"{run_dir}: not a pipeline run folder (no config.resolved.toml)")
+    run_cfg = recorded_config(run_dir)
+    if run_cfg is None:
+        raise InputError(f"{run_dir}: not a pipeline run folder (no {RESOLVED_CONFIG})")
     recorded, _ = read_manifest(str(path))
-    cfg = _recorded_config(load_config(run_dir / "config.resolved.toml"), recorded, overrides or [])
+    cfg = _recorded_config(run_cfg, recorded, overrides or [])
     target = out or str(run_dir / "replay" / iter_dir.name / folder)
     if name in ("score", "val"):
         cfg = _replay_rewards(cfg, recorded, f"{iter_dir.name}/{folder}", reward, trust_run_code)

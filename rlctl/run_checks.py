@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlctl.config import Config, load_config
+from rlctl.config import Config, recorded_config
 from rlctl.errors import RlctlError
 from rlctl.sample_stats import EQUAL_REWARD_TOLERANCE
 
@@ -113,12 +113,9 @@ def skipped_steps(rows: list[dict[str, Any]]) -> Finding | None:
 
 
 def resolved_config(run_dir: str | Path) -> Config | None:
-    """The run's `config.resolved.toml` as a Config; None where it is missing or unreadable
-    (a run folder of another rlctl version): the findings then do without it."""
-    path = Path(run_dir) / "config.resolved.toml"
-    if not path.is_file():
-        return None
+    """The run's recorded config; None where it is missing or unreadable (a run folder of
+    another rlctl version): the findings then do without it."""
     try:
-        return load_config(path)
+        return recorded_config(run_dir)
     except RlctlError:
         return None

@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rlctl.choices import SHOW_LAYOUTS
+from rlctl.config import RESOLVED_CONFIG
 from rlctl.errors import InputError
 from rlctl.manifest import MANIFEST_NAME, Manifest
 from rlctl.row_filter import list_means, rows_where
@@ -121,7 +122,7 @@ def classify(uri: str) -> str:
     if path.endswith(MANIFEST_NAME):
         return "manifest"
     if fs.isdir(path):
-        if fs.exists(path.rstrip("/") + "/metrics.jsonl") or fs.exists(path.rstrip("/") + "/config.resolved.toml"):
+        if fs.exists(path.rstrip("/") + "/metrics.jsonl") or fs.exists(path.rstrip("/") + "/" + RESOLVED_CONFIG):
             return "run"
         if fs.exists(path.rstrip("/") + "/config.json"):
             return "checkpoint"
