@@ -17,18 +17,39 @@ EQUAL_REWARD_TOLERANCE = 1e-6  # rewards this close count as equal: the group's 
 def rollout_stats(rollouts: pa.Table) -> dict[str, float | None]:
     """Response and prompt lengths in tokens, and the share of responses that ended at the
     length limit (`finish_reason == "length"`) rather than at a stop token."""
+    return merged_rollout_stats([rollout_tally(rollouts)])
+
+
+def rollout_tally(rollouts: pa.Table) -> dict[str, int]:
+    """The counts, sums and extremes `rollout_stats` is made of, so that rows spread over
+    several writers (a worker group's ranks, each writing its own part) give the statistics
+    of all of them without the rows travelling: `merged_rollout_stats` of their tallies."""
     if rollouts.num_rows == 0:
-        return {}
-    responses = list_lengths(rollouts.column("response_ids")).astype(np.float64)
-    prompts = list_lengths(rollouts.column("prompt_ids")).astype(np.float64)
+        return {"rows": 0}
+    responses = list_lengths(rollouts.column("response_ids"))
+    prompts = list_lengths(rollouts.column("prompt_ids"))
     cut = np.asarray(rollouts.column("finish_reason").to_pylist(), dtype=object) == "length"
     return {
-        "response_length": float(responses.mean()),
-        "response_length/max": float(responses.max()),
-        "response_length/min": float(responses.min()),
-        "response_length/clip_ratio": float(cut.mean()),
-        "prompt_length": float(prompts.mean()),
-        "prompt_length/max": float(prompts.max()),
+        "rows": rollouts.num_rows,
+        "response_tokens": int(responses.sum()), "response_max": int(responses.max()), "response_min": int(responses.min()),
+        "cut": int(cut.sum()),
+        "prompt_tokens": int(prompts.sum()), "prompt_max": int(prompts.max()),
+    }
+
+
+def merged_rollout_stats(tallies: list[dict[str, int]]) -> dict[str, float | None]:
+    """`rollout_stats` of the rows that `tallies` (from `rollout_tally`) counted together."""
+    tallies = [tally for tally in tallies if tally["rows"]]
+    if not tallies:
+        return {}
+    rows = sum(tally["rows"] for tally in tallies)
+    return {
+        "response_length": sum(tally["response_tokens"] for tally in tallies) / rows,
+        "response_length/max": float(max(tally["response_max"] for tally in tallies)),
+        "response_length/min": float(min(tally["response_min"] for tally in tallies)),
+        "response_length/clip_ratio": sum(tally["cut"] for tally in tallies) / rows,
+        "prompt_length": sum(tally["prompt_tokens"] for tally in tallies) / rows,
+        "prompt_length/max": float(max(tally["prompt_max"] for tally in tallies)),
     }
 
 

@@ -21,7 +21,7 @@ from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
 from rlctl.manifest import Manifest
 from rlctl.progress import progress_bar
-from rlctl.sample_stats import rollout_stats
+from rlctl.sample_stats import merged_rollout_stats, rollout_stats
 from rlctl.shards import OutputSpec, read, write
 from rlctl.tensors import list_column, set_columns
 
@@ -152,5 +152,6 @@ def sampling_of(table: pa.Table) -> dict:
 
 
 def rollout_parts_on_workers(group, prompts: pa.Table, cfg: RolloutConfig, data: DataConfig, version: int, out: OutputSpec, manifest: Manifest) -> Manifest:
-    """Each rank generates for its contiguous slice of the prompts and writes its own part."""
-    return group.commit_parts("rollout_part", prompts, lambda _: (to_dict(cfg), to_dict(data), version), out, manifest, "rollouts")
+    """Each rank generates for its contiguous slice of the prompts and writes its own part;
+    the manifest's sample statistics come from the ranks' tallies of their rows."""
+    return group.commit_parts("rollout_part", prompts, lambda _: (to_dict(cfg), to_dict(data), version), out, manifest, "rollouts", summarize=merged_rollout_stats)

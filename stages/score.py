@@ -168,4 +168,5 @@ def score_parts_on_workers(group, table: pa.Table, reward: RewardSet, models: Sc
     def part_inputs(rows: slice) -> tuple:
         return rewards[rows], roles, to_dict(cfg), ref_logprobs[rows] if ref_logprobs is not None else None, values[rows] if values is not None else None
 
+    manifest.metrics = reward_stats(set_columns(table, {"reward": pa.array(rewards, pa.float32())}))  # the rewards and ids are the controller's
     return group.commit_parts("score_part", table, part_inputs, out, manifest, "scores")

@@ -289,11 +289,13 @@ class RayWorkers:
     def critic_digest(self) -> str:
         return (self.critic_pool or self)._digest("critic")
 
-    def commit_parts(self, method: str, rows, extra, out, manifest: Manifest, schema: str) -> Manifest:
+    def commit_parts(self, method: str, rows, extra, out, manifest: Manifest, schema: str, summarize=None) -> Manifest:
         """Each rank turns its contiguous slice of `rows` into its own part of the output,
         `method(rows_slice, slice_start, *extra(slice), uri, part_name, format)`, and writes it
         straight to `out`; the manifest is committed once every part exists. A rank that dies
-        leaves no committed part: its file goes with the uncommitted write. One part per rank."""
+        leaves no committed part: its file goes with the uncommitted write. One part per rank.
+        With `summarize`, the manifest's metrics are `summarize(summaries)` of what the ranks
+        reported about their rows (None from a rank without rows)."""
         from rlctl import schemas
         from rlctl.folders import OutputWrite
         from rlctl.manifest import FileEntry
@@ -305,12 +307,15 @@ class RayWorkers:
         slices = row_slices(rows.num_rows, self.size)
         with OutputWrite(fs, path, out.uri) as writing:
             names = [writing.expect(writing.part_name(rank, PART_SUFFIX[out.format])) for rank in range(self.size)]
-            entries = self.call_ranks(
+            written = self.call_ranks(
                 method, lambda rank: (rows.slice(slices[rank].start, slices[rank].stop - slices[rank].start), slices[rank].start, *extra(slices[rank]), out.uri, names[rank], out.format),
             )
+            written = [part for part in written if part is not None]
             spec = schemas.spec(schema)
             manifest.schema, manifest.schema_version, manifest.format = spec.name, spec.version, out.format
-            manifest.files = [FileEntry(**entry) for entry in entries if entry is not None]
+            manifest.files = [FileEntry(**part["file"]) for part in written]
+            if summarize is not None:
+                manifest.metrics = summarize([part["summary"] for part in written])
             return writing.commit(manifest)
 
     def call_ranks(self, method: str, arguments) -> list:
@@ -605,8 +610,10 @@ class RankWorker:
         if prompts.num_rows == 0:
             return None
         cfg = RolloutConfig(**rollout)
+        from rlctl.sample_stats import rollout_tally
+
         table = rollout_table(prompts, self.generator or self.engine, cfg, DataConfig(**data), policy_version=policy_version, on_tokens=lambda _: None, first_row=start * cfg.n)
-        return self._write_part(table, "rollouts", uri, name, fmt)
+        return self._write_part(table, "rollouts", uri, name, fmt, summary=rollout_tally(table))
 
     def score_part(
         self, rows, start: int, rewards: list, roles: list, score: dict, ref_logprobs: list | None, values: list | None, uri: str, name: str, fmt: str,
@@ -624,7 +631,8 @@ class RankWorker:
             table = with_model_columns(rows, rewards, models, section_from_dict("score", score), ref_logprobs=ref_logprobs, values=values)
         return self._write_part(table, "scores", uri, name, fmt)
 
-    def _write_part(self, table, schema: str, uri: str, name: str, fmt: str) -> dict:
+    def _write_part(self, table, schema: str, uri: str, name: str, fmt: str, summary: dict | None = None) -> dict:
+        """The part's file entry, and `summary` of its rows for the controller's manifest."""
         from rlctl import schemas
         from rlctl.folders import PartSink
         from rlctl.shards import filesystem, write_part
@@ -633,7 +641,7 @@ class RankWorker:
         fs, path = filesystem(uri)
         entry = write_part(PartSink(fs, path), name, table.to_batches(), table.schema, fmt)
         faults.point(f"rank-{self.rank}:{schema}-part-written")
-        return asdict(entry)
+        return {"file": asdict(entry), "summary": summary}
 
     def train(self, batch) -> dict:
         return self.trainer.train(batch)

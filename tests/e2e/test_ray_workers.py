@@ -203,6 +203,9 @@ def test_stage_commands_on_two_workers_write_what_one_process_writes(ray_session
     assert local_r.drop_columns(["rollout_logprobs"]).equals(ray_r.drop_columns(["rollout_logprobs"]))
     assert [f.rows for f in shards.read_manifest(str(runs["ray"] / "r"))[0].files] == [6, 3]  # each rank wrote its part
     assert [f.rows for f in shards.read_manifest(str(runs["ray"] / "s"))[0].files] == [5, 4]
+    for stage in ("r", "s"):  # the sample statistics of rows the ranks wrote are those of one process's rows
+        local_metrics, ray_metrics = (shards.read_manifest(str(runs[name] / stage))[0].metrics for name in ("local", "ray"))
+        assert ray_metrics == local_metrics and ray_metrics, stage
     local_s, ray_s = shards.read(str(runs["local"] / "s")).table, shards.read(str(runs["ray"] / "s")).table
     for column in ("ref_logprobs", "old_logprobs", "values", "rollout_logprobs"):
         a, b = local_s.column(column).to_pylist(), ray_s.column(column).to_pylist()

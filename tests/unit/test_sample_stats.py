@@ -4,7 +4,14 @@ prompt groups whose samples all got the same reward."""
 import pyarrow as pa
 import pytest
 
-from rlctl.sample_stats import equal_reward_share, reward_stats, rollout_stats, validation_metrics
+from rlctl.sample_stats import (
+    equal_reward_share,
+    merged_rollout_stats,
+    reward_stats,
+    rollout_stats,
+    rollout_tally,
+    validation_metrics,
+)
 
 TOKENS = pa.list_(pa.int32())
 
@@ -31,6 +38,14 @@ def test_rollout_stats_give_the_lengths_and_the_share_cut_at_the_length_limit():
         "prompt_length": pytest.approx(7 / 3),
         "prompt_length/max": 3.0,
     }
+
+
+def test_rows_written_in_parts_give_the_stats_of_all_of_them():
+    """A worker group's ranks each tally their own part; the controller merges the tallies."""
+    table = rollouts([[1, 2, 3], [1, 2, 3], [4], [5, 6]], [[5, 6], [7, 8, 9, 10], [], [1]], ["stop", "length", "stop", "length"])
+    parts = [table.slice(0, 1), table.slice(1, 0), table.slice(1, 3)]  # a rank can have no rows
+    assert merged_rollout_stats([rollout_tally(part) for part in parts]) == rollout_stats(table)
+    assert merged_rollout_stats([rollout_tally(table.slice(0, 0))]) == {}
 
 
 def test_no_rows_give_no_stats():
