@@ -27,7 +27,7 @@ _rlctl() {
         "plot") opts="--help --metrics --out" ;;
         "replay") opts="--check --help --out --reward --set --trust-run-code" ;;
         "reshard") opts="--check --checkpoint --config --dtype --force --help --json --merge-lora --out --set --to" ;;
-        "rollout") opts="--address --backend --chat-template --config --device --dtype --force --format --help --json --max-new-tokens --max-prompt-tokens --model --n --no-chat-template --out --prompts --rows-per-part --seed --set --temperature --top-k --top-p --truncate --workers --workers-backend" ;;
+        "rollout") opts="--address --backend --chat-template --config --device --dtype --force --format --help --json --max-new-tokens --max-prompt-tokens --model --n --no-chat-template --out --prompts --rows-per-part --seed --set --stop --temperature --top-k --top-p --truncate --workers --workers-backend" ;;
         "score") opts="--address --batch-size --config --critic --device --dtype --force --format --help --json --out --policy --ref --reward --reward-timeout --rollouts --rows-per-part --set --workers --workers-backend" ;;
         "show") opts="--columns --help --json --layout --rows --sort --where --width" ;;
         "update") opts="--address --batch --bf16 --config --critic --device --epochs --force --help --json --loss-agg-mode --lr --micro-batch-size --mini-batch-size --model --no-bf16 --out --seed --set --workers --workers-backend" ;;

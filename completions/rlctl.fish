@@ -84,6 +84,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l prompts
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l rows-per-part
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l seed
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l set
+complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l stop
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l temperature
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l top-k
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l top-p

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import sys
 import types
@@ -118,6 +119,7 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature; 0 = greedy
     top_p: float = 1.0  # nucleus sampling: smallest token set with this probability mass; 1 = off
     top_k: int = 0  # sample among the k likeliest tokens; 0 = off
+    stop: tuple[str, ...] = ()  # stop strings: a response ends at the first token that completes one, and keeps it (vLLM's stop, TRL's generation_kwargs)
     seed: int = 0  # sampling seed; each row is seeded from (seed, row)
     backend: str = "hf"  # hf | vllm
     batch_size: int = 64  # sequences generated together
@@ -127,6 +129,7 @@ class RolloutConfig:
         check_ranges(self, "rollout", {
             "n": at_least(1), "max_new_tokens": at_least(1), "temperature": at_least(0.0), "top_p": lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
             "top_k": at_least(0), "batch_size": at_least(1), "dtype": one_of(*COMPUTE_DTYPES), "backend": one_of(*ROLLOUT_BACKENDS),
+            "stop": lambda v: "must not hold an empty string (it would end every response before it starts)" if any(not s for s in v) else None,
         })
 
 
@@ -549,8 +552,7 @@ def _toml_value(value: Any) -> str:
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{escaped}"'
+    return json.dumps(str(value), ensure_ascii=False)  # JSON's string escapes are TOML's: a stop string "\n\n" stays one line
 
 
 # what verl and TRL users type, for the key that means it here

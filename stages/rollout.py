@@ -15,6 +15,7 @@ from dataclasses import replace
 import pyarrow as pa
 
 from rlctl.backends.base import ROLLOUT_BACKENDS, RolloutEngine, sampling_params
+from rlctl.backends.stop_strings import StopStrings
 from rlctl.config import DataConfig, RolloutConfig, VLLMConfig, WorkersConfig, to_dict
 from rlctl.dtypes import compute_dtype, models_device
 from rlctl.errors import InputError
@@ -126,6 +127,9 @@ def rollout_table(
     else:
         with progress_bar("rollout", total=len(repeated) * cfg.max_new_tokens, unit="tok") as bar:
             generations = engine.generate(repeated, params, batch_size=cfg.batch_size, on_tokens=bar.advance, compute_dtype=cfg.dtype, first_row=first_row)
+    stops = StopStrings(engine.tokenizer, params.stop)
+    if stops:  # one rule for every engine: the first token that completes a stop string ends the row
+        generations = [stops.cut(generation) for generation in generations]
     rows = pa.array([i for i in range(prompts.num_rows) for _ in range(cfg.n)], pa.int64())
     table = prompts.take(rows)
     responses = engine.tokenizer.batch_decode([g.response_ids for g in generations], skip_special_tokens=True)

@@ -22,6 +22,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    stop: tuple[str, ...] = ()  # stop strings (rlctl.backends.stop_strings)
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class RolloutEngine(Protocol):
 
 
 def sampling_params(cfg: RolloutConfig, seed: int | None = None) -> SamplingParams:
-    return SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed if seed is None else seed)
+    return SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed if seed is None else seed, tuple(cfg.stop))
 
 
 def _load_hf(model_uri: str, device: str, cfg: RolloutConfig, settings: VLLMConfig) -> RolloutEngine:

@@ -23,6 +23,7 @@ from rlctl import cpu_linear
 from rlctl.algos.logprobs import logprobs_and_entropy, row_uniforms, sample_next
 from rlctl.backends import unpadded
 from rlctl.backends.base import Generation, SamplingParams
+from rlctl.backends.stop_strings import StopStrings
 from rlctl.errors import InputError
 from rlctl.lora import transformers_model
 
@@ -473,6 +474,7 @@ class HFPolicy:
 
         B, steps = len(prompt_ids), params.max_new_tokens
         stop = torch.tensor(self.stop_ids, device=self.device)
+        stops = StopStrings(self.tokenizer, params.stop)
         tokens = torch.zeros((B, steps), dtype=torch.long, device=self.device)
         logprobs = torch.zeros((B, steps), dtype=torch.float32, device=self.device)
         lengths = torch.zeros(B, dtype=torch.long, device=self.device)
@@ -483,7 +485,7 @@ class HFPolicy:
             # captured on a GPU; elsewhere (the CPU's tests) the same operations run as they are
             decoder = cuda_graphs.StaticDecoder(model, cache, attention_mask, steps, graph=self.device.type == "cuda")
             del cache  # the decoder holds the prompt's keys and values in its own buffers
-            self._decode_static(decoder, logits, position_ids[:, -1] + 1, params, uniforms, on_tokens, (tokens, logprobs, lengths, stopped))
+            self._decode_static(decoder, logits, position_ids[:, -1] + 1, params, uniforms, on_tokens, (tokens, logprobs, lengths, stopped), stops)
             return _generations(tokens, logprobs, lengths, stopped)
         active = torch.arange(B, device=self.device)  # original row of each batch row
         cache_kw = self._cache_keyword()
@@ -499,6 +501,8 @@ class HFPolicy:
             if on_tokens:
                 on_tokens(len(active))
             done = torch.isin(new_tokens, stop)
+            if stops:
+                done |= self._stop_string_hits(stops, tokens, active, step, looked_back=1)
             stopped[active[done]] = True
             if step == steps - 1:
                 break
@@ -522,11 +526,12 @@ class HFPolicy:
             next_position = next_position + 1
         return _generations(tokens, logprobs, lengths, stopped)
 
-    def _decode_static(self, decoder, logits, first_position, params: SamplingParams, uniforms, on_tokens, out) -> None:
+    def _decode_static(self, decoder, logits, first_position, params: SamplingParams, uniforms, on_tokens, out, stops: StopStrings) -> None:
         """The decode loop over a static batch (`decoder`: rlctl.backends.cuda_graphs): every row
         stays in the batch; a row's tokens count until it stops. Fills `out` = (tokens [B, T],
         log-probs [B, T], lengths [B], stopped [B]) in place. It waits for the device only every
-        CHECK_EVERY steps, to report tokens and to end a batch whose rows have all stopped."""
+        CHECK_EVERY steps, to report tokens, to look for `stops` in the rows' new tokens and to
+        end a batch whose rows have all stopped."""
         from rlctl.backends.cuda_graphs import CHECK_EVERY
 
         tokens, logprobs, lengths, stopped = out
@@ -548,9 +553,21 @@ class HFPolicy:
                 if on_tokens:
                     on_tokens(int(counted))
                     counted.zero_()
+                if stops and not last:
+                    live = (~stopped).nonzero().squeeze(-1)
+                    stopped[live[self._stop_string_hits(stops, tokens, live, step, looked_back=CHECK_EVERY)]] = True
                 if last or bool(stopped.all()):
                     break
             logits = decoder(new_tokens, first_position + step, step)
+
+    def _stop_string_hits(self, stops: StopStrings, tokens: torch.Tensor, rows: torch.Tensor, step: int, looked_back: int) -> torch.Tensor:
+        """Which of `rows` hold a stop string now that step `step` is sampled, looking at the
+        tokens of the last `looked_back` steps and the stop strings' length before them. Saves
+        the work of generating past a stop string; the cut itself is rlctl.stages.rollout's."""
+        first = max(0, step + 1 - looked_back - stops.tail)
+        tails = tokens[rows, first:step + 1].tolist()
+        hit = stops.hits(tails, lambda i: tokens[rows[i], :step + 1].tolist())
+        return torch.tensor(hit, dtype=torch.bool, device=tokens.device)
 
     def _prompt_pass(self, model, prompt_ids, cache=None):
         """Each distinct prompt's forward once, left-padded, logits at the last position only

@@ -168,7 +168,7 @@ class VLLMEngine:
             VParams(
                 n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0,
                 seed=None if greedy else row_seed(params.seed, first_row + i), max_tokens=params.max_new_tokens, logprobs=0,
-                stop_token_ids=self.stop_ids, detokenize=False, skip_special_tokens=False,
+                stop_token_ids=self.stop_ids, skip_special_tokens=False, **stop_string_settings(params.stop),
             )
             for i in range(len(prompt_ids))
         ]
@@ -257,6 +257,15 @@ def probe_prompts(vocab_size: int, tokenizer) -> list[list[int]]:
     ordinary = [i for i in range(vocab_size) if i not in special]
     step = max(1, len(ordinary) // (PROBE_PROMPTS * PROBE_LENGTH + 1))
     return [[ordinary[((p * PROBE_LENGTH + k) * step * 7 + p) % len(ordinary)] for k in range(PROBE_LENGTH)] for p in range(PROBE_PROMPTS)]
+
+
+def stop_string_settings(stop: tuple[str, ...]) -> dict:
+    """vLLM's stop-string keywords: it finds stop strings in the text it detokenizes (only then:
+    the log-probs and token ids need no text) and keeps them, as rlctl's cut does
+    (rlctl.backends.stop_strings); the text decoded as the HF tokenizer decodes it."""
+    if not stop:
+        return {"detokenize": False}
+    return {"detokenize": True, "stop": list(stop), "include_stop_str_in_output": True, "spaces_between_special_tokens": False}
 
 
 def stop_ids(model_uri: str, tokenizer) -> list[int]:

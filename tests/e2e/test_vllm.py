@@ -66,6 +66,29 @@ def test_vllm_rollout_at_another_temperature_keeps_the_hf_meaning(cli, tmp_path,
     assert np.abs(engine - trainer).max() < 1e-3
 
 
+def test_vllm_stops_at_a_stop_string_where_the_hf_rule_cuts(cli, tmp_path, tiny_model, six_prompts):
+    """vLLM finds stop strings in its own detokenized text; its rows are the unstopped rows cut
+    by rlctl's rule (rlctl.backends.stop_strings), and the string stays in the response."""
+    common = ["--prompts", six_prompts, "--model", tiny_model, "--n", "2", "--max-new-tokens", "24", "--backend", "vllm", "--seed", "5"]
+    assert cli("rollout", *common, "--out", tmp_path / "free").exit_code == 0
+    free = shards.read(str(tmp_path / "free"), "rollouts").table
+    responses = free.column("response").to_pylist()
+    stop = max(("a", "e", "s", "t"), key=lambda s: sum(s in r[len(r) // 4:] for r in responses))
+    result = cli("rollout", *common, "--out", tmp_path / "stopped", "--stop", stop)
+    assert result.exit_code == 0, result.stderr
+    stopped = shards.read(str(tmp_path / "stopped"), "rollouts").table
+    from transformers import AutoTokenizer
+
+    from rlctl.backends.base import Generation
+    from rlctl.backends.stop_strings import StopStrings
+
+    stops = StopStrings(AutoTokenizer.from_pretrained(tiny_model), [stop])
+    expected = [stops.cut(Generation(ids, [0.0] * len(ids), reason)) for ids, reason in zip(free.column("response_ids").to_pylist(), free.column("finish_reason").to_pylist())]
+    assert sum(g.finish_reason == "stop" for g in expected) >= 4
+    assert stopped.column("response_ids").to_pylist() == [g.response_ids for g in expected]
+    assert stopped.column("finish_reason").to_pylist() == [g.finish_reason for g in expected]
+
+
 def test_vllm_refuses_a_temperature_with_truncation_before_starting(cli, tmp_path, tiny_model, six_prompts):
     result = cli("rollout", "--prompts", six_prompts, "--model", tiny_model, "--out", tmp_path / "r", "--backend", "vllm", "--temperature", "0.7", "--top-p", "0.9")
     assert result.exit_code == 2

@@ -73,10 +73,11 @@ def test_set_needs_section_dot_key():
 
 
 def test_resolved_config_renders_back_to_equal_toml(tmp_path):
-    cfg = load_config(None, ["update.lr=2e-5", "model.path=a \"b\""])
+    cfg = load_config(None, ["update.lr=2e-5", "model.path=a \"b\"", 'rollout.stop=["\\n\\nQuestion:", "</answer>", "é\\t"]'])
     again = load_config(write(tmp_path, to_toml(cfg)))
     assert again == cfg
     assert parse_toml_file(tmp_path / "c.toml")["update"]["lr"] == 2e-5
+    assert again.rollout.stop == ("\n\nQuestion:", "</answer>", "é\t")  # control characters escaped, one line each
 
 
 def test_defaults_are_a_complete_config():
