@@ -227,6 +227,7 @@ class UpdateConfig:
     kl_loss_coef: float = 0.001  # weight of that KL loss
     kl_loss_estimator: str = "k3"  # estimator of that KL loss (as advantage.kl_estimator)
     entropy_coef: float = 0.0  # entropy bonus weight; 0 = off (the entropy is still reported, with no backward through it)
+    mask_truncated: bool = False  # responses cut at max_new_tokens (finish_reason "length") take no part in the loss: no gradient, no tokens in its divisor (DAPO's overlong filtering, TRL's mask_truncated_completions)
     skip_zero_advantage: bool = True  # rows whose advantage is 0 at every token skip their forward and backward where the loss has no KL or entropy term and no critic trains (their gradient is exactly 0); statistics then cover the trained rows
     cliprange_value: float = 0.5  # critic: clip of the value change per update
     vf_coef: float = 1.0  # critic loss weight

@@ -637,6 +637,7 @@ class Pipeline:
             "zero_advantage_skipped": train.get("zero_advantage_skipped"),  # share of the rows the update left out (rlctl.trainer.rows_with_gradient)
             **{k: train[k] for k in ("skipped_steps", "vf_skipped_steps") if k in train},  # optimizer steps left out for a non-finite gradient
             **({"critic_warmup": train["critic_warmup"]} if "critic_warmup" in train else {}),  # the share of steps that trained only the critic
+            **({"truncated_masked": train["truncated_masked"]} if "truncated_masked" in train else {}),  # update.mask_truncated: the share of rows out of the loss
             "torch_threads": train.get("torch_threads"),
             "seconds/io": io["seconds"],
             **reward_component_means(scores),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pyarrow as pa
@@ -55,10 +55,18 @@ class TrainBatch:
     old_values: torch.Tensor | None  # [N, T]
     returns: torch.Tensor | None  # [N, T]
     rollout_logprobs: torch.Tensor | None = None  # [N, T] the engine's, for rollout importance sampling
+    truncated: torch.Tensor | None = None  # [N] bool: cut at the length limit (finish_reason "length")
 
     @property
     def size(self) -> int:
         return len(self.response_ids)
+
+    def without_truncated(self) -> TrainBatch:
+        """The batch with the tokens of its truncated responses out of the loss (update.mask_truncated):
+        such a row then has no token to train on, and the trainer leaves it out of its passes."""
+        if self.truncated is None or not bool(self.truncated.any()):
+            return self
+        return replace(self, response_mask=self.response_mask & ~self.truncated.unsqueeze(-1))
 
     @classmethod
     def from_table(cls, table: pa.Table, *, own_old_logprobs: bool = False) -> TrainBatch:
@@ -84,6 +92,7 @@ class TrainBatch:
             old_values=optional("values"),
             returns=optional("returns"),
             rollout_logprobs=optional("rollout_logprobs"),
+            truncated=torch.from_numpy(np.asarray(table.column("finish_reason").to_pylist(), dtype=object) == "length") if "finish_reason" in names else None,
         )
 
 
@@ -283,6 +292,10 @@ class Trainer:
                 "the update's own log-probs stand for the old policy's only on its first optimizer step: "
                 f"use one epoch and one mini-batch (epochs={cfg.epochs}, {-(-batch.size // mini)} mini-batches), or score's old_logprobs"
             )
+        masked_rows = None
+        if cfg.mask_truncated:
+            batch = batch.without_truncated()
+            masked_rows = float(batch.truncated.float().mean()) if batch.truncated is not None else 0.0
         started = time.perf_counter()
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
         totals: dict[str, float] = {}
@@ -313,6 +326,8 @@ class Trainer:
         metrics = {k: v / reported[k] for k, v in totals.items()}  # a mean over the steps that measured it
         metrics.update({k: totals[k] for k in ("skipped_steps", "vf_skipped_steps") if k in totals})  # counts, not means
         metrics.update({"step": self.step, "lr": self.lr_at(self.step - 1), "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)})
+        if masked_rows is not None:
+            metrics["truncated_masked"] = masked_rows  # the share of the batch's rows out of the loss
         return metrics
 
     def accumulate_gradients(self, batch: TrainBatch, indices: torch.Tensor) -> dict[str, float]:
@@ -336,7 +351,9 @@ class Trainer:
                 raise InputError("update.rollout_is needs the engine's rollout_logprobs in the batch")
             stats["rollout_is_weight"] = 0.0
         # every rank filters the whole mini-batch alike, so all make the same passes (FSDP)
-        trained = rows_with_gradient(cfg, batch, indices, critic=self.critic is not None)
+        # update.mask_truncated: a row without a token in the loss moves nothing in any term
+        in_loss = indices[batch.response_mask[indices].any(-1)] if cfg.mask_truncated else indices
+        trained = rows_with_gradient(cfg, batch, in_loss, critic=self.critic is not None)
         weightless = trained.numel() == 0  # no row trains: one row's pass with its loss scaled by 0 gives the step its zero gradients
         if weightless:
             trained = indices[:1]
@@ -379,7 +396,7 @@ class Trainer:
         if policy is not None:  # the same on every rank, so not summed: the share of optimizer steps whose passes ran
             # each prompt once, and the share of the mini-batch's rows left out for a zero advantage (metrics)
             stats["prompt_sharing"] = float(share_prompts)
-            stats["zero_advantage_skipped"] = (len(indices) - (0 if weightless else len(trained))) / len(indices)
+            stats["zero_advantage_skipped"] = (len(in_loss) - (0 if weightless else len(trained))) / len(indices)
         return stats
 
     def _policy_backward(

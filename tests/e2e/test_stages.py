@@ -101,6 +101,18 @@ def test_update_and_reshard_write_loadable_checkpoints(cli, tmp_path, tiny_model
     assert str(next(model.parameters()).dtype) == "torch.bfloat16"
 
 
+def test_an_update_that_masks_truncated_responses_says_how_many_it_left_out(cli, tmp_path, tiny_model, prompts_file):
+    """Responses that end at a stop string train; those cut at the length limit do not."""
+    assert cli("rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", tmp_path / "r", "--n", "4", "--max-new-tokens", "16", "--stop", "a").exit_code == 0
+    assert cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "s", "--reward", "builtin:length").exit_code == 0
+    cli("advantage", "--scores", tmp_path / "s", "--out", tmp_path / "b", "--estimator", "grpo")
+    cut = shards.read(str(tmp_path / "b")).table.column("finish_reason").to_pylist()
+    result = cli("update", "--batch", tmp_path / "b", "--model", tiny_model, "--out", tmp_path / "u", "--set", "update.mask_truncated=true", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert 0 < cut.count("length") < len(cut)  # the check covers rows on both sides
+    assert json.loads(result.stdout)["metrics"]["truncated_masked"] == pytest.approx(cut.count("length") / len(cut))
+
+
 def test_identical_updates_give_identical_weights(cli, tmp_path, tiny_model, scored):
     cli("advantage", "--scores", scored, "--out", tmp_path / "b", "--estimator", "grpo")
     for name in ("u1", "u2"):

@@ -539,3 +539,59 @@ def test_the_critics_warm_up_trains_only_the_critic_then_the_policy_starts_its_s
     second = trainer.train(batch)  # step 2 still warms the critic; step 3 is the policy's first, at its warm-up's first rate
     assert second["critic_warmup"] == 0.5 and second["lr"] == pytest.approx(1e-3 / 2)
     assert "pg_loss" in second and any(not torch.equal(before[k], v) for k, v in weights(policy).items())
+
+
+def keep_rows(batch, rows):
+    """`batch` with only `rows` (their tokens, advantages, log-probs), as if the others were never sampled."""
+    from dataclasses import replace
+
+    index = torch.tensor(rows)
+    width = max(len(batch.response_ids[i]) for i in rows)
+    return replace(
+        batch, prompt_ids=[batch.prompt_ids[i] for i in rows], response_ids=[batch.response_ids[i] for i in rows],
+        **{name: getattr(batch, name)[index][:, :width] for name in ("response_mask", "advantages", "old_logprobs", "ref_logprobs")},
+    )
+
+
+@pytest.mark.parametrize("term", [{}, {"use_kl_loss": True, "entropy_coef": 0.01}], ids=["policy loss", "with kl and entropy"])
+def test_masked_truncated_responses_train_as_if_they_were_never_sampled(policy, monkeypatch, term):
+    """update.mask_truncated (DAPO's overlong filtering): a response cut at the length limit
+    adds nothing to any term of the loss nor tokens to its divisor (token-mean): the gradient
+    is the one of the batch without those rows, and their forwards are not run."""
+    from dataclasses import replace
+
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "never")
+    batch = make_batch(seed=4)
+    truncated = torch.tensor([i in (1, 4, 5) for i in range(batch.size)])
+    kept = [i for i in range(batch.size) if not truncated[i]]
+    rows = counted_rows(policy, monkeypatch)
+    grads = {}
+    for name, cfg, data in (
+        ("masked", UpdateConfig(micro_batch_size=8, mask_truncated=True, **term), replace(batch, truncated=truncated)),
+        ("without them", UpdateConfig(micro_batch_size=8, **term), keep_rows(batch, kept)),
+        ("not masked", UpdateConfig(micro_batch_size=8, **term), replace(batch, truncated=truncated)),
+    ):
+        rows.clear()
+        Trainer(policy, cfg).accumulate_gradients(data.without_truncated() if cfg.mask_truncated else data, torch.arange(data.size))
+        grads[name] = (flat_gradients(policy.model), sum(rows))
+    scale = np.abs(grads["without them"][0]).max()
+    np.testing.assert_allclose(grads["masked"][0], grads["without them"][0], atol=1e-6 * max(scale, 1.0), rtol=0)
+    assert grads["masked"][1] == grads["without them"][1] == len(kept)
+    assert np.abs(grads["not masked"][0] - grads["without them"][0]).max() > 1e-3 * scale
+
+
+def test_an_update_on_truncated_responses_only_leaves_the_policy_where_it_was(tiny_model):
+    """Every response truncated and masked: zero gradients, so AdamW's first step moves nothing
+    (no weight decay); the metrics say the share of rows out of the loss."""
+    from dataclasses import replace
+
+    batch = make_batch(seed=1)
+    everything = replace(batch, truncated=torch.ones(batch.size, dtype=torch.bool))
+    policy = HFPolicy.load(tiny_model, "cpu")
+    start = weights(policy)
+    metrics = Trainer(policy, UpdateConfig(lr=1e-2, mask_truncated=True)).train(everything)
+    assert metrics["truncated_masked"] == 1.0 and metrics["grad_norm"] == 0.0
+    assert metrics["zero_advantage_skipped"] == 0.0  # left out as truncated, not for their advantage
+    assert all(torch.equal(start[k], v) for k, v in weights(policy).items())
+    half = replace(batch, truncated=torch.arange(batch.size) % 2 == 0)
+    assert Trainer(policy, UpdateConfig(lr=1e-2, mask_truncated=True)).train(half)["truncated_masked"] == 0.5
