@@ -51,10 +51,15 @@ def truncated(row: dict[str, Any], cfg: Config | None) -> Finding | None:
         return None
     limit = row.get("response_length/max")
     at = f" ({limit:.0f} tokens)" if limit is not None else ""
-    smoother = "" if cfg is not None and cfg.score.overlong_buffer > 0 else "; score.overlong_buffer (DAPO) penalises length gradually"
+    others = []
+    if cfg is None or cfg.score.overlong_buffer <= 0:
+        others.append("score.overlong_buffer (DAPO) penalises length gradually")
+    if cfg is None or not cfg.update.mask_truncated:
+        others.append("update.mask_truncated leaves cut-off responses out of the loss")
     return Finding("truncated", (row["iteration"],), (
-        f"iteration {row['iteration']}: {share:.0%} of the responses ended at the length limit{at}, not at a stop token, so a reward "
-        f"that wants a finished answer judged cut-off text: raise rollout.max_new_tokens if the answers need more room{smoother}"
+        f"iteration {row['iteration']}: {share:.0%} of the responses ended at the length limit{at}, not at a stop token or string, so a reward "
+        f"that wants a finished answer judged cut-off text: raise rollout.max_new_tokens if the answers need more room"
+        + "".join(f"; {other}" for other in others)
     ))
 
 

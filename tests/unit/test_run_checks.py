@@ -36,10 +36,13 @@ def test_only_the_last_iteration_counts_for_truncation():
     assert run_findings(history) == []
 
 
-def test_a_run_with_an_overlong_buffer_is_not_told_to_add_one():
+def test_a_run_is_not_told_to_add_what_it_has():
     cfg = load_config(overrides=["score.overlong_buffer=4"])
     (found,) = run_findings(rows(1, **{"response_length/clip_ratio": 0.5}), cfg)
     assert "raise rollout.max_new_tokens" in found.message and "overlong_buffer" not in found.message
+    cfg = load_config(overrides=["update.mask_truncated=true"])
+    found = run_findings(rows(1, **{"response_length/clip_ratio": 0.5}), cfg)[0]
+    assert "overlong_buffer" in found.message and "mask_truncated" not in found.message
 
 
 def test_groups_of_equal_rewards_over_the_last_three_iterations_say_the_prompts_carry_no_signal():
