@@ -218,7 +218,7 @@ class UpdateConfig:
     clip_ratio_low: float = 0.2  # PPO clip below: ratio ≥ 1 - clip_ratio_low
     clip_ratio_high: float = 0.2  # PPO clip above: ratio ≤ 1 + clip_ratio_high (DAPO's clip-higher: 0.28)
     clip_ratio_c: float = 3.0  # dual clip for negative advantages; 0 disables (PPO only)
-    policy_loss: str = "ppo"  # ppo | gspo (sequence-level ratio: set clip_ratio_low/high ≈ 3e-4/4e-4, loss_agg_mode seq-mean-token-mean)
+    policy_loss: str = "ppo"  # ppo | gspo (sequence-level ratio: set clip_ratio_low/high ≈ 3e-4/4e-4, loss_agg_mode seq-mean-token-mean) | cispo (the importance weight clipped, every token keeps a gradient: set clip_ratio_low = 1, tune clip_ratio_high)
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     rollout_is: str = "off"  # off | token | sequence: truncated importance weights engine → trainer (verl's rollout_is)
     rollout_is_threshold: float = 2.0  # the truncation of those weights

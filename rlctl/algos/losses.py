@@ -116,7 +116,30 @@ def gspo_policy_loss(
     return PolicyLoss(torch.where(response_mask, loss, 0), clipped, torch.where(response_mask, -approx_kl, 0), torch.zeros_like(clipped))
 
 
-POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss}
+def cispo_policy_loss(
+    *,
+    logprobs: torch.Tensor,  # [B, T] current policy
+    old_logprobs: torch.Tensor,  # [B, T] behaviour policy
+    advantages: torch.Tensor,  # [B, T]
+    response_mask: torch.Tensor,  # [B, T] bool
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float = 0.0,  # unused: the weight's clip bounds every token already
+) -> PolicyLoss:
+    """CISPO (MiniMax-M1, 2025): clip the importance weight, not the update. Each token's loss
+    is -A · sg(clip(r, 1 - low, 1 + high)) · p/sg(p): its value is -A times the clipped weight
+    (PPO's scale, so pg_loss compares), its gradient -A · clipped weight · ∇log p — a token far
+    off-policy still gets a gradient (PPO's clip zeroes it), only a bounded one. The paper sets
+    no lower bound (`clip_ratio_low = 1`: the weight only stays ≥ 0) and tunes the upper one."""
+    log_ratio = torch.clamp(logprobs - old_logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # as ppo: exp stays finite
+    ratio = torch.exp(log_ratio.detach())
+    weight = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss = -advantages * weight * torch.exp(logprobs - logprobs.detach())
+    clipped = ((ratio < 1.0 - clip_ratio_low) | (ratio > 1.0 + clip_ratio_high)) & response_mask
+    return PolicyLoss(torch.where(response_mask, loss, 0), clipped, torch.where(response_mask, -log_ratio, 0), torch.zeros_like(clipped))
+
+
+POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss}
 
 
 def rollout_is_weights(

@@ -204,6 +204,35 @@ def test_gspo_at_the_start_of_a_step_is_minus_the_advantage_on_every_token():
     assert not out.clipped.any()
 
 
+def test_cispo_gives_every_token_its_clipped_weight_times_the_advantage_as_gradient():
+    """CISPO: value -A·clip(r), gradient -A·clip(r)·∇log p on every token — where PPO's clip
+    zeroes the gradient of a token past the bound, CISPO bounds it instead."""
+    from rlctl.algos.losses import cispo_policy_loss, ppo_policy_loss
+
+    mask, lengths, r = tensors(seed=14)
+    old = r(0.3) - 2
+    lp = (old + r(0.6)).requires_grad_()  # ratios well past 1 ± 0.28 on many tokens
+    adv = r(1.0)
+    low, high = 1.0, 0.28  # the paper's: no lower bound, a tuned upper one
+    out = cispo_policy_loss(logprobs=lp, old_logprobs=old, advantages=adv, response_mask=mask, clip_ratio_low=low, clip_ratio_high=high)
+    out.loss.sum().backward()
+    past_the_bound = 0
+    for i, n in enumerate(lengths):
+        for t in range(n):
+            ratio, a = math.exp(lp[i][t].item() - old[i][t].item()), adv[i][t].item()
+            weight = min(max(ratio, 1 - low), 1 + high)
+            assert out.loss[i][t].item() == pytest.approx(-a * weight, abs=1e-6)
+            assert lp.grad[i][t].item() == pytest.approx(-a * weight, abs=1e-6)
+            assert out.clipped[i][t].item() == (ratio > 1 + high)
+            past_the_bound += ratio > 1 + high and a > 0
+        assert (lp.grad[i][n:] == 0).all() and (out.loss[i][n:] == 0).all()
+    assert past_the_bound >= 2  # tokens past the bound with A > 0: PPO gives them no gradient, CISPO a bounded one
+    lp_ppo = lp.detach().clone().requires_grad_()
+    ppo_policy_loss(logprobs=lp_ppo, old_logprobs=old, advantages=adv, response_mask=mask, clip_ratio_low=0.2, clip_ratio_high=high, clip_ratio_c=0.0).loss.sum().backward()
+    zeroed = (lp_ppo.grad == 0) & mask & (adv > 0)
+    assert zeroed.any() and (lp.grad[zeroed] != 0).all()
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_rollout_is_weights_are_truncated_ratios_trainer_over_engine(level):
     from rlctl.algos.losses import rollout_is_weights
