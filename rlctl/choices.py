@@ -24,4 +24,4 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 PRESETS = ("tiny", "small", "medium")
-BUILTIN_REWARDS = ("countdown", "gsm8k", "gsm8k_flexible", "length")
+BUILTIN_REWARDS = ("countdown", "gsm8k", "gsm8k_flexible", "length", "math")

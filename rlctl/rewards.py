@@ -31,6 +31,7 @@ from typing import Any
 
 from rlctl.algos.registry import Registry
 from rlctl.errors import InputError, RewardError
+from rlctl.math_answers import last_boxed, same_answer
 from rlctl.reward_http import HttpOptions, HttpReward
 from rlctl.reward_styles import ADAPTER_INPUTS, batch_adapter, calling_style
 
@@ -121,6 +122,19 @@ def gsm8k_reward(*, responses: list[str], ground_truths: list[str | None]) -> li
 def gsm8k_flexible_reward(*, responses: list[str], ground_truths: list[str | None]) -> list[float]:
     """1.0 when the last number of the response (`gsm8k_flexible_answer`) is the ground truth."""
     return _exact_answer_reward(gsm8k_flexible_answer, responses, ground_truths)
+
+
+@BUILTINS.register("math")
+def math_reward(*, responses: list[str], ground_truths: list[str | None]) -> list[float]:
+    """1.0 when the response's last `\\boxed{...}` says what the ground truth says (verl's `math`
+    reward: rlctl.math_answers, equal up to how LaTeX spells the value), else 0.0. A ground truth
+    that is a whole solution (MATH's) gives its own last box."""
+    scores = []
+    for response, truth in zip(responses, ground_truths):
+        answer = last_boxed(response)
+        expected = None if truth is None else last_boxed(str(truth)) or str(truth)
+        scores.append(1.0 if answer is not None and expected is not None and same_answer(answer, expected) else 0.0)
+    return scores
 
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
