@@ -353,7 +353,7 @@ def replay(
     out: Annotated[Optional[str], typer.Option("--out", help="Where the replay writes (default: a scratch folder).")] = None,
     set_: SetOpt = None,
     reward: Annotated[Optional[str], typer.Option("--reward", help="Reward to score with (instead of the one the run folder names).")] = None,
-    trust_run_code: Annotated[bool, typer.Option("--trust-run-code", help="Run the reward code the run folder names (file.py:fn, module:fn).")] = False,
+    trust_run_code: Annotated[bool, typer.Option("--trust-run-code", help="Run the reward or tool code the run folder names (file.py:fn, module:fn).")] = False,
 ) -> None:
     """Re-run one recorded stage from its recorded inputs, config, seed and RNG state."""
     from rlctl.replay import replay_stage

@@ -94,6 +94,7 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
     """Everything that can be checked before any work: fails with one line, exit code 2."""
     from rlctl.algos.advantages import ESTIMATORS, NEEDS_VALUES
     from rlctl.stages.advantage import check_config
+    from rlctl.tool_turns import check_tool
     from rlctl.trainer import check_update_config
 
     for flag, stage in (("--from", from_stage), ("--until", until_stage)):
@@ -106,6 +107,7 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
     if not cfg.model.path and not cfg.model.init_preset:
         raise ConfigError("set model.path (a model folder) or model.init_preset (tiny|small|medium) to make one")
     check_config(cfg.advantage)
+    check_tool(cfg.rollout.tool, cfg.rollout.stop)
     check_loggers(cfg.pipeline.loggers)
     if cfg.score.old_logprobs == "update" and not one_step_on_policy(cfg):
         raise ConfigError("score.old_logprobs = \"update\" needs one optimizer step per batch (update.epochs = 1, one mini-batch)")
@@ -868,14 +870,19 @@ def _logprob_mismatch(scores: pa.Table) -> float | None:
 
 
 def _token_logprobs(scores: pa.Table) -> tuple[np.ndarray, np.ndarray] | None:
-    """(engine's rollout_logprobs, trainer's old_logprobs) of every response token, or None."""
+    """(engine's rollout_logprobs, trainer's old_logprobs) of every response token the policy
+    sampled (a tool's tokens have no engine log-prob), or None."""
     if "old_logprobs" not in scores.column_names or scores.column("old_logprobs").null_count:
         return None
 
     def flat(column: str) -> np.ndarray:
         return np.concatenate([np.asarray(x, dtype=np.float64) for x in scores.column(column).to_pylist()] or [np.zeros(0)])
 
-    return flat("rollout_logprobs"), flat("old_logprobs")
+    engine, trainer = flat("rollout_logprobs"), flat("old_logprobs")
+    if "loss_mask" in scores.column_names:
+        sampled = flat("loss_mask").astype(bool)
+        engine, trainer = engine[sampled], trainer[sampled]
+    return engine, trainer
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -903,7 +910,7 @@ def reward_component_means(scores: pa.Table) -> dict[str, float]:
 
 
 def _resolve_relative(cfg: Config, base_dir: Path | None) -> Config:
-    """Model and data paths in a config file are relative to the file's folder."""
+    """Model and data paths, and reward and tool files, in a config file are relative to the file's folder."""
     if base_dir is None:
         return cfg
 
@@ -918,7 +925,10 @@ def _resolve_relative(cfg: Config, base_dir: Path | None) -> Config:
         return fix(spec) if spec.partition(":")[0].endswith(".py") else spec
 
     terms = tuple(replace(term, fn=fix_reward(term.fn)) for term in cfg.score.rewards)
-    return replace(cfg, model=model, data=data, score=replace(cfg.score, reward=fix_reward(cfg.score.reward), rewards=terms))
+    return replace(
+        cfg, model=model, data=data, rollout=replace(cfg.rollout, tool=fix_reward(cfg.rollout.tool)),
+        score=replace(cfg.score, reward=fix_reward(cfg.score.reward), rewards=terms),
+    )
 
 
 # --- the command ---------------------------------------------------------------------------

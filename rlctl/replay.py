@@ -25,6 +25,7 @@ from rlctl.config import (
 from rlctl.errors import InputError
 from rlctl.manifest import Manifest
 from rlctl.passes import as_recorded
+from rlctl.rewards import is_code_reward
 from rlctl.shards import read, read_manifest, write
 
 REPLAYABLE = ("prompts", "rollout", "score", "filter", "advantage", "update", "val")
@@ -51,6 +52,11 @@ def replay_stage(
     target = out or str(run_dir / "replay" / iter_dir.name / folder)
     if name in ("score", "val"):
         cfg = _replay_rewards(cfg, recorded, f"{iter_dir.name}/{folder}", reward, trust_run_code)
+    if name in ("rollout", "val") and cfg.rollout.tool and not trust_run_code:
+        raise InputError(
+            f"replaying {iter_dir.name}/{folder} would run the tool code the run folder names ({cfg.rollout.tool}); "
+            "pass --trust-run-code if you trust this run folder"
+        )
     replay = {"prompts": _prompts, "rollout": _rollout, "score": _score, "filter": _filter, "advantage": _advantage, "update": _update, "val": _val}[name]
     result = replay(cfg, recorded, Round(iter_dir, f"-r{round_}" if round_ else ""), target)
     if not check:
@@ -103,12 +109,6 @@ def _replay_rewards(cfg: Config, recorded: Manifest, stage: str, reward: str | N
     if cfg.score.rewards:
         return cfg
     return dataclasses.replace(cfg, score=dataclasses.replace(cfg.score, reward=recorded_spec))
-
-
-def is_code_reward(spec: str) -> bool:
-    """Whether loading this reward spec would import Python code (a file or a module)."""
-    kind = spec.partition(":")[0]
-    return kind not in ("builtin", "rm", "http", "https")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,8 +39,8 @@ class RewardCallFailed(Exception):
 class RewardProcess:
     """A child process holding one user reward function; callable like the function."""
 
-    def __init__(self, spec: str) -> None:
-        self.spec = spec
+    def __init__(self, spec: str, flag: str = "--reward") -> None:
+        self.spec, self.flag = spec, flag  # `flag`: what the user set it with, for messages (rollout.tool for a tool)
         self.keywords: tuple[str, ...] | None = None
         self._child: subprocess.Popen | None = None
         self._to_child = self._from_child = -1
@@ -66,10 +66,10 @@ class RewardProcess:
             reply = self._exchange({"init": {"spec": self.spec, "sys_path": sys.path}}, START_TIMEOUT)
         except RewardCallFailed as exc:
             self.close()
-            raise InputError(f"--reward {self.spec!r}: loading it failed: {exc}") from None
+            raise InputError(f"{self.flag} {self.spec!r}: loading it failed: {exc}") from None
         if "error" in reply:
             self.close()
-            raise InputError(f"--reward {self.spec!r}: {reply['error']}")
+            raise InputError(f"{self.flag} {self.spec!r}: {reply['error']}")
         keywords = reply["ready"]["keywords"]
         self.keywords = tuple(keywords) if keywords is not None else None
 
@@ -203,10 +203,11 @@ def _jsonable(value: Any) -> Any:
 
 
 def _carried(v: Any) -> Any:
-    """One sample's value: a number, None (TRL: no reward applies), or verl's dict of a score
-    and reported values (those that are not numbers or text travel as their repr)."""
+    """One sample's value: a number, None (TRL: no reward applies), text (a tool's answer,
+    rlctl.tool_turns), or verl's dict of a score and reported values (those that are not
+    numbers or text travel as their repr)."""
     v = _scalar(v)
-    if _plain_number(v) or v is None:
+    if _plain_number(v) or v is None or isinstance(v, str):
         return v
     if isinstance(v, dict) and "__type__" not in v:
         return {str(k): x if _plain_number(x) or x is None or isinstance(x, str) else repr(x)[:60] for k, x in ((k, _scalar(x)) for k, x in v.items())}

@@ -56,6 +56,16 @@ class RewardSamples:
         values = getattr(self, name)
         return list(values) if values or name != "messages" else [None] * len(self)
 
+    def select(self, indices: Sequence[int], *, responses: Sequence[str]) -> RewardSamples:
+        """The samples at `indices`, with `responses` in place of theirs (a tool sees the
+        response so far)."""
+        def pick(values: list) -> list:
+            return [values[i] for i in indices] if values else []
+
+        return RewardSamples(
+            pick(self.prompts), list(responses), pick(self.ground_truths), pick(self.data_sources), pick(self.extras), pick(self.messages)
+        )
+
     def subset(self, index: int) -> RewardSamples:
         pick = slice(index, index + 1)
         return RewardSamples(
@@ -228,14 +238,15 @@ def from_callable(fn: Callable, spec: str = "<callable>") -> RewardFunction:
     return RewardFunction(spec, fn, style.keywords if style.name == "rlctl" else None)
 
 
-def load_reward(spec: str, *, device: str = "cpu", batch_size: int = 16, http: HttpOptions | None = None) -> RewardFunction:
-    """A reward from its spec. Code (file.py:fn, module:fn) is loaded in a child process."""
+def load_reward(spec: str, *, device: str = "cpu", batch_size: int = 16, http: HttpOptions | None = None, flag: str = "--reward") -> RewardFunction:
+    """A reward from its spec. Code (file.py:fn, module:fn) is loaded in a child process.
+    `flag` names the setting in messages (a tool is loaded the same way)."""
     kind, sep, rest = spec.partition(":")
     if not sep or not rest:
-        raise InputError(f"--reward {spec!r}: expected file.py:function, module:function, builtin:NAME, rm:MODEL_URI or an http(s):// URL")
+        raise InputError(f"{flag} {spec!r}: expected file.py:function, module:function, builtin:NAME, rm:MODEL_URI or an http(s):// URL")
     if kind in ("http", "https"):
         if not rest.startswith("//") or len(rest) <= 2:
-            raise InputError(f"--reward {spec!r}: expected {kind}://HOST[:PORT]/PATH")
+            raise InputError(f"{flag} {spec!r}: expected {kind}://HOST[:PORT]/PATH")
         endpoint = HttpReward(spec, http or HttpOptions(batch_size=batch_size))
         return RewardFunction(spec, endpoint, endpoint.keywords)
     if kind == "builtin":
@@ -244,11 +255,17 @@ def load_reward(spec: str, *, device: str = "cpu", batch_size: int = 16, http: H
         return RewardFunction(spec, RewardModel(rest, device=device, batch_size=batch_size), ("prompts", "responses"))
     target = spec.rpartition(":")[0]
     if target.endswith(".py") and not Path(target).is_file():
-        raise InputError(f"--reward {spec!r}: file {target} does not exist")
+        raise InputError(f"{flag} {spec!r}: file {target} does not exist")
     from rlctl.reward_process import RewardProcess
 
-    process = RewardProcess(spec)
+    process = RewardProcess(spec, flag)
     return RewardFunction(spec, process, process.keywords)
+
+
+def is_code_reward(spec: str) -> bool:
+    """Whether loading this reward spec would import Python code (a file or a module)."""
+    kind = spec.partition(":")[0]
+    return kind not in ("builtin", "rm", "http", "https")
 
 
 def load_code_reward(spec: str) -> RewardFunction:
@@ -497,6 +514,15 @@ def _info_value(value: Any) -> float | str | None:
     if isinstance(value, (bool, int, float)):
         return float(value)
     return repr(value)
+
+
+def call_within(fn: RewardFunction, samples: RewardSamples, *, timeout: float, what: str) -> Any:
+    """`fn`'s raw result on `samples` within `timeout` (a function that is not a reward: a
+    tool); a failure is one RewardError: `what` `fn.spec` raised / ran past its time / ..."""
+    try:
+        return _call_with_timeout(fn, samples, timeout)
+    except _Failure as failure:
+        raise RewardError(f"{what} {fn.spec} {failure.what}") from None
 
 
 def _call_with_timeout(reward: RewardFunction, samples: RewardSamples, timeout: float) -> Any:

@@ -39,7 +39,7 @@ def run_findings(rows: list[dict[str, Any]], cfg: Config | None = None, run_dir:
     if not rows:
         return []
     window = rows[-EQUAL_REWARDS_WINDOW:]
-    constant = constant_reward(window, run_dir)  # then every group is equal too: one finding, not two
+    constant = constant_reward(window, run_dir, rows)  # then every group is equal too: one finding, not two
     found = [truncated(rows[-1], cfg), constant or equal_rewards(window, cfg), engine_mismatch(rows[-1], cfg), skipped_steps(rows)]
     ignored = cfg.pipeline.ignore_checks if cfg is not None else ()
     return [f for f in found if f is not None and f.check not in ignored]
@@ -63,14 +63,21 @@ def truncated(row: dict[str, Any], cfg: Config | None) -> Finding | None:
     ))
 
 
-def constant_reward(rows: list[dict[str, Any]], run_dir: str | Path = "RUN") -> Finding | None:
+def constant_reward(rows: list[dict[str, Any]], run_dir: str | Path = "RUN", history: list[dict[str, Any]] | None = None) -> Finding | None:
     """The reward gave every sample of the last iterations one value: a reward function that
     cannot parse the responses (or a task no sample solves) — nothing to learn from, whatever
-    the estimator."""
+    the estimator. Where that value is the best of a run whose rewards once differed
+    (`history`: every row), the task looks learned instead."""
     if len(rows) < EQUAL_REWARDS_WINDOW or any(r.get("reward_max") is None or r["reward_max"] - r["reward_min"] > EQUAL_REWARD_TOLERANCE for r in rows):
         return None
     first, last = rows[0]["iteration"], rows[-1]["iteration"]
     values = sorted({round(r["reward_max"], 6) for r in rows})
+    earlier = [r for r in history or [] if r["iteration"] < first and r.get("reward_max") is not None]
+    if len(values) == 1 and earlier and values[0] >= max(r["reward_max"] for r in earlier) and any(r["reward_max"] - r["reward_min"] > EQUAL_REWARD_TOLERANCE for r in earlier):
+        return Finding("constant_reward", tuple(r["iteration"] for r in rows), (
+            f"iterations {first}-{last}: every sample scored {values[0]:g}, the best reward of the run: the task looks learned, and this "
+            "reward has nothing left to teach (stop here, or make the task harder)"
+        ))
     return Finding("constant_reward", tuple(r["iteration"] for r in rows), (
         f"iterations {first}-{last}: the reward gave every sample of each iteration the same value ({', '.join(f'{v:g}' for v in values)}), so no advantage "
         f"has anything to learn from: look at what it scored (rlctl show {run_dir}/iter-{last:04d}/score --columns response,reward) "

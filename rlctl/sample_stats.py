@@ -15,8 +15,9 @@ EQUAL_REWARD_TOLERANCE = 1e-6  # rewards this close count as equal: the group's 
 
 
 def rollout_stats(rollouts: pa.Table) -> dict[str, float | None]:
-    """Response and prompt lengths in tokens, and the share of responses that ended at the
-    length limit (`finish_reason == "length"`) rather than at a stop token."""
+    """Response and prompt lengths in tokens, the share of responses that ended at the length
+    limit (`finish_reason == "length"`) rather than at a stop token or string, and with a tool
+    (rollout.tool) its calls per response (`tool_calls`)."""
     return merged_rollout_stats([rollout_tally(rollouts)])
 
 
@@ -29,12 +30,15 @@ def rollout_tally(rollouts: pa.Table) -> dict[str, int]:
     responses = list_lengths(rollouts.column("response_ids"))
     prompts = list_lengths(rollouts.column("prompt_ids"))
     cut = np.asarray(rollouts.column("finish_reason").to_pylist(), dtype=object) == "length"
-    return {
+    tally = {
         "rows": rollouts.num_rows,
         "response_tokens": int(responses.sum()), "response_max": int(responses.max()), "response_min": int(responses.min()),
         "cut": int(cut.sum()),
         "prompt_tokens": int(prompts.sum()), "prompt_max": int(prompts.max()),
     }
+    if "tool_calls" in rollouts.column_names:  # rollout.tool
+        tally["tool_calls"] = int(np.asarray(rollouts.column("tool_calls").to_numpy(zero_copy_only=False)).sum())
+    return tally
 
 
 def merged_rollout_stats(tallies: list[dict[str, int]]) -> dict[str, float | None]:
@@ -43,7 +47,9 @@ def merged_rollout_stats(tallies: list[dict[str, int]]) -> dict[str, float | Non
     if not tallies:
         return {}
     rows = sum(tally["rows"] for tally in tallies)
+    calls = {"tool_calls": sum(tally["tool_calls"] for tally in tallies) / rows} if all("tool_calls" in tally for tally in tallies) else {}
     return {
+        **calls,
         "response_length": sum(tally["response_tokens"] for tally in tallies) / rows,
         "response_length/max": float(max(tally["response_max"] for tally in tallies)),
         "response_length/min": float(min(tally["response_min"] for tally in tallies)),

@@ -69,3 +69,26 @@ def check_token_ids(table: pa.Table, vocab_size: int, source: str = "input") -> 
             row = pc.filter(pc.list_parent_indices(column), outside)[0].as_py()
             value = pc.filter(flat, outside)[0].as_py()
             raise InputError(f"{source}: column {name!r} row {row} holds token id {value}, outside the model's vocabulary of {vocab_size}")
+
+
+class PolicyTokens:
+    """The response tokens the policy sampled, moved to the front of each row: a tool's tokens
+    (rollout.tool; `loss_mask` False) are context, not actions, so per-token returns and
+    advantages are computed over the policy's tokens alone — as if the tool's text were part of
+    the next state — and are 0 at the tool's. Without a loss mask it changes nothing."""
+
+    def __init__(self, keep: torch.Tensor) -> None:  # [B, W] bool: the response tokens the policy sampled
+        self.width = keep.shape[1]
+        self.lengths = keep.sum(1).numpy().astype(np.int64)
+        self.order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices  # kept positions first, in order
+        self.compact_width = int(self.lengths.max(initial=0))
+        self.mask = mask_from_lengths(self.lengths, self.compact_width)
+
+    def compact(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[B, W] → [B, compact width]: row i's policy tokens first, 0 after them."""
+        return torch.where(self.mask, tensor.gather(1, self.order[:, : self.compact_width]), 0)
+
+    def spread(self, compacted: torch.Tensor) -> torch.Tensor:
+        """[B, compact width] → [B, W]: back to the tokens' places, 0 at a tool's tokens."""
+        out = torch.zeros((compacted.shape[0], self.width), dtype=compacted.dtype)
+        return out.scatter(1, self.order[:, : self.compact_width], torch.where(self.mask, compacted, 0))

@@ -82,10 +82,13 @@ class TrainBatch:
             return None
 
         old = optional("old_logprobs")
+        mask = mask_from_lengths(lengths, width)
+        if "loss_mask" in names:  # a tool's tokens (rollout.tool): context, never trained on
+            mask = mask & padded(table.column("loss_mask"), width=width, dtype=torch.bool)
         return cls(
             prompt_ids=table.column("prompt_ids").to_pylist(),
             response_ids=table.column("response_ids").to_pylist(),
-            response_mask=mask_from_lengths(lengths, width),
+            response_mask=mask,
             advantages=padded(table.column("advantages"), width=width, dtype=torch.float32),
             old_logprobs=None if own_old_logprobs else old if old is not None else padded(table.column("rollout_logprobs"), width=width, dtype=torch.float32),
             ref_logprobs=optional("ref_logprobs"),
@@ -374,14 +377,15 @@ class Trainer:
                 return training_forward(module, device, bf16, rows=rows, length=length)
 
             width = packed.response_mask.shape[1]
-            m = packed.response_mask
 
             def take(t: torch.Tensor, rows=micro, width=width) -> torch.Tensor:
                 return t[rows, :width].to(device)
 
+            m = packed.response_mask & take(batch.response_mask)  # the tokens in the loss: a tool's are not
+
             if policy is not None:
                 shared_rows = ([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro]) if share_prompts else None
-                self._policy_backward(batch, packed, shared_rows, take, norms, weight, scale, tokens, forward_context, stats)
+                self._policy_backward(batch, packed, m, shared_rows, take, norms, weight, scale, tokens, forward_context, stats)
             if self.critic is not None:
                 with forward_context(self.critic.lm):
                     values = self.critic(packed)
@@ -400,14 +404,14 @@ class Trainer:
         return stats
 
     def _policy_backward(
-        self, batch: TrainBatch, packed, shared_rows: tuple[list, list] | None, take, norms: dict, weight: float, scale: float,
+        self, batch: TrainBatch, packed, m: torch.Tensor, shared_rows: tuple[list, list] | None, take, norms: dict, weight: float, scale: float,
         tokens: int, forward_context, stats: dict,
     ) -> None:
         """One micro-batch's policy loss, its backward, and its share of the statistics; the
         forward runs in `forward_context(module)` (`training_forward`), the loss and backward
         outside. With `shared_rows` (prompts, responses: GRPO's groups) each distinct prompt's
         forward runs once (`forward_sharing_prompts`), its gradients summed over its rows."""
-        cfg, m = self.cfg, packed.response_mask
+        cfg = self.cfg
         with forward_context(self.policy.model):
             if shared_rows is not None:
                 logp, entropy = self.policy.forward_sharing_prompts(*shared_rows, temperature=self.temperature, with_entropy=True)

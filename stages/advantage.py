@@ -19,7 +19,7 @@ from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, shards_ref, up_to_date
 from rlctl.manifest import Manifest
 from rlctl.shards import OutputSpec, read, read_manifest, write
-from rlctl.tensors import list_lengths, mask_from_lengths, padded, set_columns, unpad
+from rlctl.tensors import PolicyTokens, list_lengths, mask_from_lengths, padded, set_columns, unpad
 
 
 def run(*, scores: str, out: OutputSpec, cfg: AdvantageConfig, kl_state: str | None = None, force: bool = False) -> Manifest:
@@ -65,36 +65,48 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
         raise InputError("kl_coef > 0 needs ref_logprobs: score with --ref")
     lengths = list_lengths(table.column("response_ids"))
     width = int(lengths.max(initial=0))
-    mask = mask_from_lengths(lengths, width)
+    full_mask = mask_from_lengths(lengths, width)
+    tokens = None  # the policy's tokens only, where a tool wrote some (rollout.tool): rlctl.tensors.PolicyTokens
+    if "loss_mask" in names:
+        tokens = PolicyTokens(full_mask & padded(table.column("loss_mask"), width=width, dtype=torch.bool))
+
+    def policy(tensor: torch.Tensor) -> torch.Tensor:
+        return tokens.compact(tensor) if tokens is not None else tensor
+
+    policy_lengths = tokens.lengths if tokens is not None else lengths
+    mask = tokens.mask if tokens is not None else full_mask
     rewards = torch.from_numpy(table.column("reward").to_numpy().astype(np.float64))
-    token_rewards = torch.zeros((len(lengths), width), dtype=torch.float64)
-    rows_with_tokens = torch.from_numpy(lengths > 0)
-    last = torch.from_numpy(np.maximum(lengths - 1, 0))
-    token_rewards[torch.arange(len(lengths))[rows_with_tokens], last[rows_with_tokens]] = rewards[rows_with_tokens]
+    token_rewards = torch.zeros(mask.shape, dtype=torch.float64)
+    rows_with_tokens = torch.from_numpy(policy_lengths > 0)
+    last = torch.from_numpy(np.maximum(policy_lengths - 1, 0))
+    token_rewards[torch.arange(len(lengths))[rows_with_tokens], last[rows_with_tokens]] = rewards[rows_with_tokens]  # on the policy's last token
     stats = {"reward_mean": float(rewards.mean()) if len(rewards) else 0.0, "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0}
     observed_kl: float | None = None  # no reference, no KL: "not recorded", not 0
     if "ref_logprobs" in names and not table.column("ref_logprobs").null_count:
         policy_column = "old_logprobs" if "old_logprobs" in names and not table.column("old_logprobs").null_count else "rollout_logprobs"
         kl = KL_ESTIMATORS.get(cfg.kl_estimator)(
-            logprobs=padded(table.column(policy_column), width=width), ref_logprobs=padded(table.column("ref_logprobs"), width=width)
+            logprobs=policy(padded(table.column(policy_column), width=width)), ref_logprobs=policy(padded(table.column("ref_logprobs"), width=width))
         )
         kl = torch.where(mask, kl, 0)
         observed_kl = float(sequence_mean(kl, mask))  # as verl: tokens within a sequence, then sequences
         if kl_coef > 0:
             token_rewards = token_rewards - kl_coef * kl
-    values = padded(table.column("values"), width=width) if cfg.estimator in NEEDS_VALUES else None
+    values = policy(padded(table.column("values"), width=width)) if cfg.estimator in NEEDS_VALUES else None
     _, group_index = np.unique(np.asarray(table.column("id").to_pylist(), dtype=object).astype(str), return_inverse=True)
     result = ESTIMATORS.get(cfg.estimator)(
         token_rewards=token_rewards, response_mask=mask, values=values, group_index=torch.from_numpy(group_index.astype(np.int64)),
         gamma=cfg.gamma, lam=cfg.lam, norm_by_std=cfg.norm_by_std, std_scope=cfg.std_scope,
     )
+    advantages, returns = result.advantages, result.returns
+    if tokens is not None:
+        token_rewards, advantages, returns = tokens.spread(token_rewards), tokens.spread(advantages), tokens.spread(returns)
     next_state = next_kl_state(
         state, controller=cfg.kl_controller, observed_kl=observed_kl or 0.0, batch_sequences=len(lengths), target=cfg.kl_target, horizon=cfg.kl_horizon
     )
     stats.update({"kl": observed_kl, "kl_coef": kl_coef, "advantage_mean": float(masked_mean(result.advantages, mask))})
     table = set_columns(table, {
         "token_rewards": unpad(token_rewards, lengths),
-        "advantages": unpad(result.advantages, lengths),
-        "returns": unpad(result.returns, lengths),
+        "advantages": unpad(advantages, lengths),
+        "returns": unpad(returns, lengths),
     })
     return table, next_state, stats

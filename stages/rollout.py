@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pyarrow as pa
 
-from rlctl.backends.base import ROLLOUT_BACKENDS, RolloutEngine, sampling_params
+from rlctl.backends.base import ROLLOUT_BACKENDS, Generation, RolloutEngine, sampling_params
 from rlctl.backends.stop_strings import StopStrings
 from rlctl.config import DataConfig, RolloutConfig, VLLMConfig, WorkersConfig, to_dict
 from rlctl.dtypes import compute_dtype, models_device
@@ -25,6 +25,7 @@ from rlctl.progress import progress_bar
 from rlctl.sample_stats import merged_rollout_stats, rollout_stats
 from rlctl.shards import OutputSpec, read, write
 from rlctl.tensors import list_column, set_columns
+from rlctl.tool_turns import check_tool
 
 SAMPLING_KEY = b"rlctl.sampling"
 
@@ -37,6 +38,7 @@ def run(
     (the same rows as one process: each row samples from its own random stream). `engine`
     holds the vLLM settings when `cfg.backend` is vllm. An "auto" dtype is decided here, for
     the device the models run on, and the manifest records the decision."""
+    check_tool(cfg.tool, cfg.stop)
     cfg = replace(cfg, dtype=compute_dtype(cfg.dtype, models_device(device, workers)))
     source = read(prompts, "prompts")
     from rlctl.backends.hf import check_model_dir, read_trainer_step
@@ -117,21 +119,18 @@ def rollout_table(
     Progress goes to `on_tokens` when given (the pipeline's view), else to a progress bar."""
     if data.truncate not in ("error", "left"):
         raise InputError(f"truncate must be error or left, got {data.truncate!r}")
+    check_tool(cfg.tool, cfg.stop)
     prompt_ids = encode_prompts(
         prompts, engine.tokenizer, data, context_length=getattr(engine, "context_length", None), max_new_tokens=cfg.max_new_tokens
     )
     repeated = [ids for ids in prompt_ids for _ in range(cfg.n)]
-    params = sampling_params(cfg)
-    if on_tokens is not None:
-        generations = engine.generate(repeated, params, batch_size=cfg.batch_size, on_tokens=on_tokens, compute_dtype=cfg.dtype, first_row=first_row)
-    else:
-        with progress_bar("rollout", total=len(repeated) * cfg.max_new_tokens, unit="tok") as bar:
-            generations = engine.generate(repeated, params, batch_size=cfg.batch_size, on_tokens=bar.advance, compute_dtype=cfg.dtype, first_row=first_row)
-    stops = StopStrings(engine.tokenizer, params.stop)
-    if stops:  # one rule for every engine: the first token that completes a stop string ends the row
-        generations = [stops.cut(generation) for generation in generations]
     rows = pa.array([i for i in range(prompts.num_rows) for _ in range(cfg.n)], pa.int64())
     table = prompts.take(rows)
+    if on_tokens is not None:
+        generations, tool_columns = _generate(engine, table, repeated, cfg, first_row, on_tokens)
+    else:
+        with progress_bar("rollout", total=len(repeated) * cfg.max_new_tokens, unit="tok") as bar:
+            generations, tool_columns = _generate(engine, table, repeated, cfg, first_row, bar.advance)
     responses = engine.tokenizer.batch_decode([g.response_ids for g in generations], skip_special_tokens=True)
     columns = {
         "sample": pa.array([s for _ in range(prompts.num_rows) for s in range(cfg.n)], pa.int32()),
@@ -141,12 +140,53 @@ def rollout_table(
         "rollout_logprobs": list_column([g.logprobs for g in generations], pa.float32()),
         "finish_reason": pa.array([g.finish_reason for g in generations], pa.string()),
         "policy_version": pa.array([policy_version] * len(generations), pa.int64()),
+        **tool_columns,
     }
     table = set_columns(table, columns)
     sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "max_new_tokens": cfg.max_new_tokens}
     metadata = dict(table.schema.metadata or {})
     metadata[SAMPLING_KEY] = json.dumps(sampling, sort_keys=True).encode()
     return table.replace_schema_metadata(metadata)
+
+
+def _generate(
+    engine: RolloutEngine, table: pa.Table, prompt_ids: list[list[int]], cfg: RolloutConfig, first_row: int, on_tokens: Callable[[int], None],
+) -> tuple[list[Generation], dict[str, pa.Array]]:
+    """Every row's response, cut at its first stop string (one rule for every engine: the
+    token that completes one ends the row), and with `rollout.tool` the turns that follow
+    (rlctl.tool_turns) with the columns that say whose tokens are whose."""
+    params = sampling_params(cfg)
+    generations = engine.generate(prompt_ids, params, batch_size=cfg.batch_size, on_tokens=on_tokens, compute_dtype=cfg.dtype, first_row=first_row)
+    stops = StopStrings(engine.tokenizer, params.stop)
+    if not stops:
+        return generations, {}
+    generations, at_stop_string = stops.cut_all(generations)
+    if not cfg.tool:
+        return generations, {}
+    from rlctl.stages.score import reward_samples
+    from rlctl.tool_turns import Tool, first_turn, take_turns, turn_seed
+
+    samples = reward_samples(table)
+
+    def call_tool(indices: list[int], transcripts) -> list[str | None]:
+        texts = engine.tokenizer.batch_decode([t.response_ids for t in transcripts], skip_special_tokens=True)
+        return tool(samples.select(indices, responses=texts))
+
+    def generate(prompts: list[list[int]], limit: int, row_ids: list[int], turn: int):
+        turn_params = replace(params, max_new_tokens=limit, seed=turn_seed(params.seed, turn))
+        return stops.cut_all(engine.generate(prompts, turn_params, batch_size=cfg.batch_size, on_tokens=on_tokens, compute_dtype=cfg.dtype, row_ids=row_ids))
+
+    with Tool.load(cfg.tool, timeout=cfg.tool_timeout) as tool:
+        transcripts = take_turns(
+            first_turn(generations, at_stop_string, cfg.max_new_tokens), prompt_ids, [first_row + i for i in range(len(prompt_ids))],
+            call_tool=call_tool, tokenize=lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"], generate=generate,
+            max_new_tokens=cfg.max_new_tokens, max_tool_calls=cfg.max_tool_calls,
+        )
+    generations = [Generation(t.response_ids, t.logprobs, t.finish_reason) for t in transcripts]
+    return generations, {
+        "loss_mask": list_column([t.loss_mask for t in transcripts], pa.bool_()),
+        "tool_calls": pa.array([t.tool_calls for t in transcripts], pa.int32()),
+    }
 
 
 def sampling_of(table: pa.Table) -> dict:

@@ -44,7 +44,13 @@ class RolloutEngine(Protocol):
         on_tokens: Callable[[int], None] | None = None,
         compute_dtype: str = "fp32",
         first_row: int = 0,  # the global index of prompt_ids[0]: it names each row's random stream
+        row_ids: Sequence[int] | None = None,  # each prompt's own global index instead (a subset of rows continuing)
     ) -> list[Generation]: ...
+
+
+def stream_rows(count: int, first_row: int, row_ids: Sequence[int] | None) -> list[int]:
+    """The global index of each of `count` prompts, which names its random stream."""
+    return list(row_ids) if row_ids is not None else [first_row + i for i in range(count)]
 
 
 def sampling_params(cfg: RolloutConfig, seed: int | None = None) -> SamplingParams:

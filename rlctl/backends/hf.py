@@ -22,7 +22,7 @@ import torch
 from rlctl import cpu_linear
 from rlctl.algos.logprobs import logprobs_and_entropy, row_uniforms, sample_next
 from rlctl.backends import unpadded
-from rlctl.backends.base import Generation, SamplingParams
+from rlctl.backends.base import Generation, SamplingParams, stream_rows
 from rlctl.backends.stop_strings import StopStrings
 from rlctl.errors import InputError
 from rlctl.lora import transformers_model
@@ -431,9 +431,11 @@ class HFPolicy:
         on_tokens: Callable[[int], None] | None = None,
         compute_dtype: str = "fp32",
         first_row: int = 0,
+        row_ids: Sequence[int] | None = None,
     ) -> list[Generation]:
         """Sample one response per prompt (repeat a prompt for n samples). Deterministic for a
-        seed: row i draws from its own stream (`row_uniforms(seed, [first_row + i], ...)`), so the
+        seed: row i draws from its own stream (`row_uniforms(seed, [first_row + i], ...)`, or
+        `row_ids[i]` for the rows of a subset), so the
         rows do not depend on the batch size or on how rows are split across workers.
         `compute_dtype="bf16"` generates with a bf16 copy of the weights (the trained ones,
         shared with training, stay fp32; "auto": bf16 where the hardware has it natively)."""
@@ -441,6 +443,7 @@ class HFPolicy:
 
         model = self._bf16.of(self.model) if decide_dtype(self.device, compute_dtype) == "bf16" else self.model
         results: list[Generation | None] = [None] * len(prompt_ids)
+        streams = stream_rows(len(prompt_ids), first_row, row_ids)
         with decoding_attention(model, self.device):
             graphed = cuda_graphs.decode_mode(model, self.device) is not None
             products = None if graphed else self._decode_products(model, rows=min(batch_size, len(prompt_ids)))
@@ -448,7 +451,7 @@ class HFPolicy:
             # keeps a tensor the loop makes): its tensor operations skip autograd's bookkeeping
             with torch.inference_mode(graphed or products is not None):
                 for rows in batches_by_length(prompt_ids, [()] * len(prompt_ids), batch_size):  # prompts of similar length pad less
-                    uniforms = row_uniforms(params.seed, [first_row + i for i in rows], params.max_new_tokens)
+                    uniforms = row_uniforms(params.seed, [streams[i] for i in rows], params.max_new_tokens)
                     generations = self._generate_batch(model, [prompt_ids[i] for i in rows], params, uniforms, on_tokens, products, graphed)
                     for i, generation in zip(rows, generations):
                         results[i] = generation

@@ -47,10 +47,13 @@ class StopStrings:
 
     def cut(self, generation: Generation) -> Generation:
         """`generation` ended at its first stop string (finish reason "stop"), or as it was."""
-        end = self.end(generation.response_ids)
-        if end is None:
-            return generation
-        return Generation(generation.response_ids[:end], generation.logprobs[:end], "stop")
+        return self.cut_all([generation])[0][0]
+
+    def cut_all(self, generations: Sequence[Generation]) -> tuple[list[Generation], list[bool]]:
+        """Every generation cut at its first stop string, and whether each ended at one."""
+        ends = [self.end(g.response_ids) for g in generations]
+        cut = [g if end is None else Generation(g.response_ids[:end], g.logprobs[:end], "stop") for g, end in zip(generations, ends)]
+        return cut, [end is not None for end in ends]
 
     def hits(self, tails: list[list[int]], whole: Callable[[int], Sequence[int]]) -> list[bool]:
         """Which rows now hold a stop string, from the last `self.tail` tokens of each (`tails`;

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from rlctl.algos.logprobs import row_seed
-from rlctl.backends.base import Generation, SamplingParams
+from rlctl.backends.base import Generation, SamplingParams, stream_rows
 from rlctl.config import VLLMConfig
 from rlctl.errors import InputError, RlctlError
 
@@ -153,21 +153,23 @@ class VLLMEngine:
 
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *, batch_size: int = 64,
-        on_tokens: Callable[[int], None] | None = None, compute_dtype: str = "fp32", first_row: int = 0,
+        on_tokens: Callable[[int], None] | None = None, compute_dtype: str = "fp32", first_row: int = 0, row_ids: Sequence[int] | None = None,
     ) -> list[Generation]:
-        """One response per prompt; row i is a request seeded with `row_seed(seed, first_row + i)`.
+        """One response per prompt; row i is a request seeded with `row_seed(seed, first_row + i)`
+        (`row_ids[i]` in place of `first_row + i` where given).
         vLLM schedules its own batches (`vllm.max_num_seqs`): `batch_size` and `compute_dtype`
         (fixed when the engine starts) are the HF engine's knobs."""
         from vllm import SamplingParams as VParams
         from vllm.inputs import TokensPrompt
 
         greedy = params.temperature == 0.0
+        streams = stream_rows(len(prompt_ids), first_row, row_ids)
         if not greedy and logprobs_mode(params) != self.mode:  # greedy log-probs are log softmax(logits) in either mode
             raise InputError(f"this vLLM engine returns {self.mode}; sampling with temperature={params.temperature} needs {logprobs_mode(params)}")
         requests = [
             VParams(
                 n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0,
-                seed=None if greedy else row_seed(params.seed, first_row + i), max_tokens=params.max_new_tokens, logprobs=0,
+                seed=None if greedy else row_seed(params.seed, streams[i]), max_tokens=params.max_new_tokens, logprobs=0,
                 stop_token_ids=self.stop_ids, skip_special_tokens=False, **stop_string_settings(params.stop),
             )
             for i in range(len(prompt_ids))

@@ -431,8 +431,13 @@ class _PolicyProxy:
         self.tokenizer, self.pad_id = workers.tokenizer, workers.pad_id
         self.vocab_size, self.context_length = workers.vocab_size, workers.context_length
 
-    def generate(self, prompt_ids, params: SamplingParams, *, batch_size: int = 64, on_tokens=None, compute_dtype: str = "fp32", first_row: int = 0) -> list[Generation]:
-        rows = self._workers._split("generate", [list(prompt_ids)], first_row, asdict(params), batch_size, compute_dtype)
+    def generate(
+        self, prompt_ids, params: SamplingParams, *, batch_size: int = 64, on_tokens=None, compute_dtype: str = "fp32", first_row: int = 0, row_ids=None,
+    ) -> list[Generation]:
+        from rlctl.backends.base import stream_rows
+
+        streams = stream_rows(len(prompt_ids), first_row, row_ids)  # travels with its rows to the ranks
+        rows = self._workers._split("generate", [list(prompt_ids), streams], asdict(params), batch_size, compute_dtype)
         if on_tokens:
             on_tokens(sum(len(g[0]) for g in rows))
         return [Generation(list(ids), list(logprobs), reason) for ids, logprobs, reason in rows]
@@ -568,9 +573,9 @@ class RankWorker:
 
     # -- work on rows ----------------------------------------------------------------------
 
-    def generate(self, rows: list, start: int, first_row: int, params: dict, batch_size: int, compute_dtype: str) -> list:
-        (prompt_ids,) = rows
-        out = (self.generator or self.engine).generate(prompt_ids, SamplingParams(**params), batch_size=batch_size, compute_dtype=compute_dtype, first_row=first_row + start)
+    def generate(self, rows: list, start: int, params: dict, batch_size: int, compute_dtype: str) -> list:
+        prompt_ids, streams = rows
+        out = (self.generator or self.engine).generate(prompt_ids, SamplingParams(**params), batch_size=batch_size, compute_dtype=compute_dtype, row_ids=streams)
         return [(g.response_ids, g.logprobs, g.finish_reason) for g in out]
 
     def logprobs(self, rows: list, start: int, which: str, temperature: float, batch_size: int, compute_dtype: str, batch_tokens: int = 0) -> list:

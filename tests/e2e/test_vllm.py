@@ -89,6 +89,24 @@ def test_vllm_stops_at_a_stop_string_where_the_hf_rule_cuts(cli, tmp_path, tiny_
     assert stopped.column("finish_reason").to_pylist() == [g.finish_reason for g in expected]
 
 
+def test_vllm_takes_tool_turns_as_the_hf_engine_does(cli, tmp_path, tiny_model, six_prompts):
+    """Greedy, fp32: the same exchanges with a tool from either engine (rlctl.tool_turns)."""
+    (tmp_path / "tools.py").write_text("def echo(responses):\n    return [f'<r>{len(r)}</r>' for r in responses]\n")
+    common = ["--prompts", six_prompts, "--model", tiny_model, "--max-new-tokens", "24", "--temperature", "0", "--set", "rollout.dtype=fp32"]
+    assert cli("rollout", *common, "--out", tmp_path / "free").exit_code == 0
+    responses = shards.read(str(tmp_path / "free"), "rollouts").table.column("response").to_pylist()
+    stop = max(("a", "e", "s", "t", "o", "i", "n"), key=lambda s: sum(s in r[: len(r) // 2] for r in responses))
+    tool = ["--stop", stop, "--set", f"rollout.tool={tmp_path / 'tools.py'}:echo", "--set", "rollout.max_tool_calls=2"]
+    for backend in ("hf", "vllm"):
+        result = cli("rollout", *common, *tool, "--out", tmp_path / backend, "--backend", backend)
+        assert result.exit_code == 0, result.stderr
+    hf, ours = (shards.read(str(tmp_path / b), "rollouts").table for b in ("hf", "vllm"))
+    masks = hf.column("loss_mask").to_pylist()
+    assert sum(hf.column("tool_calls").to_pylist()) >= 2 and any(False in m and m[-1] for m in masks)  # a turn after the tool's text
+    for column in ("response_ids", "loss_mask", "tool_calls", "finish_reason"):
+        assert ours.column(column).to_pylist() == hf.column(column).to_pylist(), column
+
+
 def test_vllm_refuses_a_temperature_with_truncation_before_starting(cli, tmp_path, tiny_model, six_prompts):
     result = cli("rollout", "--prompts", six_prompts, "--model", tiny_model, "--out", tmp_path / "r", "--backend", "vllm", "--temperature", "0.7", "--top-p", "0.9")
     assert result.exit_code == 2

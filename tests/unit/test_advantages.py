@@ -205,3 +205,40 @@ def test_unknown_estimator_lists_the_known_ones():
 def test_registry_refuses_duplicates():
     with pytest.raises(ValueError, match="already registered"):
         ESTIMATORS.register("gae")(lambda **kw: None)
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo", "reinforce_pp"])
+def test_a_tools_tokens_are_context_the_advantage_skips(estimator):
+    """Rows whose responses hold a tool's tokens (loss_mask False) get the advantages, returns
+    and per-token rewards the same rows would get without those tokens, and 0 at them: the
+    reward lands on the policy's last token and the KL counts the policy's tokens only."""
+    import pyarrow as pa
+
+    from rlctl.algos.kl import KLControllerState
+    from rlctl.config import AdvantageConfig
+    from rlctl.stages.advantage import advantage_table
+
+    g = torch.Generator().manual_seed(5)
+    masks = [[True, True, False, False, True], [True, False, True], [True, True, True], [True, True, False]]  # the last ends in a tool's text
+
+    def rand(n):
+        return torch.randn(n, generator=g).tolist()
+
+    columns = {name: [rand(len(m)) for m in masks] for name in ("old_logprobs", "ref_logprobs", "values")}
+    full = pa.table({
+        "id": ["a", "a", "b", "b"], "response_ids": [list(range(len(m))) for m in masks], "reward": pa.array([1.0, 0.0, 0.5, 2.0], pa.float32()),
+        **{name: pa.array(values, pa.list_(pa.float32())) for name, values in columns.items()}, "loss_mask": pa.array(masks, pa.list_(pa.bool_())),
+    })
+    kept = full.drop_columns(["loss_mask"]).to_pylist()
+    for row, m in zip(kept, masks):  # the same rows with the tool's tokens taken out
+        for name in ("response_ids", *columns):
+            row[name] = [v for v, keep in zip(row[name], m) if keep]
+    without = pa.Table.from_pylist(kept, schema=full.drop_columns(["loss_mask"]).schema)
+    cfg = AdvantageConfig(estimator=estimator, kl_coef=0.1, gamma=0.9, lam=0.8)
+    with_tool, _, stats = advantage_table(full, cfg, KLControllerState(0.1))
+    plain, _, plain_stats = advantage_table(without, cfg, KLControllerState(0.1))
+    assert stats["kl"] == pytest.approx(plain_stats["kl"], abs=1e-7)
+    for name in ("advantages", "returns", "token_rewards"):
+        for got, expected, m in zip(with_tool.column(name).to_pylist(), plain.column(name).to_pylist(), masks):
+            assert [v for v, keep in zip(got, m) if keep] == pytest.approx(expected, abs=1e-6), name
+            assert all(v == 0.0 for v, keep in zip(got, m) if not keep), name

@@ -118,6 +118,16 @@ def test_a_reward_that_gives_every_sample_one_value_is_one_finding_whatever_the_
     assert checks(run_findings(flat)) == ["equal_rewards"]
 
 
+def test_a_run_whose_every_sample_earns_its_best_reward_is_told_the_task_looks_learned():
+    learning = rows(5, reward_max=1.0, reward_min=0.0) + [{"iteration": i, "reward_max": 1.0, "reward_min": 1.0} for i in (6, 7, 8)]
+    (found,) = run_findings(learning)
+    assert found.check == "constant_reward" and found.message.startswith("iterations 6-8: every sample scored 1, the best reward of the run: the task looks learned")
+    never = [{"iteration": i, "reward_max": 0.0, "reward_min": 0.0} for i in range(1, 9)]
+    assert "look at what it scored" in run_findings(never)[0].message  # it never varied: a reward that cannot parse the responses
+    fell = rows(5, reward_max=1.0, reward_min=0.0) + [{"iteration": i, "reward_max": 0.0, "reward_min": 0.0} for i in (6, 7, 8)]
+    assert "look at what it scored" in run_findings(fell)[0].message  # collapsed to the worst: not learned
+
+
 def test_every_check_is_named_in_the_choices():
     every = rows(3, **{"response_length/clip_ratio": 1.0, "groups/equal_rewards": 1.0, "rollout_is/frac_beyond_threshold": 0.5, "skipped_steps": 1})
     flat = rows(3, reward_max=1.0, reward_min=1.0)

@@ -29,7 +29,8 @@ def rollouts_table(**overrides):
 def test_every_schema_loads_with_name_and_version_in_metadata(name):
     schema = schemas.load(name)
     assert schema.metadata[b"rlctl.schema"] == name.encode()
-    assert schema.metadata[b"rlctl.schema_version"] == b"1.0"
+    assert schema.metadata[b"rlctl.schema_version"] == schemas.spec(name).version.encode()
+    assert schemas.spec(name).major == 1
     assert all(schemas.spec(name).column(f.name).description for f in schema)
 
 
@@ -75,7 +76,7 @@ def test_prompts_need_prompt_or_messages():
 
 def test_newer_major_version_is_refused_with_both_versions():
     table = rollouts_table().replace_schema_metadata({b"rlctl.schema": b"rollouts", b"rlctl.schema_version": b"2.0"})
-    with pytest.raises(SchemaVersionError, match=r"version 2\.0 is newer than this rlctl reads \(1\.0\)"):
+    with pytest.raises(SchemaVersionError, match=r"version 2\.0 is newer than this rlctl reads \(1\.1\)"):
         schemas.validate(table, "rollouts")
 
 

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlctl import shards
+from rlctl import schemas, shards
 from rlctl.errors import InputError, NotCommittedError
 from rlctl.manifest import MANIFEST_NAME, Manifest
 from tests.conftest import part_files
@@ -52,7 +52,7 @@ def test_manifest_records_files_with_rows_bytes_and_sha256(tmp_path):
     out = tmp_path / "out"
     manifest = shards.write(table(), str(out), Manifest(stage="test"), schema="rollouts", rows_per_part=1)
     recorded = json.loads((out / MANIFEST_NAME).read_text())
-    assert recorded["schema_version"] == "1.0" and recorded["rlctl_version"]
+    assert recorded["schema_version"] == schemas.spec("rollouts").version and recorded["rlctl_version"]
     for entry in manifest.files:
         data = (out / entry.path).read_bytes()
         assert entry.bytes == len(data) and entry.sha256 == hashlib.sha256(data).hexdigest()
@@ -65,7 +65,7 @@ def test_single_parquet_file_round_trip_keeps_values_and_metadata(tmp_path):
     path = tmp_path / "one.parquet"
     pq.write_table(schemas.validate(table(), "rollouts"), path)
     raw = shards.read(str(path)).table  # no validation: what the file itself carries
-    assert raw.schema.metadata[b"rlctl.schema"] == b"rollouts" and raw.schema.metadata[b"rlctl.schema_version"] == b"1.0"
+    assert raw.schema.metadata[b"rlctl.schema"] == b"rollouts" and raw.schema.metadata[b"rlctl.schema_version"] == schemas.spec("rollouts").version.encode()
     assert raw.select(list(ROLLOUT_VALUES)).to_pydict() == table().to_pydict()
 
 
@@ -226,5 +226,5 @@ def test_stdout_stream_piped_into_a_second_process(tmp_path):
     assert writer.wait() == 0
     back = shards.read(str(tmp_path / "copy"), "rollouts")
     assert back.table.select(list(ROLLOUT_VALUES)).to_pydict() == table().to_pydict()
-    assert back.table.schema.metadata[b"rlctl.schema_version"] == b"1.0"
+    assert back.table.schema.metadata[b"rlctl.schema_version"] == schemas.spec("rollouts").version.encode()
     assert back.manifest.inputs[0].uri == "-" and back.manifest.inputs[0].manifest_sha256

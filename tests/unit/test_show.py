@@ -137,8 +137,9 @@ def test_a_run_shows_its_metrics_then_what_they_suggest_changing(tmp_path, capsy
     header = next(line for line in out.splitlines() if "iter" in line and "reward" in line)
     assert [c.strip() for c in header.strip("┃ ").split("┃")] == ["iter", "reward", "len", "cut"]  # the columns the run has
     words = " ".join(out.split())  # the finding wraps at the terminal's width
-    assert words.endswith("! iteration 2: 75% of the responses ended at the length limit (24 tokens), not at a stop token, so a reward "
-                          "that wants a finished answer judged cut-off text: raise rollout.max_new_tokens if the answers need more room")
+    assert words.endswith("! iteration 2: 75% of the responses ended at the length limit (24 tokens), not at a stop token or string, so a reward "
+                          "that wants a finished answer judged cut-off text: raise rollout.max_new_tokens if the answers need more room; "
+                          "update.mask_truncated leaves cut-off responses out of the loss")
 
 
 def test_a_run_shows_the_metrics_asked_for_over_its_last_iterations(tmp_path, capsys, monkeypatch):

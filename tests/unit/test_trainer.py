@@ -595,3 +595,28 @@ def test_an_update_on_truncated_responses_only_leaves_the_policy_where_it_was(ti
     assert all(torch.equal(start[k], v) for k, v in weights(policy).items())
     half = replace(batch, truncated=torch.arange(batch.size) % 2 == 0)
     assert Trainer(policy, UpdateConfig(lr=1e-2, mask_truncated=True)).train(half)["truncated_masked"] == 0.5
+
+
+def test_a_tools_tokens_take_no_part_in_the_loss(policy, monkeypatch):
+    """Tokens a tool wrote (loss_mask False, rollout.tool) are context: whatever advantages or
+    old log-probs they carry, the gradient is the same; and TrainBatch reads the mask."""
+    from dataclasses import replace
+
+    import pyarrow as pa
+
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "never")
+    batch = make_batch(seed=6)
+    tool = torch.zeros_like(batch.response_mask)
+    tool[:, 1:3] = True  # the second and third tokens of every response are a tool's
+    trained = replace(batch, response_mask=batch.response_mask & ~tool)
+    grads = []
+    for noise in (0.0, 5.0):
+        scrambled = replace(trained, advantages=trained.advantages + noise * tool, old_logprobs=trained.old_logprobs - noise * tool)
+        Trainer(policy, UpdateConfig(micro_batch_size=8, use_kl_loss=True, entropy_coef=0.01)).accumulate_gradients(scrambled, torch.arange(batch.size))
+        grads.append(flat_gradients(policy.model))
+    np.testing.assert_array_equal(grads[0], grads[1])
+    table = pa.table({
+        "prompt_ids": [[5, 6], [7]], "response_ids": [[1, 2, 3], [4, 5]], "advantages": [[0.1, 0.2, 0.3], [0.4, 0.5]],
+        "rollout_logprobs": [[-1.0, 0.0, -1.0], [-1.0, -1.0]], "loss_mask": [[True, False, True], [True, True]],
+    })
+    assert TrainBatch.from_table(table).response_mask.tolist() == [[True, False, True], [True, True, False]]
