@@ -11,3 +11,10 @@ def digit_share(responses: list[str]) -> list[float]:
     """The share of a response's characters that are digits (0 for an empty response): a
     rule a program can verify exactly, used by examples/grpo.toml."""
     return [sum(c.isdigit() for c in r) / len(r) if r else 0.0 for r in responses]
+
+
+def states_the_answer(responses: list[str], ground_truths: list[str]) -> list[float]:
+    """1 when the response holds the ground truth as a whole number, else 0 (examples/tool_use.toml)."""
+    import re
+
+    return [float(truth in re.findall(r"\d+", response)) for response, truth in zip(responses, ground_truths)]

@@ -71,6 +71,14 @@ def test_dr_grpo_example_learns_by_the_stated_margin(tmp_path):
 
 
 @pytest.mark.slow
+def test_tool_use_example_learns_to_call_its_tool_by_the_stated_margin(tmp_path):
+    rows = run_example("tool_use.toml", tmp_path)
+    assert len(rows) == 30
+    assert learning_margin(rows) >= 0.5  # the margin stated in examples/tool_use.toml
+    assert rows[-1]["tool_calls"] > rows[0]["tool_calls"] + 0.5  # it learned to call the calculator
+
+
+@pytest.mark.slow
 def test_dapo_example_learns_by_the_stated_margin(tmp_path):
     rows = run_example("dapo.toml", tmp_path)
     assert len(rows) == 30
