@@ -285,6 +285,8 @@ class PipelineConfig:
     run_dir: str = "runs/default"  # run folder: stage outputs, checkpoints, metrics.jsonl
     save_every: int = 1  # checkpoint every N iterations (and at the end); resume starts there
     keep_checkpoints: int = 2  # 0 = keep all
+    keep_best: str = ""  # a metric (e.g. val/score): an iteration that betters it saves a checkpoint, kept besides the last keep_checkpoints ("" = none)
+    best_is: str = "max"  # max | min: which way keep_best's metric is better
     keep_shards: int = 0  # keep the stage outputs of the last K iterations; 0 = all
     val_every: int = 0  # 0 = no validation
     val_n: int = 1  # samples per validation prompt: val/score is their mean (verl's mean@N), val/best_of_N the mean of each prompt's best (best@N)
@@ -307,7 +309,7 @@ class PipelineConfig:
         unknown = [name for name in self.ignore_checks if name not in RUN_CHECKS]
         if unknown:
             raise ConfigError(f"pipeline.ignore_checks: unknown check {unknown[0]!r}; the checks: {', '.join(RUN_CHECKS)}")
-        check_ranges(self, "pipeline", {"wandb_mode": one_of("online", "offline"), "max_sampling_rounds": at_least(1), "rollout_is_threshold": above(1.0), "iterations": at_least(1), "save_every": at_least(0), "keep_checkpoints": at_least(0), "keep_shards": at_least(0), "val_every": at_least(0), "val_n": at_least(1), "val_temperature": at_least(0.0)})
+        check_ranges(self, "pipeline", {"wandb_mode": one_of("online", "offline"), "max_sampling_rounds": at_least(1), "rollout_is_threshold": above(1.0), "iterations": at_least(1), "save_every": at_least(0), "keep_checkpoints": at_least(0), "keep_shards": at_least(0), "val_every": at_least(0), "val_n": at_least(1), "val_temperature": at_least(0.0), "best_is": one_of("max", "min")})
 
 
 @dataclass(frozen=True)

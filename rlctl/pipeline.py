@@ -56,7 +56,7 @@ from rlctl.modelinit import preset_fields
 from rlctl.passes import ModelShape, as_recorded, decided_micro_batch_tokens, ranks_at_once
 from rlctl.rewards import RewardSet, load_rewards
 from rlctl.run_checks import run_findings
-from rlctl.runinfo import iteration_folders
+from rlctl.runinfo import best_iteration, iteration_folders, iteration_number
 from rlctl.sample_stats import reward_stats, rollout_stats, validation_metrics
 from rlctl.shards import Shards, commit_empty, filesystem, is_committed, read, read_manifest, write
 from rlctl.stages.rollout import stage_config as rollout_stage_config
@@ -108,6 +108,8 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
         raise ConfigError("set model.path (a model folder) or model.init_preset (tiny|small|medium) to make one")
     check_config(cfg.advantage)
     check_tool(cfg.rollout.tool, cfg.rollout.stop)
+    if cfg.pipeline.keep_best.startswith("val/") and not (cfg.data.val_prompts and cfg.pipeline.val_every):
+        raise ConfigError(f"pipeline.keep_best = {cfg.pipeline.keep_best!r} is measured by validation: set data.val_prompts and pipeline.val_every")
     check_loggers(cfg.pipeline.loggers)
     if cfg.score.old_logprobs == "update" and not one_step_on_policy(cfg):
         raise ConfigError("score.old_logprobs = \"update\" needs one optimizer step per batch (update.epochs = 1, one mini-batch)")
@@ -314,7 +316,8 @@ class Pipeline:
         row.update({key: handover[key] for key in ("weights_in_sync", "weight_sync_seconds") if key in handover})
         saving = (cfg.pipeline.save_every and i % cfg.pipeline.save_every == 0) or i == total
         if cfg.pipeline.val_every and self.val_dataset is not None and i % cfg.pipeline.val_every == 0:
-            row.update(self._validate(i, weights_kept=saving))
+            row.update(self._validate(i, weights_kept=saving or bool(cfg.pipeline.keep_best)))  # a better score saves one
+        saving = saving or self._betters_the_best(row)
         update_manifest.metrics = row
         update_manifest.state = {
             **base_state, **compute_state, "handover": handover, "policy_version_after": workers.trainer.step, "train_metrics": train_metrics,
@@ -648,6 +651,14 @@ class Pipeline:
         row["seconds/total"] = sum(timings.values()) + io["seconds"]
         return row
 
+    def _betters_the_best(self, row: dict) -> bool:
+        """Whether this iteration's row betters pipeline.keep_best's metric over every earlier
+        row (its checkpoint is then saved, and kept)."""
+        metric = self.cfg.pipeline.keep_best
+        if not metric or not isinstance(row.get(metric), (int, float)):
+            return False
+        return best_iteration([*self.history, row], metric, self.cfg.pipeline.best_is) == row["iteration"]
+
     def _save_checkpoint(self, i: int) -> None:
         directory = self.run_dir / "checkpoints" / f"iter-{i:04d}"
         state = {"iteration": i, "kl_coef": self.kl_state.kl_coef, "kl_steps": self.kl_state.steps, "history": self.history, "stream_position": self.stream_position}
@@ -656,10 +667,12 @@ class Pipeline:
         manifest = Manifest(stage="checkpoint", config={"iteration": i}, state={"policy_version": self.workers.trainer.step})
         self.workers.save(str(directory), manifest, state)
         self.checkpoint, self.checkpoint_iteration = directory, i
-        keep = self.cfg.pipeline.keep_checkpoints
+        keep, settings = self.cfg.pipeline.keep_checkpoints, self.cfg.pipeline
+        best = best_iteration(self.history, settings.keep_best, settings.best_is) if settings.keep_best else None
         if keep > 0:
             for old in committed_checkpoints(self.run_dir)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+                if iteration_number(old) != best:  # pipeline.keep_best's stays
+                    shutil.rmtree(old, ignore_errors=True)
 
     def _prune(self, i: int) -> None:
         keep = self.cfg.pipeline.keep_shards
@@ -781,7 +794,7 @@ def describe_workers(cfg: Config) -> str:
 # keys that do not change what is trained: how long, where, how often saved, how the models are held
 NOT_TRAINING = {
     "pipeline": {
-        "iterations", "run_dir", "save_every", "keep_checkpoints", "keep_shards", "val_every", "val_n", "val_temperature", "rollout_is_threshold",
+        "iterations", "run_dir", "save_every", "keep_checkpoints", "keep_best", "best_is", "keep_shards", "val_every", "val_n", "val_temperature", "rollout_is_threshold",
         "loggers", "wandb_project", "wandb_mode", "mlflow_uri", "mlflow_experiment", "ignore_checks",
     },
     "model": {"device", "init_preset", "init_seed"}, "data": {"val_prompts"}, "workers": None, "vllm": None,

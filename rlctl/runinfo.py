@@ -43,8 +43,32 @@ def run_summary(run_dir: str | Path, *, columns: list[str] | None = None, last: 
     if columns:
         shown = [{c: r.get(c) for c in chosen} for r in shown]
     checkpoints = [p.name for p in iteration_folders(Path(run_dir) / "checkpoints")]
-    checks = [asdict(f) for f in run_findings(rows, resolved_config(run_dir), run_dir)]
-    return {"run_dir": str(run_dir), "iterations_done": len(rows), "columns": chosen, "rows": shown, "checkpoints": checkpoints, "checks": checks}
+    cfg = resolved_config(run_dir)
+    checks = [asdict(f) for f in run_findings(rows, cfg, run_dir)]
+    summary = {"run_dir": str(run_dir), "iterations_done": len(rows), "columns": chosen, "rows": shown, "checkpoints": checkpoints, "checks": checks}
+    if cfg is not None and cfg.pipeline.keep_best:
+        summary["best"] = _best(rows, cfg.pipeline.keep_best, cfg.pipeline.best_is, Path(run_dir))
+    return summary
+
+
+def _best(rows: list[dict[str, Any]], metric: str, best_is: str, run_dir: Path) -> dict[str, Any] | None:
+    """pipeline.keep_best's pick: the metric, its best value, the iteration and its checkpoint."""
+    iteration = best_iteration(rows, metric, best_is)
+    if iteration is None:
+        return None
+    value = next(row[metric] for row in rows if row["iteration"] == iteration)
+    checkpoint = run_dir / "checkpoints" / f"iter-{iteration:04d}"
+    return {"metric": metric, "value": value, "iteration": iteration, "checkpoint": str(checkpoint) if (checkpoint / MANIFEST_NAME).exists() else None}
+
+
+def best_iteration(rows: list[dict[str, Any]], metric: str, best_is: str = "max") -> int | None:
+    """The iteration whose `metric` was best (`best_is`: max or min), the first of equals: the
+    one pipeline.keep_best keeps a checkpoint of; None where no row measured it."""
+    measured = [(row[metric], row["iteration"]) for row in rows if isinstance(row.get(metric), (int, float))]
+    if not measured:
+        return None
+    sign = 1 if best_is == "max" else -1
+    return max(measured, key=lambda pair: (sign * pair[0], -pair[1]))[1]
 
 
 def iteration_number(folder: Path) -> int | None:

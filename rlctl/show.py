@@ -301,6 +301,10 @@ def _iteration_view(summary: dict[str, Any]) -> Group:
 def _run_view(summary: dict[str, Any]) -> Group:
     """The run's metrics table, then what its metrics suggest changing (rlctl.run_checks)."""
     parts: list[Any] = [_run_table(summary)]
+    best = summary.get("best")
+    if best:
+        where = best["checkpoint"] or "its checkpoint is gone"
+        parts.append(Text(f"best {best['metric']} {_fmt(best['value'])} at iteration {best['iteration']}: {where}", style="green"))
     parts.extend(Text(f"! {check['message']}", style="yellow") for check in summary["checks"])
     return Group(*parts)
 

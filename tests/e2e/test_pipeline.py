@@ -320,8 +320,21 @@ def test_keep_shards_prunes_old_stage_outputs(tmp_path, tiny_model):
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["iter-0003"]
 
 
+def test_keep_best_saves_and_keeps_the_checkpoint_of_the_best_iteration(cli, tmp_path, tiny_model):
+    """pipeline.keep_best: an iteration that betters the metric saves a checkpoint (here no other
+    would: save_every 0 saves only at the end), and pruning to the last one leaves it."""
+    config = write_config(tmp_path, tiny_model, pipeline={"iterations": 4, "save_every": 0, "keep_checkpoints": 1, "val_every": 0, "keep_best": "reward_mean"})
+    rows = Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"]).run()
+    best = max(rows, key=lambda r: (r["reward_mean"], -r["iteration"]))["iteration"]
+    assert best < 4  # the check covers a best that is not the last
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [f"iter-{best:04d}", "iter-0004"]
+    shown = json.loads(cli("show", tmp_path / "run", "--json").stdout)
+    assert shown["best"] == {"metric": "reward_mean", "value": rows[best - 1]["reward_mean"], "iteration": best, "checkpoint": str(tmp_path / "run" / "checkpoints" / f"iter-{best:04d}")}
+
+
 @pytest.mark.parametrize("args,fragment", [
     (["--from", "scoring"], "--from 'scoring': unknown stage"),
+    (["--set", "pipeline.val_every=0", "--set", "pipeline.keep_best=val/score"], "pipeline.keep_best = 'val/score' is measured by validation"),
     (["--set", "update.mini_batch_size=4"], "mini_batch_size=4 does not divide the batch of 6"),
     (["--set", "model.ref="], "kl_coef > 0 needs a reference model"),
     (["--set", "model.critic="], "estimator gae needs a critic"),

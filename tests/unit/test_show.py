@@ -180,3 +180,12 @@ def test_where_and_sort_on_something_without_rows_are_refused_not_ignored(tmp_pa
         show(str(run), where=["reward_mean < 1"])
     with pytest.raises(InputError, match="a run has none"):
         show(str(run), sort="reward_mean")
+
+
+def test_the_best_iteration_is_the_first_to_reach_the_best_value_either_way():
+    from rlctl.runinfo import best_iteration
+
+    rows = [{"iteration": 1, "val/score": 0.2}, {"iteration": 2}, {"iteration": 3, "val/score": 0.9}, {"iteration": 4, "val/score": 0.9}, {"iteration": 5, "val/score": 0.1}]
+    assert best_iteration(rows, "val/score") == 3  # the first of equals: the one saved when it bettered the rest
+    assert best_iteration(rows, "val/score", "min") == 5
+    assert best_iteration(rows, "kl") is None
