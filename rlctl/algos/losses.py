@@ -139,7 +139,39 @@ def cispo_policy_loss(
     return PolicyLoss(torch.where(response_mask, loss, 0), clipped, torch.where(response_mask, -log_ratio, 0), torch.zeros_like(clipped))
 
 
-POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss}
+def kl_cov_policy_loss(
+    *,
+    logprobs: torch.Tensor,  # [B, T] current policy
+    old_logprobs: torch.Tensor,  # [B, T] behaviour policy
+    advantages: torch.Tensor,  # [B, T]
+    response_mask: torch.Tensor,  # [B, T] bool
+    clip_ratio_low: float = 0.0,  # unused: KL-Cov does not clip
+    clip_ratio_high: float = 0.0,
+    clip_ratio_c: float = 0.0,
+    kl_cov_ratio: float = 2e-4,
+    kl_cov_coef: float = 1.0,
+) -> PolicyLoss:
+    """KL-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"; verl's
+    `kl_cov`): the unclipped policy gradient -A·r on every token, plus kl_cov_coef·|log r| on
+    the tokens whose covariance (A - mean A)·(log p - mean log p) over the pass's tokens is
+    among the largest `kl_cov_ratio` of them (one at least): the tokens whose update would cut
+    the entropy most are held near the old policy instead of clipped. `clipped` marks them."""
+    log_ratio = torch.clamp(logprobs - old_logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    loss = -advantages * torch.exp(log_ratio)
+    held = torch.zeros_like(response_mask)
+    count = int(response_mask.sum())
+    if count:
+        values = advantages[response_mask].detach().double()
+        logp = logprobs[response_mask].detach().double()
+        covariance = (values - values.mean()) * (logp - logp.mean())
+        top = torch.topk(covariance, max(1, int(count * kl_cov_ratio))).indices
+        rows, columns = response_mask.nonzero(as_tuple=True)
+        held[rows[top], columns[top]] = True
+        loss = torch.where(held, loss + kl_cov_coef * log_ratio.abs(), loss)
+    return PolicyLoss(torch.where(response_mask, loss, 0), held, torch.where(response_mask, -log_ratio, 0), torch.zeros_like(held))
+
+
+POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "kl_cov": kl_cov_policy_loss}
 
 
 def rollout_is_weights(

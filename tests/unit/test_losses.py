@@ -233,6 +233,31 @@ def test_cispo_gives_every_token_its_clipped_weight_times_the_advantage_as_gradi
     assert zeroed.any() and (lp.grad[zeroed] != 0).all()
 
 
+def test_kl_cov_holds_the_tokens_of_largest_covariance_with_a_kl_term_and_clips_nothing():
+    """KL-Cov: -A·r on every token (no clip), plus coef·|log r| on the top ratio of tokens by
+    (A - mean A)(log p - mean log p) over the pass's tokens, computed here in plain Python."""
+    from rlctl.algos.losses import kl_cov_policy_loss
+
+    mask, lengths, r = tensors(seed=15)
+    old = r(0.3) - 2
+    lp = (old + r(0.5)).requires_grad_()
+    adv = r(1.0)
+    out = kl_cov_policy_loss(logprobs=lp, old_logprobs=old, advantages=adv, response_mask=mask, kl_cov_ratio=0.2, kl_cov_coef=0.5)
+    tokens = [(i, t) for i, n in enumerate(lengths) for t in range(n)]
+    mean_a = sum(adv[i][t].item() for i, t in tokens) / len(tokens)
+    mean_p = sum(lp[i][t].item() for i, t in tokens) / len(tokens)
+    covariance = {(i, t): (adv[i][t].item() - mean_a) * (lp[i][t].item() - mean_p) for i, t in tokens}
+    held = set(sorted(tokens, key=lambda k: -covariance[k])[: int(len(tokens) * 0.2)])
+    for i, t in tokens:
+        log_ratio = lp[i][t].item() - old[i][t].item()
+        expected = -adv[i][t].item() * math.exp(log_ratio) + (0.5 * abs(log_ratio) if (i, t) in held else 0.0)
+        assert out.loss[i][t].item() == pytest.approx(expected, abs=1e-9)
+        assert out.clipped[i][t].item() == ((i, t) in held)
+    assert (out.loss[~mask] == 0).all() and len(held) == 4
+    tiny = kl_cov_policy_loss(logprobs=lp, old_logprobs=old, advantages=adv, response_mask=mask, kl_cov_ratio=1e-9)
+    assert int(tiny.clipped.sum()) == 1  # one token at least, as verl
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_rollout_is_weights_are_truncated_ratios_trainer_over_engine(level):
     from rlctl.algos.losses import rollout_is_weights
