@@ -176,7 +176,7 @@ class ScoreConfig:
 class AdvantageConfig:
     """Rewards → advantages and returns (pure math), with the optional KL penalty."""
 
-    estimator: str = "grpo"  # gae | grpo | rloo | reinforce_pp | reinforce_pp_baseline (docs/algorithms.md)
+    estimator: str = "grpo"  # gae | grpo | rloo | opo | grpo_passk | reinforce_pp | reinforce_pp_baseline (docs/algorithms.md)
     gamma: float = 1.0  # discount of GAE and REINFORCE++ returns
     lam: float = 1.0  # GAE's lambda
     norm_by_std: bool = True  # GRPO: divide by the group's reward std (false = Dr. GRPO)

@@ -22,7 +22,7 @@ TRUNCATED_SHARE = 0.2  # of the last iteration's responses cut at max_new_tokens
 EQUAL_REWARDS_SHARE = 0.9  # of the prompt groups, in each of the last EQUAL_REWARDS_WINDOW iterations
 EQUAL_REWARDS_WINDOW = 3
 MISMATCHED_TOKENS = 0.01  # of the last iteration's tokens beyond pipeline.rollout_is_threshold
-GROUP_RELATIVE = ("grpo", "rloo")  # estimators whose advantage is 0 for a group of equal rewards
+GROUP_RELATIVE = ("grpo", "rloo", "opo", "grpo_passk")  # estimators whose advantage is 0 for a group of equal rewards
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ any KL penalty), the response mask, critic values (only `gae` uses them) and the
 of each sequence (samples of one prompt share it), and returns advantages and returns.
 Positions where `response_mask` is 0 never influence any output and come out as 0.
 
-Groups of one (one sample of a prompt) give advantage 0 for `grpo`, `rloo` and
-`reinforce_pp_baseline`: with nothing to compare against, the sample carries no signal, so it
+Groups of one (one sample of a prompt) give advantage 0 for `grpo`, `rloo`, `opo`,
+`grpo_passk` and `reinforce_pp_baseline`: with nothing to compare against, the sample carries no signal, so it
 contributes no policy gradient (verl differs: a singleton's baseline is 0 there, and for grpo
 its std is 1, so its raw score becomes its advantage).
 """
@@ -167,4 +167,41 @@ def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, 
     compared = response_mask & (size > 1).unsqueeze(-1)
     per_token = torch.where(compared, (scores - mean).unsqueeze(-1), 0)
     advantages = masked_whiten(per_token, compared)
+    return AdvantageOutput(advantages, advantages.clone())
+
+
+@ESTIMATORS.register("opo")
+def opo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group") -> AdvantageOutput:
+    """OPO's optimal baseline (Hao et al. 2025): score - the group's length-weighted mean
+    score Σ|o|·s / Σ|o|, on every token; no std. With exactly on-policy training the variance
+    of the gradient is smallest for this baseline."""
+    scores = sequence_scores(token_rewards, response_mask)
+    lengths = response_mask.sum(-1).to(scores.dtype)
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    weighted = torch.zeros(groups, dtype=scores.dtype).index_add_(0, inverse, lengths * scores)
+    total = torch.zeros(groups, dtype=scores.dtype).index_add_(0, inverse, lengths)
+    _, _, size = group_stats(scores, group_index)
+    adv = torch.where(size > 1, scores - weighted[inverse] / total[inverse].clamp(min=1), 0)
+    advantages = torch.where(response_mask, adv.unsqueeze(-1), 0)
+    return AdvantageOutput(advantages, advantages.clone())
+
+
+@ESTIMATORS.register("grpo_passk")
+def grpo_passk(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group") -> AdvantageOutput:
+    """Pass@k training (verl's grpo_passk, after Chen et al. 2025): only each group's best sample
+    gets an advantage, its margin over the runner-up (best - second best) [/ the group's std],
+    on every token; the others 0. It pushes the best of k up, not the average."""
+    scores = sequence_scores(token_rewards, response_mask)
+    _, std, size = group_stats(scores, group_index)
+    adv = torch.zeros_like(scores)
+    for group in torch.unique(group_index):
+        members = (group_index == group).nonzero().squeeze(-1)
+        if members.numel() < 2:
+            continue
+        ranked = torch.sort(scores[members], descending=True, stable=True)
+        margin = ranked.values[0] - ranked.values[1]
+        best = members[ranked.indices[0]]
+        adv[best] = margin / (std[best] + EPS) if norm_by_std else margin
+    advantages = torch.where(response_mask, adv.unsqueeze(-1), 0)
     return AdvantageOutput(advantages, advantages.clone())

@@ -154,13 +154,52 @@ def test_reinforce_pp_matches_loop():
     assert_rows(out.advantages, ref_whiten(returns), lengths, mask)
 
 
+def ref_opo(rewards, lengths, groups):
+    scores = ref_scores(rewards, lengths)
+    out = []
+    for i, n in enumerate(lengths):
+        members = [j for j in range(len(scores)) if groups[j] == groups[i]]
+        baseline = sum(lengths[j] * scores[j] for j in members) / sum(lengths[j] for j in members)
+        out.append([scores[i] - baseline] * n if len(members) > 1 else [0.0] * n)
+    return out
+
+
+def ref_grpo_passk(rewards, lengths, groups, norm_by_std):
+    scores = ref_scores(rewards, lengths)
+    out = [[0.0] * n for n in lengths]
+    for g in set(groups):
+        members = [j for j in range(len(scores)) if groups[j] == g]
+        if len(members) < 2:
+            continue
+        ranked = sorted(members, key=lambda j: (-scores[j], j))  # the first of equals is the best
+        mean = sum(scores[j] for j in members) / len(members)
+        std = math.sqrt(sum((scores[j] - mean) ** 2 for j in members) / (len(members) - 1))
+        margin = scores[ranked[0]] - scores[ranked[1]]
+        out[ranked[0]] = [margin / (std + 1e-6) if norm_by_std else margin] * lengths[ranked[0]]
+    return out
+
+
+def test_opo_subtracts_the_groups_length_weighted_mean_score():
+    rewards, mask, values, groups, lengths = random_batch(6)
+    out = call("opo", rewards, mask, None, groups)
+    assert_rows(out.advantages, ref_opo(rewards.tolist(), lengths, groups.tolist()), lengths, mask)
+
+
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_grpo_passk_gives_only_each_groups_best_sample_its_margin_over_the_runner_up(norm_by_std):
+    rewards, mask, values, groups, lengths = random_batch(7)
+    out = call("grpo_passk", rewards, mask, None, groups, norm_by_std=norm_by_std)
+    assert_rows(out.advantages, ref_grpo_passk(rewards.tolist(), lengths, groups.tolist(), norm_by_std), lengths, mask)
+    assert int((out.advantages.abs().sum(-1) > 0).sum()) == 2  # the two groups of two or more samples: one row each
+
+
 def test_reinforce_pp_baseline_matches_loop():
     rewards, mask, values, groups, lengths = random_batch(4)
     out = call("reinforce_pp_baseline", rewards, mask, None, groups)
     assert_rows(out.advantages, ref_reinforce_pp_baseline(rewards.tolist(), lengths, groups.tolist()), lengths, mask)
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp_baseline"])
+@pytest.mark.parametrize("name", ["grpo", "rloo", "opo", "grpo_passk", "reinforce_pp_baseline"])
 def test_groups_of_one_get_zero_advantage(name):
     rewards, mask, _, _, lengths = random_batch(5)
     out = call(name, rewards, mask, None, torch.arange(7))
@@ -198,7 +237,7 @@ def test_the_kl_fed_to_the_controller_averages_tokens_then_sequences():
 def test_unknown_estimator_lists_the_known_ones():
     from rlctl.errors import InputError
 
-    with pytest.raises(InputError, match="available: gae, grpo, reinforce_pp, reinforce_pp_baseline, rloo"):
+    with pytest.raises(InputError, match="available: gae, grpo, grpo_passk, opo, reinforce_pp, reinforce_pp_baseline, rloo"):
         ESTIMATORS.get("ppo2")
 
 
