@@ -797,7 +797,7 @@ NOT_TRAINING = {
         "iterations", "run_dir", "save_every", "keep_checkpoints", "keep_best", "best_is", "keep_shards", "val_every", "val_n", "val_temperature", "rollout_is_threshold",
         "loggers", "wandb_project", "wandb_mode", "mlflow_uri", "mlflow_experiment", "ignore_checks",
     },
-    "model": {"device", "init_preset", "init_seed"}, "data": {"val_prompts"}, "workers": None, "vllm": None,
+    "model": {"device", "init_preset", "init_seed"}, "data": {"val_prompts"}, "workers": None, "vllm": None, "rollout": {"tool_timeout"},
     # the rollout's own log-probs or a recompute: the same numbers to ~3e-7 where auto picks the former; how passes are cut
     "score": {"old_logprobs", "batch_size", "batch_tokens", "http_batch_size"},
     # how passes are cut, compiled or not, rows of zero advantage left out or not: the same gradients to float rounding

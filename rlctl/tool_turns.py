@@ -12,7 +12,7 @@ other rows continue with it, nor on how rows are split over workers."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rlctl.algos.logprobs import row_seed
 from rlctl.backends.base import Generation
@@ -33,7 +33,6 @@ class Transcript:
     finish_reason: str
     tool_calls: int = 0
     waiting: bool = False  # ended its last turn at a stop string: the tool has the next word
-    texts: list[str] = field(default_factory=list)  # the tool's outputs, in order
 
     def append_model(self, generation: Generation, room: int, at_stop_string: bool) -> None:
         """A turn's tokens, cut to the `room` left under max_new_tokens."""
@@ -45,14 +44,13 @@ class Transcript:
         self.finish_reason = "length" if cut else generation.finish_reason
         self.waiting = at_stop_string and not cut
 
-    def append_tool(self, tokens: list[int], text: str, room: int) -> None:
+    def append_tool(self, tokens: list[int], room: int) -> None:
         """The tool's tokens (not the policy's), cut to the `room` left; cut means the end."""
         kept = tokens[:room]
         self.response_ids += kept
         self.logprobs += [0.0] * len(kept)
         self.loss_mask += [False] * len(kept)
         self.tool_calls += 1
-        self.texts.append(text)
         if len(tokens) >= room:
             self.finish_reason, self.waiting = "length", False
 
@@ -124,10 +122,9 @@ def take_turns(
     `rows` are the transcripts' global row indices, which name their random streams."""
     turn = 0
     while True:
-        asking = [i for i, t in enumerate(transcripts) if t.waiting and t.tool_calls < max_tool_calls]
+        asking = [i for i, t in enumerate(transcripts) if t.waiting and t.tool_calls < max_tool_calls and len(t.response_ids) < max_new_tokens]
         for t in transcripts:
-            if t.waiting and t.tool_calls >= max_tool_calls:
-                t.waiting = False  # the last call allowed: the response ends at its stop string
+            t.waiting = t.waiting and t.tool_calls < max_tool_calls and len(t.response_ids) < max_new_tokens  # else it ends at its stop string
         if not asking:
             return transcripts
         answers = call_tool(asking, [transcripts[i] for i in asking])
@@ -137,7 +134,7 @@ def take_turns(
             transcript.waiting = False
             if answer is None:
                 continue
-            transcript.append_tool(tokenize(answer), answer, max_new_tokens - len(transcript.response_ids))
+            transcript.append_tool(tokenize(answer), max_new_tokens - len(transcript.response_ids))
             if transcript.finish_reason != "length":  # the tool's text left room for the model
                 going_on.append(i)
         if not going_on:

@@ -48,7 +48,7 @@ def test_a_response_that_stops_at_a_stop_string_gets_the_tools_text_and_goes_on(
     a, b, c = transcripts
     assert a.response_ids == [5, 6, 900 + ord("a") % 50, 900 + ord("b") % 50, 11, 12]
     assert a.loss_mask == [True, True, False, False, True, True] and a.logprobs[2:4] == [0.0, 0.0]
-    assert (a.tool_calls, a.finish_reason, a.texts) == (1, "stop", ["ab"])
+    assert (a.tool_calls, a.finish_reason) == (1, "stop")
     assert (b.response_ids, b.tool_calls) == ([7], 0)
     assert (c.response_ids, c.tool_calls, c.finish_reason) == ([8, 9, 10], 0, "stop")  # None: no call, the response ends
     assert calls == [(1, 16, [0], 1)]  # the continuing row alone, its room left, its own stream, turn 1
@@ -64,6 +64,12 @@ def test_the_calls_stop_at_max_tool_calls_and_the_tokens_at_max_new_tokens():
     assert len(c.response_ids) == 12 and c.finish_reason == "length" and c.loss_mask == [True] + [False] * 11  # the tool's text cut
     assert [call[3] for call in calls] == [1, 2]  # two continuations: turns 1 and 2
     assert calls[0][2] == [0, 1] and calls[1][2] == [0]
+
+
+def test_a_response_that_stops_at_a_stop_string_on_its_last_token_allowed_ends_there():
+    first = [model_turn([5] * 12), model_turn([6])]
+    transcripts, calls, asked = run(first, {1: [model_turn([7], hit=False)]}, {1: ["x"]}, max_new_tokens=12, rows=(0, 1))
+    assert asked == [[1]] and (transcripts[0].tool_calls, transcripts[0].finish_reason) == (0, "stop")
 
 
 def test_each_turn_draws_from_its_own_seed_and_the_first_from_the_rollouts():
