@@ -120,7 +120,7 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling: smallest token set with this probability mass; 1 = off
     top_k: int = 0  # sample among the k likeliest tokens; 0 = off
     stop: tuple[str, ...] = ()  # stop strings: a response ends at the first token that completes one, and keeps it (vLLM's stop, TRL's generation_kwargs)
-    tool: str = ""  # a tool (file.py:fn, module:fn) given each response that stopped at a stop string: the text it returns is appended (not trained on) and generation goes on; None ends the response ("" = none)
+    tool: str = ""  # a tool (file.py:fn, module:fn, builtin:calculator) given each response that stopped at a stop string: the text it returns is appended (not trained on) and generation goes on; None ends the response ("" = none)
     max_tool_calls: int = 4  # tool calls per response at most; then a response ends at its stop string
     tool_timeout: float = 60.0  # seconds one call of the tool (on a batch of responses) may take
     seed: int = 0  # sampling seed; each row is seeded from (seed, row)

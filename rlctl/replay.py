@@ -52,7 +52,7 @@ def replay_stage(
     target = out or str(run_dir / "replay" / iter_dir.name / folder)
     if name in ("score", "val"):
         cfg = _replay_rewards(cfg, recorded, f"{iter_dir.name}/{folder}", reward, trust_run_code)
-    if name in ("rollout", "val") and cfg.rollout.tool and not trust_run_code:
+    if name in ("rollout", "val") and cfg.rollout.tool and is_code_reward(cfg.rollout.tool) and not trust_run_code:
         raise InputError(
             f"replaying {iter_dir.name}/{folder} would run the tool code the run folder names ({cfg.rollout.tool}); "
             "pass --trust-run-code if you trust this run folder"

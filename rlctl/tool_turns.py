@@ -16,9 +16,17 @@ from dataclasses import dataclass
 
 from rlctl.algos.logprobs import row_seed
 from rlctl.backends.base import Generation
+from rlctl.calculator import calculator
 from rlctl.config import ConfigError
 from rlctl.errors import RewardError
-from rlctl.rewards import RewardFunction, RewardSamples, call_within, is_code_reward, load_reward
+from rlctl.rewards import (
+    RewardFunction,
+    RewardSamples,
+    call_within,
+    from_callable,
+    is_code_reward,
+    load_reward,
+)
 
 TOOL_TURN_SEEDS = 0x7001  # mixed into a turn's seed: turn 2's stream is not turn 1's continued
 
@@ -55,19 +63,26 @@ class Transcript:
             self.finish_reason, self.waiting = "length", False
 
 
+TOOLS = {"calculator": calculator}  # builtin:NAME
+
+
 def check_tool(spec: str, stop: Sequence[str]) -> None:
-    """A tool is code, and is called where a response stops at a stop string: one line, exit 2."""
+    """A tool is code or a builtin, and is called where a response stops at a stop string:
+    one line, exit 2."""
     if not spec:
         return
-    if ":" not in spec or not is_code_reward(spec):
-        raise ConfigError(f"rollout.tool {spec!r}: expected file.py:function or module:function")
+    kind, _, name = spec.partition(":")
+    if kind == "builtin" and name not in TOOLS:
+        raise ConfigError(f"rollout.tool {spec!r}: no such builtin tool; the builtin tools: {', '.join(TOOLS)}")
+    if ":" not in spec or (kind != "builtin" and not is_code_reward(spec)):
+        raise ConfigError(f"rollout.tool {spec!r}: expected file.py:function, module:function or builtin:NAME ({', '.join(TOOLS)})")
     if not stop:
         raise ConfigError("rollout.tool is called where a response stops at a stop string: set rollout.stop (its call's closing tag, e.g. --stop '</calc>')")
 
 
 class Tool:
     """The user's tool: code (file.py:fn, module:fn) run in a child process like a code reward,
-    called with the same keywords (`responses`: each response so far; `prompts`,
+    or a builtin (builtin:calculator: rlctl.calculator), called with the same keywords (`responses`: each response so far; `prompts`,
     `ground_truths`, `data_sources`, `extras`), answering one text or None per response."""
 
     def __init__(self, fn: RewardFunction, timeout: float) -> None:
@@ -75,6 +90,9 @@ class Tool:
 
     @classmethod
     def load(cls, spec: str, *, timeout: float) -> Tool:
+        kind, _, name = spec.partition(":")
+        if kind == "builtin":  # rlctl's own, in this process
+            return cls(from_callable(TOOLS[name], spec), timeout)
         return cls(load_reward(spec, flag="rollout.tool"), timeout)
 
     def __call__(self, samples: RewardSamples) -> list[str | None]:

@@ -77,10 +77,28 @@ def test_each_turn_draws_from_its_own_seed_and_the_first_from_the_rollouts():
     assert len({turn_seed(7, t) for t in range(5)}) == 5 and turn_seed(7, 1) != turn_seed(8, 1)
 
 
-def test_a_tool_needs_a_stop_string_and_must_be_code():
+def test_a_tool_needs_a_stop_string_and_must_be_code_or_a_builtin():
     check_tool("", ())
     check_tool("tools.py:calc", ("</calc>",))
+    check_tool("builtin:calculator", ("</calc>",))
     with pytest.raises(ConfigError, match="set rollout.stop"):
         check_tool("tools.py:calc", ())
-    with pytest.raises(ConfigError, match="expected file.py:function or module:function"):
+    with pytest.raises(ConfigError, match="no such builtin tool; the builtin tools: calculator"):
         check_tool("builtin:gsm8k", ("</calc>",))
+    with pytest.raises(ConfigError, match="expected file.py:function, module:function or builtin:NAME"):
+        check_tool("rm:models/x", ("</calc>",))
+
+
+def test_the_builtin_calculator_answers_a_call_at_the_end_of_a_response_and_runs_nothing():
+    from rlctl.calculator import calculate
+    from rlctl.rewards import RewardSamples
+    from rlctl.tool_turns import Tool
+
+    responses = ["so <calc>23*17</calc>", "<calc>(1 + 2) / 4</calc> ", "<calc>1/0</calc>", "no call here", "<calc>2</calc> then more"]
+    samples = RewardSamples([""] * 5, responses, [None] * 5, [None] * 5)
+    with Tool.load("builtin:calculator", timeout=5) as tool:
+        assert tool(samples) == ["<result>391</result>", "<result>0.75</result>", "<result>error: division by zero</result>", None, None]
+    for attack in ("__import__('os').system('true')", "().__class__", "x", "9**9**9", "'a' * 3", "[1, 2]"):
+        with pytest.raises(ValueError):
+            calculate(attack)
+    assert calculate("-2 ** 2") == -4.0 and calculate("7 // 2 + 7 % 2") == 4.0
