@@ -3,6 +3,7 @@ tokens the policy did not sample, later turns are sampled in the context of all 
 before (the trainer's log-probs agree), and the rows do not depend on how they are split."""
 
 import itertools
+import json
 import re
 
 import numpy as np
@@ -90,3 +91,21 @@ def test_rows_with_tool_turns_spread_over_ranks_come_back_as_one_process_writes_
     local, ray = (shards.read(str(tmp_path / name), "rollouts").table for name in ("local", "ray"))
     for column in ("response_ids", "loss_mask", "tool_calls", "finish_reason"):
         assert local.column(column).to_pylist() == ray.column(column).to_pylist(), column
+
+
+def test_a_pipeline_with_a_tool_replays_its_rollout_only_when_its_code_is_trusted(cli, tmp_path, tiny_model, prompts_file, tool_file):
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f'[model]\npath = "{tiny_model}"\n[data]\nprompts = "{prompts_file}"\nbatch_size = 3\n'
+        f'[rollout]\nn = 2\nmax_new_tokens = 16\nstop = ["a"]\ntool = "{tool_file}:echo"\n'
+        '[score]\nreward = "builtin:length"\n[update]\nlr = 1e-3\nmini_batch_size = 6\nmicro_batch_size = 6\n'
+        '[pipeline]\niterations = 2\nkeep_checkpoints = 0\n[workers]\nthreads = 1\n'
+    )
+    result = cli("pipeline", config, "--run-dir", tmp_path / "run", "--quiet")
+    assert result.exit_code == 0, result.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["tool_calls"] > 0 for row in rows)
+    refused = cli("replay", tmp_path / "run" / "iter-0002" / "rollout", "--check")
+    assert refused.exit_code == 2 and "would run the tool code the run folder names" in refused.stderr
+    replayed = cli("replay", tmp_path / "run" / "iter-0002" / "rollout", "--check", "--trust-run-code")
+    assert replayed.exit_code == 0 and "identical" in replayed.stdout, replayed.stderr
