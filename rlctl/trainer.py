@@ -100,6 +100,8 @@ class TrainBatch:
 
 
 def check_update_config(cfg: UpdateConfig, batch_size: int | None = None) -> None:
+    if cfg.compile and cfg.gradient_checkpointing:
+        raise InputError("update.compile and update.gradient_checkpointing: choose one (the compiled layers keep their activations)")
     if cfg.loss_agg_mode not in LOSS_AGG_MODES:
         raise InputError(f"unknown loss_agg_mode {cfg.loss_agg_mode!r}; available: {', '.join(LOSS_AGG_MODES)}")
     KL_ESTIMATORS.get(cfg.kl_loss_estimator)
@@ -250,10 +252,12 @@ class Trainer:
         self.critic_optimizer = adamw(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay) if critic is not None else None
         # what update.micro_batch_tokens = "auto" fits in memory (a stage or pipeline decides it before: then unused)
         self.shapes = (ModelShape.of_model(policy.model) if policy is not None else None, ModelShape.of_model(critic.lm) if critic is not None else None)
-        if cfg.compile:
-            for lm in (policy.model if policy is not None else None, critic.lm if critic is not None else None):
-                if lm is not None:
-                    compiled_layers.enable(transformers_model(lm))
+        for lm in (policy.model if policy is not None else None, critic.lm if critic is not None else None):
+            if lm is not None and cfg.compile:
+                compiled_layers.enable(transformers_model(lm))
+            if lm is not None and cfg.gradient_checkpointing:
+                # non-reentrant: gradients reach LoRA adapters and FSDP2's hooks without inputs that require grad
+                transformers_model(lm).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     # -- state ------------------------------------------------------------------------
 

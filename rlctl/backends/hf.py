@@ -82,8 +82,12 @@ def training_forward(model, device: torch.device, bf16: bool, *, rows: int, leng
 
 def bf16_attention(model, device: torch.device, *, rows: int, length: int):
     """The attention of a bf16 forward over `rows` × `length` tokens: on the CPU, for short
-    sequences, transformers' eager attention (see training_forward); otherwise the model's own."""
+    sequences, transformers' eager attention (see training_forward); otherwise the model's own,
+    and always where the layers checkpoint their activations (update.gradient_checkpointing):
+    their backward reruns the attention after this forward has put the model's own back."""
     heads = int(getattr(model.config, "num_attention_heads", 1))
+    if unpadded.checkpointing(transformers_model(model)):
+        return nullcontext()
     if device.type == "cpu" and rows * heads * length * length <= EAGER_ATTENTION_MAX_SCORES:
         return attention_implementation(model, "eager")
     return nullcontext()

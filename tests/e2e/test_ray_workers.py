@@ -97,6 +97,21 @@ def test_two_workers_make_the_update_one_process_makes(ray_session, tiny_model, 
         assert moved > 1e-4  # the update did something
 
 
+def test_two_workers_with_gradient_checkpointing_make_the_update_one_process_makes(ray_session, tiny_model, gae_batch, tmp_path, monkeypatch):
+    """FSDP2's hooks and the checkpointed layers' recompute together: the update of one
+    process without checkpointing, policy and critic."""
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "never")
+    batch = TrainBatch.from_table(shards.read(gae_batch, "batch").table)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        local = trained_weights(config(tiny_model, workers=1, backend="local", bf16="false"), tiny_model, batch, tmp_path / "local")
+    finally:
+        torch.set_num_threads(threads)
+    got = trained_weights(config(tiny_model, workers=2, bf16="false", gradient_checkpointing=True), tiny_model, batch, tmp_path / "ray")
+    assert max(float((got[k] - local[k]).abs().max()) for k in local) < SPLIT_ROUNDING
+
+
 def test_rows_spread_over_ranks_come_back_as_one_process_writes_them(ray_session, tiny_model, gae_batch):
     from rlctl.workers import make_workers
 

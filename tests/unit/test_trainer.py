@@ -620,3 +620,30 @@ def test_a_tools_tokens_take_no_part_in_the_loss(policy, monkeypatch):
         "rollout_logprobs": [[-1.0, 0.0, -1.0], [-1.0, -1.0]], "loss_mask": [[True, False, True], [True, True]],
     })
     assert TrainBatch.from_table(table).response_mask.tolist() == [[True, False, True], [True, True, False]]
+
+
+def test_gradient_checkpointing_gives_the_same_gradient_and_runs_the_layers_again_in_the_backward(tiny_model, monkeypatch):
+    """update.gradient_checkpointing trades memory for compute: each decoder layer's forward
+    runs again in the backward, and the gradient is the one without it (to fp32 rounding)."""
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "never")
+    batch = make_batch(seed=8)
+    grads, layer_calls = {}, {}
+    for checkpointed in (False, True):
+        policy = HFPolicy.load(tiny_model, "cpu")
+        policy.model.train()  # as Trainer.train sets it: layers checkpoint only in training
+        layer = policy.model.model.layers[0]
+        calls = []
+        layer.register_forward_pre_hook(lambda *_: calls.append(1))  # a recompute may stop before the layer returns
+        Trainer(policy, UpdateConfig(micro_batch_size=8, gradient_checkpointing=checkpointed, bf16="false")).accumulate_gradients(batch, torch.arange(batch.size))
+        grads[checkpointed], layer_calls[checkpointed] = flat_gradients(policy.model), len(calls)
+    assert layer_calls == {False: 1, True: 2}  # one forward pass; with checkpointing, once more in the backward
+    scale = np.abs(grads[False]).max()
+    np.testing.assert_allclose(grads[True], grads[False], atol=1e-6 * max(scale, 1.0), rtol=0)
+
+
+def test_compiled_layers_are_not_checkpointed():
+    from rlctl.errors import InputError
+    from rlctl.trainer import check_update_config
+
+    with pytest.raises(InputError, match="update.compile and update.gradient_checkpointing: choose one"):
+        check_update_config(UpdateConfig(compile=True, gradient_checkpointing=True))
