@@ -633,7 +633,7 @@ def test_gradient_checkpointing_gives_the_same_gradient_and_runs_the_layers_agai
         policy.model.train()  # as Trainer.train sets it: layers checkpoint only in training
         layer = policy.model.model.layers[0]
         calls = []
-        layer.register_forward_pre_hook(lambda *_: calls.append(1))  # a recompute may stop before the layer returns
+        layer.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))  # a recompute may stop before the layer returns
         Trainer(policy, UpdateConfig(micro_batch_size=8, gradient_checkpointing=checkpointed, bf16="false")).accumulate_gradients(batch, torch.arange(batch.size))
         grads[checkpointed], layer_calls[checkpointed] = flat_gradients(policy.model), len(calls)
     assert layer_calls == {False: 1, True: 2}  # one forward pass; with checkpointing, once more in the backward
