@@ -33,6 +33,7 @@ from rlctl.choices import (
     ROLLOUT_BACKENDS,
     RUN_CHECKS,
     STD_SCOPES,
+    TOOL_FORMATS,
     TRUNCATE,
     WORKER_BACKENDS,
 )
@@ -122,6 +123,8 @@ class RolloutConfig:
     stop: tuple[str, ...] = ()  # stop strings: a response ends at the first token that completes one, and keeps it (vLLM's stop, TRL's generation_kwargs)
     tool: str = ""  # a tool (file.py:fn, module:fn, builtin:calculator) given each response that stopped at a stop string: the text it returns is appended (not trained on) and generation goes on; None ends the response ("" = none)
     max_tool_calls: int = 4  # tool calls per response at most; then a response ends at its stop string
+    tool_format: str = "text"  # text: the tool's answer appended as it is | chat: as a chat message of tool_role, through the tokenizer's chat template (the assistant's turn closed, the next opened)
+    tool_role: str = "tool"  # the role of the tool's message with tool_format = "chat"
     tool_timeout: float = 60.0  # seconds one call of the tool (on a batch of responses) may take
     seed: int = 0  # sampling seed; each row is seeded from (seed, row)
     backend: str = "hf"  # hf | vllm
@@ -133,7 +136,7 @@ class RolloutConfig:
             "n": at_least(1), "max_new_tokens": at_least(1), "temperature": at_least(0.0), "top_p": lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
             "top_k": at_least(0), "batch_size": at_least(1), "dtype": one_of(*COMPUTE_DTYPES), "backend": one_of(*ROLLOUT_BACKENDS),
             "stop": lambda v: "must not hold an empty string (it would end every response before it starts)" if any(not s for s in v) else None,
-            "max_tool_calls": at_least(1), "tool_timeout": at_least(0.0),
+            "max_tool_calls": at_least(1), "tool_timeout": at_least(0.0), "tool_format": one_of(*TOOL_FORMATS),
         })
 
 

@@ -113,6 +113,26 @@ class Tool:
             self.fn.fn.close()
 
 
+CHAT_SENTINEL = "\u2063RLCTL-ASSISTANT-TURN\u2063"  # stands for the assistant's turn while the template renders the tool's
+
+
+def chat_turn_text(tokenizer, answer: str, role: str) -> str:
+    """The text the tokenizer's chat template puts after an assistant's turn when a `role`
+    message `answer` follows and the assistant speaks next: the assistant's turn closed, the
+    tool's message, the next assistant turn opened (rollout.tool_format = "chat")."""
+    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": CHAT_SENTINEL}, {"role": role, "content": answer}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 — a template's own refusal (raise_exception), any kind
+        raise ConfigError(
+            f"rollout.tool_format = \"chat\": the tokenizer's chat template cannot render a {role!r} message after the assistant's ({exc}); "
+            "set rollout.tool_role (e.g. \"user\") or tool_format = \"text\""
+        ) from None
+    if text.count(CHAT_SENTINEL) != 1:
+        raise ConfigError("rollout.tool_format = \"chat\": the tokenizer's chat template does not keep the assistant's words as they are")
+    return text.split(CHAT_SENTINEL, 1)[1]
+
+
 def turn_seed(seed: int, turn: int) -> int:
     """The sampling seed of turn `turn` (0: the first, whose seed is the rollout's)."""
     return seed if turn == 0 else row_seed(seed ^ TOOL_TURN_SEEDS, turn)

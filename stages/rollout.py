@@ -156,6 +156,10 @@ def _generate(
     token that completes one ends the row), and with `rollout.tool` the turns that follow
     (rlctl.tool_turns) with the columns that say whose tokens are whose."""
     params = sampling_params(cfg)
+    if cfg.tool and cfg.tool_format == "chat":
+        from rlctl.tool_turns import chat_turn_text
+
+        chat_turn_text(engine.tokenizer, "", cfg.tool_role)  # a template that cannot render the tool's turn: before any work
     generations = engine.generate(prompt_ids, params, batch_size=cfg.batch_size, on_tokens=on_tokens, compute_dtype=cfg.dtype, first_row=first_row)
     stops = StopStrings(engine.tokenizer, params.stop)
     if not stops:
@@ -164,13 +168,17 @@ def _generate(
     if not cfg.tool:
         return generations, {}
     from rlctl.stages.score import reward_samples
-    from rlctl.tool_turns import Tool, first_turn, take_turns, turn_seed
+    from rlctl.tool_turns import Tool, chat_turn_text, first_turn, take_turns, turn_seed
 
     samples = reward_samples(table)
 
     def call_tool(indices: list[int], transcripts) -> list[str | None]:
         texts = engine.tokenizer.batch_decode([t.response_ids for t in transcripts], skip_special_tokens=True)
         return tool(samples.select(indices, responses=texts))
+
+    def tokenize(answer: str) -> list[int]:
+        text = chat_turn_text(engine.tokenizer, answer, cfg.tool_role) if cfg.tool_format == "chat" else answer
+        return engine.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def generate(prompts: list[list[int]], limit: int, row_ids: list[int], turn: int):
         turn_params = replace(params, max_new_tokens=limit, seed=turn_seed(params.seed, turn))
@@ -179,7 +187,7 @@ def _generate(
     with Tool.load(cfg.tool, timeout=cfg.tool_timeout) as tool:
         transcripts = take_turns(
             first_turn(generations, at_stop_string, cfg.max_new_tokens), prompt_ids, [first_row + i for i in range(len(prompt_ids))],
-            call_tool=call_tool, tokenize=lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"], generate=generate,
+            call_tool=call_tool, tokenize=tokenize, generate=generate,
             max_new_tokens=cfg.max_new_tokens, max_tool_calls=cfg.max_tool_calls,
         )
     generations = [Generation(t.response_ids, t.logprobs, t.finish_reason) for t in transcripts]

@@ -55,6 +55,22 @@ def test_a_tools_text_is_in_the_response_as_tokens_the_policy_did_not_sample(cli
         assert mask[0]  # a response begins with the policy's tokens
 
 
+def test_a_chat_formatted_tool_answer_is_the_templates_tool_turn(cli, tmp_path, tiny_model, prompts_file, tool_file):
+    args = rollout_args(prompts_file, tiny_model, tool_file, tmp_path / "r")
+    result = cli(*args, "--chat-template", "--set", "rollout.tool_format=chat", "--set", "rollout.max_tool_calls=1")
+    assert result.exit_code == 0, result.stderr
+    table = shards.read(str(tmp_path / "r"), "rollouts").table
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    runs = 0
+    for ids, mask, response in zip(*(table.column(c).to_pylist() for c in ("response_ids", "loss_mask", "response"))):
+        for tool, group in itertools.groupby(zip(ids, mask), key=lambda p: not p[1]):
+            text = tokenizer.decode([t for t, _ in group], skip_special_tokens=False)
+            if tool and text.endswith("<|im_start|>assistant\n"):  # a whole turn (one cut by the length limit is its prefix)
+                runs += 1
+                assert re.fullmatch(r"<\|im_end\|>\n<\|im_start\|>tool\n<r>\d+</r><\|im_end\|>\n<\|im_start\|>assistant\n", text), text
+    assert runs >= 3
+
+
 def test_later_turns_are_sampled_in_the_context_of_everything_before(cli, tmp_path, tiny_model, prompts_file, tool_file):
     """The engine's log-prob of each token it sampled in any turn is the trainer's recomputed
     one over the whole exchange: the context of turn 2 holds the tool's answer."""

@@ -102,3 +102,19 @@ def test_the_builtin_calculator_answers_a_call_at_the_end_of_a_response_and_runs
         with pytest.raises(ValueError):
             calculate(attack)
     assert calculate("-2 ** 2") == -4.0 and calculate("7 // 2 + 7 % 2") == 4.0
+
+
+def test_a_chat_tool_answer_closes_the_assistants_turn_and_opens_the_next(tiny_model):
+    from transformers import AutoTokenizer
+
+    from rlctl.tool_turns import chat_turn_text
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    text = chat_turn_text(tokenizer, "<r>42</r>", "tool")
+    assert text == "<|im_end|>\n<|im_start|>tool\n<r>42</r><|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(ids[0]) == "<|im_end|>"  # the template's special tokens, as the model saw them in its prompt
+    tokenizer.chat_template = "{% for m in messages %}{% if m['role'] not in ('user', 'assistant') %}{{ raise_exception('roles must alternate') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ConfigError, match="cannot render a 'tool' message after the assistant's .*roles must alternate.*set rollout.tool_role"):
+        chat_turn_text(tokenizer, "x", "tool")
+    assert chat_turn_text(tokenizer, "x", "user") == "x"
