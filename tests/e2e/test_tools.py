@@ -62,7 +62,7 @@ def test_a_chat_formatted_tool_answer_is_the_templates_tool_turn(cli, tmp_path, 
     table = shards.read(str(tmp_path / "r"), "rollouts").table
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     runs = 0
-    for ids, mask, response in zip(*(table.column(c).to_pylist() for c in ("response_ids", "loss_mask", "response"))):
+    for ids, mask in zip(*(table.column(c).to_pylist() for c in ("response_ids", "loss_mask"))):
         for tool, group in itertools.groupby(zip(ids, mask), key=lambda p: not p[1]):
             text = tokenizer.decode([t for t, _ in group], skip_special_tokens=False)
             if tool and text.endswith("<|im_start|>assistant\n"):  # a whole turn (one cut by the length limit is its prefix)
