@@ -346,6 +346,49 @@ def pipeline(
     )
 
 
+@app.command("eval")
+def eval_(
+    model: Annotated[str, typer.Option("--model", help="Model to evaluate: HF folder or rlctl checkpoint.")],
+    prompts: Annotated[str, typer.Option("--prompts", help="Held-out prompts: shard folder, .jsonl, .json or .parquet.")],
+    reward: Annotated[Optional[str], typer.Option("--reward", help=f"file.py:fn, module:fn, builtin:NAME ({', '.join(choices.BUILTIN_REWARDS)}), rm:MODEL_URI or an http(s):// endpoint." + _default("score.reward"))] = None,
+    n: Annotated[Optional[int], typer.Option("--n", help="Samples per prompt." + _default("rollout.n"))] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature; 0 is greedy." + _default("rollout.temperature"))] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Longest response in tokens." + _default("rollout.max_new_tokens"))] = None,
+    pass_threshold: Annotated[float, typer.Option("--pass-threshold", help="A sample passes (pass@k) when its reward is at least this.")] = 1.0,
+    out: Annotated[Optional[str], typer.Option("--out", help="Also commit the scored samples here, the summary in their manifest.")] = None,
+    device: DeviceOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Evaluate a model on held-out prompts: mean@n, best@n and pass@k per data_source."""
+    import json as json_module
+    from dataclasses import asdict, replace
+
+    from rlctl.config import override_section
+    from rlctl.evaluate import run
+
+    cfg = _stage_config(config, set_)
+    cfg = replace(
+        cfg, rollout=override_section(cfg.rollout, n=n, temperature=temperature, max_new_tokens=max_new_tokens),
+        score=override_section(cfg.score, reward=reward),
+    )
+    rows, _ = run(model=model, prompts=prompts, cfg=cfg, threshold=pass_threshold, device=device or cfg.model.device, out=_output(out, "arrow", 65536, False) if out else None)
+    if as_json:
+        typer.echo(json_module.dumps([asdict(row) for row in rows]))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    ks = list(rows[0].pass_at)
+    table = Table(title=f"{model}: {rows[0].prompts} prompts × {rows[0].samples} samples, pass = reward ≥ {pass_threshold:g}", title_justify="left")
+    for name in ("data_source", "prompts", f"mean@{rows[0].samples}", f"best@{rows[0].samples}", *(f"pass@{k}" for k in ks)):
+        table.add_column(name, justify="left" if name == "data_source" else "right")
+    for row in rows:
+        table.add_row(row.source, str(row.prompts), f"{row.mean:.4g}", f"{row.best:.4g}", *(f"{row.pass_at[k]:.4g}" for k in ks))
+    Console().print(table)
+
+
 @app.command()
 def replay(
     stage_dir: Annotated[str, typer.Argument(help="RUN/iter-NNNN/STAGE of a recorded run.")],

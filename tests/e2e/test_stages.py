@@ -245,3 +245,20 @@ def test_score_with_weighted_verl_and_trl_rewards_records_every_component(cli, t
     expected = [2 * len(r) / 10 + (0.5 if len(r) < 20 else 0.0) for r in responses]
     assert table.column("reward").to_pylist() == pytest.approx(expected, rel=1e-6)
     assert cli("advantage", "--scores", tmp_path / "multi", "--out", tmp_path / "adv").exit_code == 0
+
+
+def test_eval_summarizes_samples_of_every_prompt_and_commits_them_where_asked(cli, tmp_path, tiny_model, prompts_file):
+    args = ("eval", "--model", tiny_model, "--prompts", prompts_file, "--reward", "builtin:length", "--n", "4", "--max-new-tokens", "8", "--pass-threshold", "0.05")
+    result = cli(*args, "--json", "--out", tmp_path / "e")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert [row["source"] for row in summary] == ["all", "count", "toy"] and summary[0]["prompts"] == 3 and summary[0]["samples"] == 4
+    assert set(summary[0]["pass_at"]) == {"1", "2", "4"}
+    scored = shards.read(str(tmp_path / "e"), "scores")
+    rewards = scored.table.column("reward").to_pylist()
+    assert scored.table.num_rows == 12 and summary[0]["mean"] == pytest.approx(sum(rewards) / 12, abs=1e-6)
+    assert scored.manifest.stage == "eval" and scored.manifest.metrics["eval/mean@4"] == summary[0]["mean"]
+    table = cli(*args)
+    assert table.exit_code == 0 and "pass@4" in table.stdout and "toy" in table.stdout
+    missing = cli("eval", "--model", tiny_model, "--prompts", tmp_path / "none.jsonl", "--reward", "builtin:length", "--out", tmp_path / "x")
+    assert missing.exit_code == 2 and one_line_error(missing) and not (tmp_path / "x").exists()

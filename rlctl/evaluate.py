@@ -1,0 +1,110 @@
+"""`rlctl eval`: how good a model is on held-out prompts — n samples per prompt, scored by a
+reward, summarized per `data_source`: the mean reward (mean@n), the mean of each prompt's
+best (best@n), and pass@k for k = 1, 2, 4, ... n, the unbiased estimate (Chen et al. 2021)
+of the chance that at least one of k samples passes (reward ≥ the pass threshold)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from math import comb
+
+import numpy as np
+import pyarrow as pa
+
+from rlctl.config import Config
+from rlctl.manifest import Manifest
+
+
+def pass_at_k(n: int, passed: int, k: int) -> float:
+    """1 - C(n - c, k) / C(n, k): the chance that k of the n samples, drawn without
+    replacement, hold at least one of the c that passed."""
+    if n - passed < k:
+        return 1.0
+    return 1.0 - comb(n - passed, k) / comb(n, k)
+
+
+def ks_up_to(n: int) -> list[int]:
+    """1, 2, 4, ... up to n, and n itself."""
+    ks = [1 << i for i in range(n.bit_length()) if 1 << i <= n]
+    return ks if ks[-1] == n else [*ks, n]
+
+
+@dataclass(frozen=True)
+class EvalRow:
+    source: str  # a data_source, or "all"
+    prompts: int
+    samples: int  # per prompt
+    mean: float  # mean@n: the mean reward over every sample
+    best: float  # best@n: the mean over prompts of their best sample's reward
+    pass_at: dict[int, float]  # k → the mean over prompts of pass@k
+
+
+def evaluation(scored: pa.Table, *, threshold: float) -> list[EvalRow]:
+    """One row over every prompt ("all"), then one per data_source (where there are several)."""
+    ids = np.asarray(scored.column("id").to_pylist(), dtype=object).astype(str)
+    rewards = np.asarray(scored.column("reward").to_pylist(), dtype=np.float64)
+    sources = np.asarray(
+        [s or "unknown" for s in scored.column("data_source").to_pylist()] if "data_source" in scored.column_names else ["all"] * len(ids), dtype=object,
+    )
+    groups = {key: np.flatnonzero(ids == key) for key in dict.fromkeys(ids)}
+    n = min(len(rows) for rows in groups.values())
+    parts = {"all": list(groups)}
+    names = sorted(set(sources))
+    if len(names) > 1:
+        for name in names:
+            parts[name] = [key for key, rows in groups.items() if sources[rows[0]] == name]
+    out = []
+    for name, keys in parts.items():
+        per_prompt = [rewards[groups[key]] for key in keys]
+        out.append(EvalRow(
+            source=name, prompts=len(keys), samples=n, mean=float(np.mean(np.concatenate(per_prompt))),
+            best=float(np.mean([r.max() for r in per_prompt])),
+            pass_at={k: float(np.mean([pass_at_k(len(r), int((r >= threshold).sum()), k) for r in per_prompt])) for k in ks_up_to(n)},
+        ))
+    return out
+
+
+def as_metrics(rows: list[EvalRow]) -> dict[str, float]:
+    """The rows as flat metrics (`eval/mean@8`, `eval/pass@1/SOURCE`, ...) for a manifest."""
+    metrics: dict[str, float] = {}
+    for row in rows:
+        suffix = "" if row.source == "all" else f"/{row.source}"
+        metrics[f"eval/mean@{row.samples}{suffix}"] = row.mean
+        metrics[f"eval/best@{row.samples}{suffix}"] = row.best
+        metrics.update({f"eval/pass@{k}{suffix}": value for k, value in row.pass_at.items()})
+    return metrics
+
+
+def run(*, model: str, prompts: str, cfg: Config, threshold: float, device: str = "auto", out=None) -> tuple[list[EvalRow], Manifest | None]:
+    """Generate `cfg.rollout.n` samples per prompt with `model` (the rollout settings: engine,
+    temperature, stop strings, tool), score them with `cfg.score`'s reward, summarize; with
+    `out` (an OutputSpec) commit the scored rows, the summary in their manifest's metrics."""
+    from rlctl.backends.base import ROLLOUT_BACKENDS
+    from rlctl.backends.hf import check_model_dir, read_trainer_step
+    from rlctl.dtypes import compute_dtype, models_device
+    from rlctl.lineage import make_manifest, model_ref, shards_ref
+    from rlctl.rewards import load_rewards
+    from rlctl.shards import read, write
+    from rlctl.stages.rollout import rollout_table, stage_config
+    from rlctl.stages.score import ScoringModels, score_table
+    from rlctl.tool_turns import check_tool
+
+    rollout = replace(cfg.rollout, dtype=compute_dtype(cfg.rollout.dtype, models_device(device, cfg.workers)))
+    check_tool(rollout.tool, rollout.stop)
+    source = read(prompts, "prompts")
+    check_model_dir(model)
+    reward = load_rewards(cfg.score, device=device)
+    engine = ROLLOUT_BACKENDS.get(rollout.backend)(model, device, rollout, cfg.vllm)
+    try:
+        generated = rollout_table(source.table, engine, rollout, cfg.data, policy_version=read_trainer_step(model))
+    finally:
+        if hasattr(engine, "close"):
+            engine.close()
+    scored = score_table(generated, reward, ScoringModels(), cfg.score)
+    rows = evaluation(scored, threshold=threshold)
+    if out is None:
+        return rows, None
+    config = {**stage_config(rollout, cfg.data, cfg.vllm), "reward": reward.spec, "pass_threshold": threshold}
+    manifest = make_manifest("eval", config, [shards_ref(source), model_ref(model)], seed=rollout.seed)
+    manifest.metrics = as_metrics(rows)
+    return rows, write(scored, out.uri, manifest, schema="scores", format=out.format, rows_per_part=out.rows_per_part)
