@@ -296,6 +296,7 @@ class PipelineConfig:
     best_is: str = "max"  # max | min: which way keep_best's metric is better
     keep_shards: int = 0  # keep the stage outputs of the last K iterations; 0 = all
     val_every: int = 0  # 0 = no validation
+    val_before_train: bool = False  # validate the initial weights before iteration 1: iteration 0's metrics row, RUN/iter-0000/val (verl's val_before_train)
     val_n: int = 1  # samples per validation prompt: val/score is their mean (verl's mean@N), val/best_of_N the mean of each prompt's best (best@N)
     val_temperature: float = 0.0  # sampling temperature of validation; 0 = greedy (one sample per prompt then)
     seed: int = 0  # seed of the prompt order

@@ -108,6 +108,8 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
         raise ConfigError("set model.path (a model folder) or model.init_preset (tiny|small|medium) to make one")
     check_config(cfg.advantage)
     check_tool(cfg.rollout.tool, cfg.rollout.stop)
+    if cfg.pipeline.val_before_train and not cfg.data.val_prompts:
+        raise ConfigError("pipeline.val_before_train validates the initial weights on data.val_prompts: set it")
     if cfg.pipeline.keep_best.startswith("val/") and not (cfg.data.val_prompts and cfg.pipeline.val_every):
         raise ConfigError(f"pipeline.keep_best = {cfg.pipeline.keep_best!r} is measured by validation: set data.val_prompts and pipeline.val_every")
     check_loggers(cfg.pipeline.loggers)
@@ -253,6 +255,8 @@ class Pipeline:
         self._write_resolved_config()
         i = self.iteration + 1
         cfg, workers = self.cfg, self.workers
+        if i == 1 and cfg.pipeline.val_before_train and self.val_dataset is not None:
+            self._validate_before_training()
         timings: dict[str, float] = {}
         io = {"seconds": 0.0}
         first = not self._stepped
@@ -582,11 +586,12 @@ class Pipeline:
         table, next_state, stats = advantage_table(scores, self.cfg.advantage, self.kl_state)
         return table, {"kl_controller": {"kl_coef": next_state.kl_coef, "steps": next_state.steps}}, stats
 
-    def _validate(self, i: int, *, weights_kept: bool) -> dict[str, float]:
+    def _validate(self, i: int, *, weights_kept: bool, weights_source: str | None = None) -> dict[str, float]:
         """Rollouts on the held-out prompts — greedy, or `pipeline.val_n` samples each at
         `pipeline.val_temperature` from the same seed every time, so iterations compare —
         scored with the same reward. Its manifest names the checkpoint about to hold these
-        weights (`weights_kept`: this iteration saves one), so `rlctl replay` can re-run it."""
+        weights (`weights_kept`: this iteration saves one), or `weights_source` (the initial
+        weights, validated before training), so `rlctl replay` can re-run it."""
         from rlctl.stages.rollout import rollout_table
         from rlctl.stages.score import ScoringModels, score_table
 
@@ -598,11 +603,26 @@ class Pipeline:
         metrics = validation_metrics(scored, settings.val_n)
         state = {
             "iteration": i, "policy_version": self.workers.trainer.step, **compute_state,
-            "weights_source": str(self.run_dir / "checkpoints" / f"iter-{i:04d}") if weights_kept else None,
+            "weights_source": str(self.run_dir / "checkpoints" / f"iter-{i:04d}") if weights_kept else weights_source,
         }
         manifest = Manifest(stage="validate", config={"rollout": to_dict(sampling), "reward": self.reward.spec}, state=state, metrics=metrics)
         write(scored, str(self._dir(i, "val")), manifest, schema="scores")
         return metrics
+
+    def _validate_before_training(self) -> None:
+        """pipeline.val_before_train: the initial weights' validation, as iteration 0's row of
+        the metrics (RUN/iter-0000/val), once per run (a resume before the first checkpoint
+        validates again)."""
+        if any(row["iteration"] == 0 for row in self.history):
+            return
+        if self.view:
+            self.view.stage("validate", total=None)
+        row = {"iteration": 0, **self._validate(0, weights_kept=False, weights_source=self._weights_source(1))}
+        self.history.append(row)
+        self._write_metrics()
+        self._trackers().log(row)
+        if self.view:
+            self.view.message("before training: " + "  ".join(f"{k} {v:.4g}" for k, v in row.items() if k.startswith("val/") and "/" not in k[4:]))
 
     def _stop_early(self, i: int, timings: dict) -> dict:
         row = {"iteration": i, "stopped_early": True, **{f"seconds/{k}": v for k, v in timings.items()}}
@@ -794,7 +814,7 @@ def describe_workers(cfg: Config) -> str:
 # keys that do not change what is trained: how long, where, how often saved, how the models are held
 NOT_TRAINING = {
     "pipeline": {
-        "iterations", "run_dir", "save_every", "keep_checkpoints", "keep_best", "best_is", "keep_shards", "val_every", "val_n", "val_temperature", "rollout_is_threshold",
+        "iterations", "run_dir", "save_every", "keep_checkpoints", "keep_best", "best_is", "keep_shards", "val_before_train", "val_every", "val_n", "val_temperature", "rollout_is_threshold",
         "loggers", "wandb_project", "wandb_mode", "mlflow_uri", "mlflow_experiment", "ignore_checks",
     },
     "model": {"device", "init_preset", "init_seed"}, "data": {"val_prompts"}, "workers": None, "vllm": None, "rollout": {"tool_timeout"},

@@ -35,7 +35,7 @@ class Finding:
 def run_findings(rows: list[dict[str, Any]], cfg: Config | None = None, run_dir: str | Path = "RUN") -> list[Finding]:
     """The findings of a run's metrics rows (iterations in order); `cfg` is its resolved config,
     None where the run folder has none (the advice then names every option)."""
-    rows = [r for r in rows if not r.get("stopped_early")]
+    rows = [r for r in rows if not r.get("stopped_early") and r["iteration"] > 0]  # 0: validation before training
     if not rows:
         return []
     window = rows[-EQUAL_REWARDS_WINDOW:]

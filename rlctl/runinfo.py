@@ -45,7 +45,7 @@ def run_summary(run_dir: str | Path, *, columns: list[str] | None = None, last: 
     checkpoints = [p.name for p in iteration_folders(Path(run_dir) / "checkpoints")]
     cfg = resolved_config(run_dir)
     checks = [asdict(f) for f in run_findings(rows, cfg, run_dir)]
-    summary = {"run_dir": str(run_dir), "iterations_done": len(rows), "columns": chosen, "rows": shown, "checkpoints": checkpoints, "checks": checks}
+    summary = {"run_dir": str(run_dir), "iterations_done": sum(row["iteration"] > 0 for row in rows), "columns": chosen, "rows": shown, "checkpoints": checkpoints, "checks": checks}
     if cfg is not None and cfg.pipeline.keep_best:
         summary["best"] = _best(rows, cfg.pipeline.keep_best, cfg.pipeline.best_is, Path(run_dir))
     return summary
@@ -64,7 +64,7 @@ def _best(rows: list[dict[str, Any]], metric: str, best_is: str, run_dir: Path) 
 def best_iteration(rows: list[dict[str, Any]], metric: str, best_is: str = "max") -> int | None:
     """The iteration whose `metric` was best (`best_is`: max or min), the first of equals: the
     one pipeline.keep_best keeps a checkpoint of; None where no row measured it."""
-    measured = [(row[metric], row["iteration"]) for row in rows if isinstance(row.get(metric), (int, float))]
+    measured = [(row[metric], row["iteration"]) for row in rows if row["iteration"] > 0 and isinstance(row.get(metric), (int, float))]  # 0: the initial weights
     if not measured:
         return None
     sign = 1 if best_is == "max" else -1

@@ -320,6 +320,20 @@ def test_keep_shards_prunes_old_stage_outputs(tmp_path, tiny_model):
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["iter-0003"]
 
 
+def test_val_before_train_validates_the_initial_weights_as_iteration_0(cli, tmp_path, tiny_model):
+    config = write_config(tmp_path, tiny_model, pipeline={"iterations": 2, "val_every": 1, "val_before_train": True})
+    result = cli("pipeline", config, "--run-dir", tmp_path / "run", "--quiet")
+    assert result.exit_code == 0, result.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2] and set(rows[0]) >= {"val/score", "val/score/odd"} and "reward_mean" not in rows[0]
+    assert shards.read(str(tmp_path / "run" / "iter-0000" / "val"), "scores").table.num_rows == len(PROMPTS)
+    shown = json.loads(cli("show", tmp_path / "run", "--json").stdout)
+    assert shown["iterations_done"] == 2 and shown["rows"][0]["iteration"] == 0
+    replayed = cli("replay", tmp_path / "run" / "iter-0000" / "val", "--check")
+    assert replayed.exit_code == 0 and "identical" in replayed.stdout, replayed.stderr
+    assert cli("plot", tmp_path / "run", "--out", tmp_path / "p.png").exit_code == 0
+
+
 def test_keep_best_saves_and_keeps_the_checkpoint_of_the_best_iteration(cli, tmp_path, tiny_model):
     """pipeline.keep_best: an iteration that betters the metric saves a checkpoint (here no other
     would: save_every 0 saves only at the end), and pruning to the last one leaves it."""
@@ -335,6 +349,7 @@ def test_keep_best_saves_and_keeps_the_checkpoint_of_the_best_iteration(cli, tmp
 @pytest.mark.parametrize("args,fragment", [
     (["--from", "scoring"], "--from 'scoring': unknown stage"),
     (["--set", "pipeline.val_every=0", "--set", "pipeline.keep_best=val/score"], "pipeline.keep_best = 'val/score' is measured by validation"),
+    (["--set", "data.val_prompts=''", "--set", "pipeline.val_before_train=true"], "pipeline.val_before_train validates the initial weights on data.val_prompts"),
     (["--set", "update.mini_batch_size=4"], "mini_batch_size=4 does not divide the batch of 6"),
     (["--set", "model.ref="], "kl_coef > 0 needs a reference model"),
     (["--set", "model.critic="], "estimator gae needs a critic"),

@@ -189,3 +189,4 @@ def test_the_best_iteration_is_the_first_to_reach_the_best_value_either_way():
     assert best_iteration(rows, "val/score") == 3  # the first of equals: the one saved when it bettered the rest
     assert best_iteration(rows, "val/score", "min") == 5
     assert best_iteration(rows, "kl") is None
+    assert best_iteration([{"iteration": 0, "val/score": 1.0}, *rows], "val/score") == 3  # 0: the initial weights, no checkpoint of the run
