@@ -147,6 +147,7 @@ class RewardTerm:
     fn: str  # a reward spec, as --reward takes it
     weight: float = 1.0  # its score's factor in the total reward
     name: str = ""  # its column reward/NAME; "" = the function's name
+    sources: tuple[str, ...] = ()  # the data_sources it scores (verl's reward by data_source); () = every sample
 
     def __post_init__(self) -> None:
         check_ranges(self, "score.rewards", {"fn": lambda v: None if v else "must name a reward"})

@@ -346,6 +346,25 @@ class WeightedReward:
     name: str  # its column: reward/NAME
     reward: RewardFunction
     weight: float
+    sources: tuple[str, ...] = ()  # the data_sources it scores; (): every sample
+
+    def scores(self, samples: RewardSamples, *, timeout: float) -> RewardValues:
+        """Its values for every sample: None (not applicable) outside its data_sources, whose
+        samples alone it is called on."""
+        if not self.sources:
+            return evaluate_reward(self.reward, samples, timeout=timeout)
+        mine = [i for i, source in enumerate(samples.data_sources) if source in self.sources]
+        values = RewardValues([None] * len(samples), {})
+        if not mine:
+            return values
+        part = evaluate_reward(self.reward, samples.select(mine, responses=[samples.responses[i] for i in mine]), timeout=timeout)
+        for i, score in zip(mine, part.scores):
+            values.scores[i] = score
+        for key, column in part.info.items():
+            spread = values.info.setdefault(key, [None] * len(samples))
+            for i, value in zip(mine, column):
+                spread[i] = value
+        return values
 
 
 @dataclass(frozen=True)
@@ -371,20 +390,20 @@ class RewardSet:
 
     @property
     def single(self) -> bool:
-        return len(self.terms) == 1 and self.terms[0].weight == 1.0
+        return len(self.terms) == 1 and self.terms[0].weight == 1.0 and not self.terms[0].sources
 
     @property
     def spec(self) -> str:
         """What manifests and the run header record."""
         if self.single:
             return self.terms[0].reward.spec
-        return " + ".join(f"{t.weight:g}*{t.reward.spec}" for t in self.terms)
+        return " + ".join(f"{t.weight:g}*{t.reward.spec}" + (f" on {'|'.join(t.sources)}" if t.sources else "") for t in self.terms)
 
     def score(self, samples: RewardSamples, *, timeout: float) -> RewardScores:
         columns: dict[str, list[Any]] = {}
         components = []
         for term in self.terms:
-            values = evaluate_reward(term.reward, samples, timeout=timeout)
+            values = term.scores(samples, timeout=timeout)
             prefix = "reward/" if self.single else f"reward/{term.name}"
             if not self.single:
                 columns[prefix] = values.scores
@@ -395,7 +414,8 @@ class RewardSet:
             applied = [(t.weight, scores[i]) for t, scores in components if scores[i] is not None]
             if not applied:
                 names = ", ".join(t.reward.spec for t in self.terms)
-                raise RewardError(f"no reward applies to sample {i}: {names} returned None for it")
+                source = samples.data_sources[i] if samples.data_sources else None
+                raise RewardError(f"no reward applies to sample {i} (data_source {source!r}): {names} returned None for it or do not score its data_source")
             total.append(math.fsum(w * v for w, v in applied))
         return RewardScores(total, columns)
 
@@ -422,7 +442,8 @@ def load_rewards(cfg: Any, *, device: str = "cpu", reward_fn: Callable | None = 
     for term in cfg.rewards:
         name = term.name or term_name(term.fn)
         seen[name] += 1
-        terms.append(WeightedReward(name if seen[name] == 1 else f"{name}_{seen[name]}", load_reward(term.fn, device=device, batch_size=cfg.batch_size, http=http), term.weight))
+        reward = load_reward(term.fn, device=device, batch_size=cfg.batch_size, http=http)
+        terms.append(WeightedReward(name if seen[name] == 1 else f"{name}_{seen[name]}", reward, term.weight, tuple(term.sources)))
     return RewardSet(terms)
 
 

@@ -168,3 +168,27 @@ def test_the_trl_comparisons_reward_runs_unchanged_in_rlctl():
     reward = load_rewards(ScoreConfig(reward=f"{path}:addition_reward")).terms[0].reward
     s = samples(["19 it is", "twenty", "1 9"], ["19", "19", "19"])
     assert compute_rewards(reward, s, timeout=10) == pytest.approx([1.0, 0.0, 0.1 * 2 / 3])
+
+
+def test_each_data_source_is_scored_by_the_rewards_named_for_it():
+    """verl's reward by data_source: a term with `sources` is called on those samples alone and
+    is not applicable (None) to the others; a sample that no term scores is an error."""
+    calls = []
+
+    def length_seen(responses):
+        calls.append(list(responses))
+        return [float(len(r)) for r in responses]
+
+    rewards = load_rewards(ScoreConfig(rewards=(RewardTerm("builtin:gsm8k", sources=("gsm8k",)), RewardTerm("builtin:math", sources=("math", "aime")))))
+    rewards.terms.append(WeightedReward("len", from_callable(length_seen), 0.5, ("aime",)))
+    mixed = RewardSamples(
+        ["p"] * 4, ["#### 4", "\\boxed{4}", "#### 4", "\\boxed{7}"], ["4", "4", "5", "7"], ["gsm8k", "math", "gsm8k", "aime"],
+    )
+    scores = rewards.score(mixed, timeout=5)
+    assert scores.total == [1.0, 1.0, 0.0, 1.0 + 0.5 * len("\\boxed{7}")]
+    assert scores.columns["reward/gsm8k"] == [1.0, None, 0.0, None] and scores.columns["reward/math"] == [None, 1.0, None, 1.0]
+    assert calls == [["\\boxed{7}"]]  # called on its data_source's samples only
+    assert rewards.spec == "1*builtin:gsm8k on gsm8k + 1*builtin:math on math|aime + 0.5*<callable> on aime"
+    unknown = RewardSamples(["p"], ["#### 4"], ["4"], ["countdown"])
+    with pytest.raises(RewardError, match="no reward applies to sample 0 \\(data_source 'countdown'\\)"):
+        rewards.score(unknown, timeout=5)
