@@ -32,7 +32,7 @@ def test_show_gives_each_value_its_type_default_and_meaning(tmp_path):
     assert "[update]  # The policy (and critic) update: PPO-style losses, batching, optimizer." in lines
     assert next(line for line in lines if line.startswith("lr = ")).split("#", 1)[1].strip() == "float; default 1e-06: policy learning rate (AdamW)"
     assert next(line for line in lines if line.startswith("epochs = 1")).split("#", 1)[1].strip() == "int: passes over the batch per update (PPO epochs)"
-    assert 'rewards = [{fn = "builtin:gsm8k", weight = 2.0, name = ""}]' in text
+    assert 'rewards = [{fn = "builtin:gsm8k", weight = 2.0, name = "", sources = []}]' in text
 
 
 def test_config_show_command_prints_text_and_json(cli, tmp_path):
