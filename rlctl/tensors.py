@@ -71,6 +71,14 @@ def check_token_ids(table: pa.Table, vocab_size: int, source: str = "input") -> 
             raise InputError(f"{source}: column {name!r} row {row} holds token id {value}, outside the model's vocabulary of {vocab_size}")
 
 
+def sampled_mask(table: pa.Table, lengths: np.ndarray, width: int) -> torch.Tensor | None:
+    """[B, width] bool: the response tokens the policy sampled, where the table's `loss_mask`
+    says a tool wrote others (rollout.tool); None where every response token is the policy's."""
+    if "loss_mask" not in table.column_names:
+        return None
+    return mask_from_lengths(lengths, width) & padded(table.column("loss_mask"), width=width, dtype=torch.bool)
+
+
 class PolicyTokens:
     """The response tokens the policy sampled, moved to the front of each row: a tool's tokens
     (rollout.tool; `loss_mask` False) are context, not actions, so per-token returns and

@@ -39,7 +39,7 @@ from rlctl.dtypes import autocast_bf16
 from rlctl.errors import InputError, TrainingError
 from rlctl.lora import transformers_model
 from rlctl.passes import ModelShape, cut_passes, token_cap
-from rlctl.tensors import list_lengths, mask_from_lengths, padded
+from rlctl.tensors import list_lengths, mask_from_lengths, padded, sampled_mask
 
 
 @dataclass(frozen=True)
@@ -82,13 +82,11 @@ class TrainBatch:
             return None
 
         old = optional("old_logprobs")
-        mask = mask_from_lengths(lengths, width)
-        if "loss_mask" in names:  # a tool's tokens (rollout.tool): context, never trained on
-            mask = mask & padded(table.column("loss_mask"), width=width, dtype=torch.bool)
+        sampled = sampled_mask(table, lengths, width)  # a tool's tokens (rollout.tool): context, never trained on
         return cls(
             prompt_ids=table.column("prompt_ids").to_pylist(),
             response_ids=table.column("response_ids").to_pylist(),
-            response_mask=mask,
+            response_mask=sampled if sampled is not None else mask_from_lengths(lengths, width),
             advantages=padded(table.column("advantages"), width=width, dtype=torch.float32),
             old_logprobs=None if own_old_logprobs else old if old is not None else padded(table.column("rollout_logprobs"), width=width, dtype=torch.float32),
             ref_logprobs=optional("ref_logprobs"),

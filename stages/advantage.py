@@ -19,7 +19,15 @@ from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, shards_ref, up_to_date
 from rlctl.manifest import Manifest
 from rlctl.shards import OutputSpec, read, read_manifest, write
-from rlctl.tensors import PolicyTokens, list_lengths, mask_from_lengths, padded, set_columns, unpad
+from rlctl.tensors import (
+    PolicyTokens,
+    list_lengths,
+    mask_from_lengths,
+    padded,
+    sampled_mask,
+    set_columns,
+    unpad,
+)
 
 
 def run(*, scores: str, out: OutputSpec, cfg: AdvantageConfig, kl_state: str | None = None, force: bool = False) -> Manifest:
@@ -66,9 +74,8 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
     lengths = list_lengths(table.column("response_ids"))
     width = int(lengths.max(initial=0))
     full_mask = mask_from_lengths(lengths, width)
-    tokens = None  # the policy's tokens only, where a tool wrote some (rollout.tool): rlctl.tensors.PolicyTokens
-    if "loss_mask" in names:
-        tokens = PolicyTokens(full_mask & padded(table.column("loss_mask"), width=width, dtype=torch.bool))
+    sampled = sampled_mask(table, lengths, width)
+    tokens = PolicyTokens(sampled) if sampled is not None else None  # the policy's tokens only, where a tool wrote some
 
     def policy(tensor: torch.Tensor) -> torch.Tensor:
         return tokens.compact(tensor) if tokens is not None else tensor

@@ -102,6 +102,11 @@ def with_reward_columns(table: pa.Table, scores: RewardScores) -> pa.Table:
     return set_columns(table, {name: array(values) for name, values in scores.columns.items()})
 
 
+def reward_column(rewards: list[float]) -> pa.Array:
+    """The `reward` column as the scores schema holds it (float32)."""
+    return pa.array(rewards, pa.float32())
+
+
 def scored_rewards(table: pa.Table, reward: RewardSet, models: ScoringModels, cfg: ScoreConfig) -> RewardScores:
     """The rewards of every row (token ids checked against the models' vocabulary first)."""
     if table.num_rows == 0:
@@ -131,7 +136,7 @@ def with_model_columns(
     temperature = float(sampling_of(table).get("temperature", 1.0))
     prompt_ids = table.column("prompt_ids").to_pylist()
     response_ids = table.column("response_ids").to_pylist()
-    new = {"reward": pa.array(rewards, pa.float32())}
+    new = {"reward": reward_column(rewards)}
     if models.ref is not None:
         ref_logprobs = models.ref.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size, batch_tokens=cfg.batch_tokens, compute_dtype=cfg.dtype)
     if ref_logprobs is not None:
@@ -168,5 +173,5 @@ def score_parts_on_workers(group, table: pa.Table, reward: RewardSet, models: Sc
     def part_inputs(rows: slice) -> tuple:
         return rewards[rows], roles, to_dict(cfg), ref_logprobs[rows] if ref_logprobs is not None else None, values[rows] if values is not None else None
 
-    manifest.metrics = reward_stats(set_columns(table, {"reward": pa.array(rewards, pa.float32())}))  # the rewards and ids are the controller's
+    manifest.metrics = reward_stats(set_columns(table, {"reward": reward_column(rewards)}))  # the rewards and ids are the controller's
     return group.commit_parts("score_part", table, part_inputs, out, manifest, "scores")
