@@ -14,6 +14,7 @@ _rlctl() {
     'reshard:Turn a training checkpoint into rollout weights (an HF folder, cast to a dtype; a LoRA'
     'rollout:Sample responses from the policy for each prompt (writes the rollouts schema).'
     'score:Score rollouts with a reward; optionally add ref/old log-probs and critic values.'
+    'sft:Supervised fine-tuning on demonstrations - the warm start before RL (loss on responses only).'
     'show:Print a shard, a manifest, a checkpoint, a run or one of its iterations as a table.'
     'update:Train the policy (and critic) on a batch with the PPO/GRPO loss; write a checkpoint.'
   )
@@ -31,6 +32,7 @@ _rlctl() {
     reshard) _arguments '*:file:_files' '--check' '--checkpoint' '--config' '--dtype:dtype:(bf16 fp16 fp32)' '--force' '--help' '--json' '--merge-lora' '--out' '--set' '--to' ;;
     rollout) _arguments '*:file:_files' '--address' '--backend:backend:(hf vllm)' '--chat-template' '--config' '--device' '--dtype:dtype:(auto fp32 bf16)' '--force' '--format:format:(arrow parquet)' '--help' '--json' '--max-new-tokens' '--max-prompt-tokens' '--model' '--n' '--no-chat-template' '--out' '--prompts' '--rows-per-part' '--seed' '--set' '--stop' '--temperature' '--top-k' '--top-p' '--truncate:truncate:(error left)' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
     score) _arguments '*:file:_files' '--address' '--batch-size' '--config' '--critic' '--device' '--dtype:dtype:(auto fp32 bf16)' '--force' '--format:format:(arrow parquet)' '--help' '--json' '--out' '--policy' '--ref' '--reward' '--reward-timeout' '--rollouts' '--rows-per-part' '--set' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
+    sft) _arguments '*:file:_files' '--batch-size' '--config' '--data' '--device' '--epochs' '--force' '--help' '--json' '--lr' '--model' '--out' '--set' '--val-data' ;;
     show) _arguments '*:file:_files' '--columns' '--help' '--json' '--layout:layout:(auto table records)' '--rows' '--sort' '--where' '--width' ;;
     update) _arguments '*:file:_files' '--address' '--batch' '--bf16' '--config' '--critic' '--device' '--epochs' '--force' '--help' '--json' '--loss-agg-mode:loss-agg-mode:(token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm)' '--lr' '--micro-batch-size' '--mini-batch-size' '--model' '--no-bf16' '--out' '--seed' '--set' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
     *) _describe 'command' commands ;;

@@ -36,7 +36,7 @@ def local_checkpoint_dir(uri: str) -> Path:
     return Path(path)
 
 
-def save_checkpoint(uri: str, *, policy, trainer_state: dict, manifest: Manifest, critic=None, critic_files: dict[str, bytes] | None = None) -> Manifest:
+def save_checkpoint(uri: str, *, policy, trainer_state: dict | None, manifest: Manifest, critic=None, critic_files: dict[str, bytes] | None = None) -> Manifest:
     """Write the policy (and critic) weights and the trainer state, then the manifest.
     `critic_files`: the critic's folder as another process saved it (a critic pool of its own)."""
     out = local_checkpoint_dir(uri)
@@ -44,7 +44,8 @@ def save_checkpoint(uri: str, *, policy, trainer_state: dict, manifest: Manifest
     with OutputWrite(fs, path, uri, what="checkpoint", fixed_names=True) as writing:
         policy.model.save_pretrained(out)
         policy.tokenizer.save_pretrained(out)
-        save_trainer_state(out / STATE_DIR, trainer_state)
+        if trainer_state is not None:  # None: weights to start from, not a run to resume (rlctl sft)
+            save_trainer_state(out / STATE_DIR, trainer_state)
         if critic is not None:
             critic.save(out / CRITIC_DIR)
         for name, data in (critic_files or {}).items():

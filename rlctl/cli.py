@@ -390,6 +390,38 @@ def eval_(
 
 
 @app.command()
+def sft(
+    data: Annotated[str, typer.Option("--data", help="Examples: prompt (or messages) with response (or completion), or messages ending in the assistant's turn; .jsonl, .json, .parquet or a shard folder.")],
+    model: Annotated[str, typer.Option("--model", help="Model to fine-tune: HF folder or rlctl checkpoint.")],
+    out: Annotated[str, typer.Option("--out", help="Checkpoint folder to write (a pipeline's model.path can start from it).")],
+    val_data: Annotated[Optional[str], typer.Option("--val-data", help="Held-out examples: their loss before training and after each epoch.")] = None,
+    epochs: Annotated[Optional[int], typer.Option("--epochs", help="Passes over the examples." + _default("sft.epochs"))] = None,
+    lr: Annotated[Optional[float], typer.Option("--lr", help="Learning rate." + _default("sft.lr"))] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Examples per optimizer step." + _default("sft.batch_size"))] = None,
+    device: DeviceOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    as_json: JsonOpt = False,
+    force: ForceOpt = False,
+) -> None:
+    """Supervised fine-tuning on demonstrations: the warm start before RL (loss on responses only)."""
+    from dataclasses import replace
+
+    from rlctl.config import override_section
+    from rlctl.sft import run
+
+    cfg = _stage_config(config, set_)
+    cfg = replace(cfg, sft=override_section(cfg.sft, epochs=epochs, lr=lr, batch_size=batch_size))
+
+    def report(row: dict) -> None:
+        if not as_json:
+            _err("sft: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items() if k != "seconds"))
+
+    manifest = run(data=data, model=model, out=out, cfg=cfg, val_data=val_data, device=device or cfg.model.device, force=force, report=report)
+    _report(manifest, as_json)
+
+
+@app.command()
 def replay(
     stage_dir: Annotated[str, typer.Argument(help="RUN/iter-NNNN/STAGE of a recorded run.")],
     check: Annotated[bool, typer.Option("--check", help="Compare with the recorded output.")] = False,

@@ -274,6 +274,41 @@ class UpdateConfig:
 
 
 @dataclass(frozen=True)
+class SftConfig:
+    """Supervised fine-tuning (`rlctl sft`): cross-entropy on demonstrated responses, the warm
+    start a policy gets before RL (TRL's SFTTrainer, verl's SFT trainer)."""
+
+    lr: float = 1e-5  # learning rate (AdamW)
+    epochs: int = 1  # passes over the examples
+    batch_size: int = 16  # examples per optimizer step
+    micro_batch_size: int = 4  # examples per forward/backward
+    micro_batch_tokens: str = "auto"  # padded tokens per forward/backward at most, as update.micro_batch_tokens
+    max_tokens: int = 0  # prompt + response tokens of an example at most; 0 = the model's context
+    truncate: str = "error"  # an example over max_tokens: error | right (its response cut; the cut response has no end token)
+    max_grad_norm: float = 1.0  # gradient clipping by global norm; 0 = off
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
+    lr_schedule: str = "constant"  # constant | linear | cosine: after the warm-up, lr falls towards lr × min_lr_ratio, reached after the last optimizer step
+    min_lr_ratio: float = 0.0  # the floor of the decay, as a share of lr
+    bf16: str = "auto"  # bf16 autocast: auto (where the CPU/GPU has native bf16) | true | false
+    gradient_checkpointing: bool = False  # recompute each decoder layer's activations in the backward: less memory for ~30% more compute
+    seed: int = 0  # seed of the example order
+    lora: LoraConfig = field(default_factory=LoraConfig)  # train LoRA adapters instead of every weight (r > 0)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bf16, bool):
+            object.__setattr__(self, "bf16", "true" if self.bf16 else "false")
+        if isinstance(self.micro_batch_tokens, int) and not isinstance(self.micro_batch_tokens, bool):
+            object.__setattr__(self, "micro_batch_tokens", str(self.micro_batch_tokens))
+        check_ranges(self, "sft", {
+            "lr": above(0.0), "epochs": at_least(1), "batch_size": at_least(1), "micro_batch_size": at_least(1), "max_tokens": at_least(0),
+            "truncate": one_of("error", "right"), "max_grad_norm": at_least(0.0), "weight_decay": at_least(0.0), "warmup_steps": at_least(0),
+            "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0), "bf16": one_of(*AUTOCAST_CHOICES),
+            "micro_batch_tokens": lambda v: None if v == "auto" or (isinstance(v, str) and v.isascii() and v.isdigit()) else "must be auto, 0 (no cap) or a number of tokens",
+        })
+
+
+@dataclass(frozen=True)
 class ReshardConfig:
     """Converting a checkpoint into what inference loads."""
 
@@ -374,6 +409,7 @@ class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)

@@ -462,7 +462,7 @@ class Trainer:
             stats["critic_warmup"] = 0.0 if self.policy_trains() else 1.0  # the share of the update's steps the policy sat out
         if self.optimizer is not None and self.policy_trains():
             lr = self.lr_at(self.step)
-            stats["grad_norm"] = grad_norm = _clip(trainable(self.policy.model), self.cfg.max_grad_norm)
+            stats["grad_norm"] = grad_norm = clip_gradients(trainable(self.policy.model), self.cfg.max_grad_norm)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             if math.isfinite(grad_norm):  # a non-finite gradient would poison the weights: skip
@@ -470,7 +470,7 @@ class Trainer:
             else:
                 stats["skipped_steps"] = 1.0
         if self.critic_optimizer is not None:
-            stats["vf_grad_norm"] = _clip(self.critic.parameters(), self.cfg.max_grad_norm)
+            stats["vf_grad_norm"] = clip_gradients(self.critic.parameters(), self.cfg.max_grad_norm)
             if math.isfinite(stats["vf_grad_norm"]):
                 self.critic_optimizer.step()
             else:
@@ -484,7 +484,8 @@ def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _clip(parameters, max_norm: float) -> float:
+def clip_gradients(parameters, max_norm: float) -> float:
+    """Clip the gradients to a global norm of `max_norm` (0: no clip); their norm before."""
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return 0.0

@@ -1,0 +1,302 @@
+"""Supervised fine-tuning (`rlctl sft`): the warm start a policy gets before RL, so that its
+first rollouts already follow the task's format.
+
+An example is a prompt and a demonstrated response. The prompt becomes tokens exactly as the
+rollout stage makes them (`encode_prompts`: the same chat template, `data.max_prompt_tokens`,
+`data.truncate`), and the response as the rollout would sample it: a plain response's tokens
+and then the end token the engine stops at; a chat response as the tokenizer's template
+renders the assistant's turn after the prompt, up to the turn's end token. The loss is the
+mean negative log-likelihood of the response tokens (the prompt is context only), over each
+optimizer step's examples, accumulated exactly over its passes as the update accumulates.
+
+Data: `prompt` (text) or `messages` (chat) with `response` (or TRL's `completion`), or
+`messages` alone ending in the assistant's turn(s), which are the response.
+
+The output is a checkpoint folder: the HF weights (or a LoRA adapter) with a manifest that
+lists every file and the epochs' losses, and no trainer state: RL started from it begins at
+step 0 with a fresh optimizer."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import pyarrow as pa
+import torch
+
+from rlctl.config import Config, DataConfig, SftConfig, to_dict
+from rlctl.errors import InputError, TrainingError
+from rlctl.manifest import Manifest
+
+RESPONSE_COLUMNS = ("response", "completion")  # rlctl's name, TRL's prompt-completion name
+
+
+@dataclass(frozen=True)
+class Examples:
+    """Token ids of each example's prompt (context) and response (trained on)."""
+
+    ids: list[str]
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(len(r) for r in self.response_ids)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)]
+
+
+# --- examples ---------------------------------------------------------------------------------
+
+
+def split_examples(table: pa.Table, source: str) -> tuple[list[str | None], list[list[dict] | None], list[str | list[dict]]]:
+    """(plain prompts, chat contexts, responses) of every row: a response column beside the
+    prompt, or a conversation whose trailing assistant turns are the response."""
+    ids = table.column("id").to_pylist()
+    prompts = table.column("prompt").to_pylist() if "prompt" in table.column_names else [None] * len(ids)
+    chats = table.column("messages").to_pylist() if "messages" in table.column_names else [None] * len(ids)
+    named = [c for c in RESPONSE_COLUMNS if c in table.column_names]
+    if len(named) > 1:
+        raise InputError(f"{source}: both a 'response' and a 'completion' column: keep one")
+    if named:
+        responses = table.column(named[0]).to_pylist()
+        for prompt_id, response in zip(ids, responses):
+            if response is None:
+                raise InputError(f"{source}: example {prompt_id!r} has no {named[0]}")
+        return prompts, chats, responses
+    contexts, responses = [], []
+    for prompt_id, chat in zip(ids, chats):
+        turns = chat or []
+        cut = len(turns)
+        while cut and turns[cut - 1].get("role") == "assistant":
+            cut -= 1
+        if cut == len(turns) or cut == 0:
+            raise InputError(
+                f"{source}: example {prompt_id!r} has no response: give a 'response' (or 'completion') column, "
+                "or messages that end with the assistant's turn after the prompt's"
+            )
+        contexts.append(turns[:cut])
+        responses.append(turns[cut:])
+    return [None] * len(ids), contexts, responses
+
+
+def response_tokens(
+    tokenizer, prompt: str | None, context: list[dict] | None, response: str | list[dict], data: DataConfig, end_ids: Sequence[int], example: str,
+) -> list[int]:
+    """A response's tokens as the rollout would sample them after the prompt: plain text then the
+    end token; in a chat, the template's rendering of the assistant's turn(s) after the prompt's
+    (generation prompt included there), up to the last end token (a template's newline after it
+    is never sampled: generation stops at the end token)."""
+    chat = context if context is not None else [{"role": "user", "content": prompt}] if data.chat_template else None
+    if chat is None:
+        if not isinstance(response, str):
+            raise InputError(f"example {example!r}: a chat response (messages) needs a chat prompt (messages, or data.chat_template = true)")
+        end = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else list(end_ids[:1])
+        return tokenizer(response, add_special_tokens=False)["input_ids"] + end
+    turns = [{"role": "assistant", "content": response}] if isinstance(response, str) else list(response)
+    opened = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    whole = tokenizer.apply_chat_template(chat + turns, tokenize=False)
+    if not whole.startswith(opened):
+        raise InputError(f"example {example!r}: the chat template does not render the conversation as the prompt then the response, so the response's tokens are unknown")
+    tokens = tokenizer(whole[len(opened):], add_special_tokens=False)["input_ids"]
+    ends = [i for i, token in enumerate(tokens) if token in end_ids]
+    if ends and not tokenizer.decode(tokens[ends[-1] + 1:]).strip():
+        tokens = tokens[: ends[-1] + 1]
+    return tokens
+
+
+def encode_examples(table: pa.Table, tokenizer, data: DataConfig, cfg: SftConfig, *, end_ids: Sequence[int], context_length: int | None, source: str) -> Examples:
+    """Every example as tokens; one that is empty or too long is one error (or, with
+    `sft.truncate = "right"`, its response cut to `sft.max_tokens`)."""
+    from rlctl.stages.rollout import encode_prompts
+
+    ids = table.column("id").to_pylist()
+    prompts, contexts, responses = split_examples(table, source)
+    as_prompts = pa.table({"id": ids, "prompt": pa.array(prompts, pa.string()), "messages": pa.array(contexts)})
+    prompt_ids = encode_prompts(as_prompts, tokenizer, data, context_length=context_length)
+    limit = cfg.max_tokens or context_length or 0
+    kept = []
+    for example, prompt, context, response, prompt_tokens in zip(ids, prompts, contexts, responses, prompt_ids):
+        tokens = response_tokens(tokenizer, prompt, context, response, data, end_ids, example)
+        if not tokens or response == "":  # an end token alone: most likely a column mapped wrong
+            raise InputError(f"{source}: example {example!r} has an empty response")
+        over = len(prompt_tokens) + len(tokens) - limit if limit else 0
+        if over > 0:
+            room = limit - len(prompt_tokens)
+            if cfg.truncate != "right" or room < 1:
+                why = "its prompt leaves no room for a response" if room < 1 else "use --set sft.truncate=right to cut its response"
+                raise InputError(f"{source}: example {example!r} has {len(prompt_tokens) + len(tokens)} tokens, over {limit} ({'sft.max_tokens' if cfg.max_tokens else 'the model context'}): {why}")
+            tokens = tokens[:room]
+        kept.append(tokens)
+    return Examples(ids, prompt_ids, kept)
+
+
+# --- training ---------------------------------------------------------------------------------
+
+
+@dataclass
+class EpochRow:
+    """One epoch's figures: the train loss is the mean NLL per response token as the passes met
+    them (the weights moving), `val_loss` the held-out examples' after the epoch."""
+
+    epoch: int
+    loss: float | None = None
+    val_loss: float | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        row = {k: v for k, v in self.__dict__.items() if v is not None and (self.steps or k in ("epoch", "val_loss"))}
+        if self.seconds:
+            row["tokens_per_s"] = self.tokens / self.seconds
+        return row
+
+
+class SftTrainer:
+    """AdamW on the policy (or its LoRA adapters), an optimizer step per `batch_size` examples."""
+
+    def __init__(self, policy, cfg: SftConfig, *, total_steps: int) -> None:
+        from rlctl.dtypes import autocast_bf16
+        from rlctl.lora import transformers_model
+        from rlctl.trainer import adamw, trainable
+
+        self.policy, self.cfg, self.total_steps = policy, cfg, total_steps
+        self.step = 0
+        self.params = trainable(policy.model)
+        self.optimizer = adamw(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.bf16 = autocast_bf16(cfg.bf16, policy.device.type)
+        if cfg.gradient_checkpointing:
+            transformers_model(policy.model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def lr_at(self, step: int) -> float:
+        from rlctl.algos.lr_schedule import lr_at
+
+        cfg = self.cfg
+        return lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule, decay_steps=self.total_steps, min_lr_ratio=cfg.min_lr_ratio)
+
+    def train_epoch(self, examples: Examples, epoch: int) -> EpochRow:
+        from rlctl.trainer import clip_gradients
+
+        cfg = self.cfg
+        started = time.perf_counter()
+        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
+        row = EpochRow(epoch)
+        nll = norms = 0.0
+        self.policy.model.train()
+        try:
+            for start in range(0, len(examples), cfg.batch_size):
+                self.optimizer.zero_grad(set_to_none=True)
+                rows = order[start : start + cfg.batch_size].tolist()
+                tokens = sum(len(examples.response_ids[i]) for i in rows)
+                nll += self._passes(examples, rows, lambda summed, tokens=tokens: (summed / tokens).backward())
+                norm = clip_gradients(self.params, cfg.max_grad_norm)
+                if not math.isfinite(norm):
+                    raise TrainingError(f"sft: optimizer step {self.step} had a non-finite gradient norm; nothing is committed (lower sft.lr?)")
+                row.lr = self.lr_at(self.step)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = row.lr
+                self.optimizer.step()
+                self.step += 1
+                norms += norm
+                row.steps += 1
+                row.tokens += tokens
+        finally:
+            self.policy.model.eval()
+        row.loss, row.grad_norm, row.seconds = nll / row.tokens, norms / row.steps, time.perf_counter() - started
+        return row
+
+    @torch.no_grad()
+    def mean_loss(self, examples: Examples) -> float:
+        """The mean NLL per response token of `examples` under the current weights."""
+        return self._passes(examples, list(range(len(examples))), None) / examples.response_tokens
+
+    def _passes(self, examples: Examples, rows: list[int], backward: Callable[[torch.Tensor], None] | None) -> float:
+        """The summed NLL of `rows`' response tokens, in passes of similar lengths capped by
+        `micro_batch_size` and `micro_batch_tokens`; `backward(summed)` after each pass."""
+        from rlctl.backends.hf import pack, training_forward
+        from rlctl.passes import cut_passes
+
+        policy, lengths = self.policy, examples.lengths
+        total = 0.0
+        for micro in cut_passes(sorted(rows, key=lambda i: lengths[i]), self.cfg.micro_batch_size, lengths, int(self.cfg.micro_batch_tokens)):
+            packed = pack([examples.prompt_ids[i] for i in micro], [examples.response_ids[i] for i in micro], policy.pad_id, policy.device)
+            with training_forward(policy.model, policy.device, self.bf16, rows=len(micro), length=packed.input_ids.shape[1]):
+                logp, _ = policy.forward(packed, temperature=1.0)
+            summed = -torch.where(packed.response_mask, logp.float(), 0).sum()
+            if backward is not None:
+                backward(summed)
+            total += float(summed.detach())
+        return total
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def run(
+    *, data: str, model: str, out: str, cfg: Config, val_data: str | None = None, device: str = "auto", force: bool = False,
+    report: Callable[[dict], None] | None = None,
+) -> Manifest:
+    """Fine-tune `model` on the examples at `data` (`cfg.sft`, prompts as `cfg.data` makes
+    them) and commit the checkpoint at `out`; `report(row)` after each epoch (epoch 0: the
+    held-out loss before training)."""
+    from rlctl.backends.hf import HFPolicy, check_model_dir
+    from rlctl.checkpoint import local_checkpoint_dir, same_folder, save_checkpoint
+    from rlctl.dtypes import decided_bf16, models_device
+    from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
+    from rlctl.lora import prepare_for_training
+    from rlctl.passes import ModelShape, decided_micro_batch_tokens
+    from rlctl.shards import read
+
+    if cfg.workers.backend != "local":
+        raise InputError("rlctl sft trains in this process: set workers.backend = local for it (Ray worker groups run the RL stages)")
+    check_model_dir(model)
+    local_checkpoint_dir(out)
+    if same_folder(out, model):
+        raise InputError(f"sft --out {out} is the --model folder: write the fine-tuned checkpoint elsewhere")
+    on = models_device(device)
+    sft = replace(
+        cfg.sft, bf16=decided_bf16(cfg.sft.bf16, on),
+        micro_batch_tokens=decided_micro_batch_tokens(cfg.sft.micro_batch_tokens, on, ModelShape.of_folder(model)),
+    )
+    train_source = read(data, "prompts")
+    val_source = read(val_data, "prompts") if val_data else None
+    inputs = [shards_ref(train_source), model_ref(model)] + ([shards_ref(val_source)] if val_source else [])
+    manifest = make_manifest("sft", {"sft": to_dict(sft), "data": to_dict(cfg.data)}, inputs, seed=sft.seed)
+    if (existing := up_to_date(out, manifest, force)) is not None:
+        return existing
+    if train_source.table.num_rows == 0:
+        raise InputError(f"{data}: no examples")
+    policy = HFPolicy.load(model, device)
+    prepare_for_training(policy, sft.lora, model)
+
+    def encoded(source) -> Examples:
+        return encode_examples(source.table, policy.tokenizer, cfg.data, sft, end_ids=policy.stop_ids, context_length=policy.context_length, source=source.uri)
+
+    examples, held_out = encoded(train_source), encoded(val_source) if val_source and val_source.table.num_rows else None
+    trainer = SftTrainer(policy, sft, total_steps=sft.epochs * -(-len(examples) // sft.batch_size))
+    rows = []
+
+    def record(row: EpochRow) -> None:
+        if held_out is not None:
+            row.val_loss = trainer.mean_loss(held_out)
+        rows.append(row.as_dict())
+        if report is not None:
+            report(rows[-1])
+
+    if held_out is not None:
+        record(EpochRow(0))
+    for epoch in range(1, sft.epochs + 1):
+        record(trainer.train_epoch(examples, epoch))
+    manifest.state = {"examples": len(examples), "response_tokens": examples.response_tokens, "optimizer_steps": trainer.step, "epochs": rows}
+    manifest.metrics = {k: v for k, v in rows[-1].items() if k in ("loss", "val_loss")}
+    return save_checkpoint(out, policy=policy, trainer_state=None, manifest=manifest)

@@ -1,0 +1,76 @@
+"""`rlctl sft` from the command line: a committed checkpoint a pipeline starts from at step 0,
+with LoRA too; rerun is skipped; bad input is one line and nothing written."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlctl.checkpoint import is_intact
+from tests.conftest import assert_not_written, one_line_error
+from tests.e2e.test_pipeline import write_config
+
+EXAMPLES = [{"prompt": f"Question {i}: what is {i} + {i}?", "response": f"{2 * i}"} for i in range(6)]
+
+
+@pytest.fixture
+def examples(tmp_path) -> Path:
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in EXAMPLES))
+    return path
+
+
+def test_sft_writes_a_checkpoint_that_a_pipeline_starts_from_at_step_0(cli, tmp_path, tiny_model, examples):
+    result = cli("sft", "--data", examples, "--val-data", examples, "--model", tiny_model, "--out", tmp_path / "sft", "--epochs", "3", "--lr", "1e-3", "--batch-size", "4")
+    assert result.exit_code == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("sft: epoch 0  val_loss") and lines[3].startswith("sft: epoch 3  loss") and "sft: wrote" in lines[-1]
+    assert is_intact(str(tmp_path / "sft")) is None
+    manifest = json.loads((tmp_path / "sft" / "_manifest.json").read_text())
+    assert manifest["stage"] == "sft" and manifest["state"]["optimizer_steps"] == 6 and manifest["metrics"]["val_loss"] < manifest["state"]["epochs"][0]["val_loss"]
+    assert "skipped" in cli("sft", "--data", examples, "--val-data", examples, "--model", tiny_model, "--out", tmp_path / "sft", "--epochs", "3", "--lr", "1e-3", "--batch-size", "4").stderr
+    shown = cli("show", tmp_path / "sft")
+    assert shown.exit_code == 0 and "sft" in shown.stdout and "val_loss" in shown.stdout
+
+    config = write_config(tmp_path, str(tmp_path / "sft"), model={"critic": ""}, advantage={"estimator": "grpo", "kl_coef": 0.0}, pipeline={"iterations": 1, "val_every": 0})
+    run = cli("pipeline", config, "--run-dir", tmp_path / "run", "--quiet")
+    assert run.exit_code == 0, run.stderr
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["iteration"] == 1 and row["policy_version"] == 4
+    state = json.loads((tmp_path / "run" / "checkpoints" / "iter-0001" / "trainer_state" / "state.json").read_text())
+    assert state["step"] == 4  # the RL optimizer's own steps from 0 (2 mini-batches × 2 epochs), not after the SFT's 6
+
+
+def test_lora_sft_writes_an_adapter_over_its_base(cli, tmp_path, tiny_model, examples):
+    result = cli("sft", "--data", examples, "--model", tiny_model, "--out", tmp_path / "sft", "--set", "sft.lora.r=4", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["stage"] == "sft"
+    assert (tmp_path / "sft" / "adapter_config.json").exists() and not (tmp_path / "sft" / "model.safetensors").exists()
+    merged = cli("reshard", "--checkpoint", tmp_path / "sft", "--out", tmp_path / "merged", "--merge-lora")
+    assert merged.exit_code == 0, merged.stderr
+
+
+@pytest.mark.parametrize(
+    ("rows", "args", "fragment"),
+    [
+        ([{"prompt": "a"}], [], "example '0' has no response"),
+        ([{"prompt": "a", "response": ""}], [], "example '0' has an empty response"),
+        ([{"prompt": "a", "response": "b " * 40}], ["--set", "sft.max_tokens=20"], "over 20 (sft.max_tokens)"),
+        ([{"response": "b"}], [], "needs one of the columns 'prompt', 'messages'"),
+        ([{"prompt": "a", "response": "b"}], ["--set", "sft.truncate=left"], "sft.truncate must be one of error, right"),
+        ([{"prompt": "a", "response": "b"}], ["--set", "workers.backend=ray"], "rlctl sft trains in this process"),
+        ([{"prompt": "a", "response": "b"}], ["--epochs", "0"], "sft.epochs must be ≥ 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_nothing_written(cli, tmp_path, tiny_model, rows, args, fragment):
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = cli("sft", "--data", data, "--model", tiny_model, "--out", tmp_path / "out", *args)
+    assert result.exit_code == 2, result.stderr
+    assert fragment in one_line_error(result)
+    assert_not_written(tmp_path / "out")
+
+
+def test_sft_into_its_own_model_folder_is_refused(cli, tmp_path, tiny_model, examples):
+    result = cli("sft", "--data", examples, "--model", tiny_model, "--out", tiny_model)
+    assert result.exit_code == 2 and "is the --model folder" in one_line_error(result)
