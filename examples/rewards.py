@@ -18,3 +18,8 @@ def states_the_answer(responses: list[str], ground_truths: list[str]) -> list[fl
     import re
 
     return [float(truth in re.findall(r"\d+", response)) for response, truth in zip(responses, ground_truths)]
+
+
+def repeats_the_number(responses: list[str], ground_truths: list[str]) -> list[float]:
+    """1 when the response is exactly the number the prompt asks to repeat (examples/sft_grpo.toml)."""
+    return [float(response.strip() == truth) for response, truth in zip(responses, ground_truths)]

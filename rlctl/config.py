@@ -278,6 +278,8 @@ class SftConfig:
     """Supervised fine-tuning (`rlctl sft`): cross-entropy on demonstrated responses, the warm
     start a policy gets before RL (TRL's SFTTrainer, verl's SFT trainer)."""
 
+    data: str = ""  # in a pipeline: demonstrations to fine-tune model.path on before iteration 1 (RUN/sft, the run's initial policy; "" = no warm start)
+    val_data: str = ""  # in a pipeline: held-out demonstrations, their loss before and after each epoch
     lr: float = 1e-5  # learning rate (AdamW)
     epochs: int = 1  # passes over the examples
     batch_size: int = 16  # examples per optimizer step

@@ -76,18 +76,29 @@ def resolve_pass_tokens(cfg: Config, recorded: Config | None) -> Config:
         value = as_recorded(recorded.update.micro_batch_tokens)
     elif value == AUTO:
         shape = ModelShape.of_folder(cfg.model.path) or ModelShape.of(preset_fields(cfg.model.init_preset))
-        critic = (shape if cfg.model.critic == cfg.model.path else ModelShape.of_folder(cfg.model.critic)) if cfg.model.critic else None
+        # a critic not on disk yet (the policy's folder before init, a warm start's RUN/sft) is the policy's shape
+        critic = (ModelShape.of_folder(cfg.model.critic) or shape) if cfg.model.critic else None
         value = decided_micro_batch_tokens(value, models_device(cfg.model.device, cfg.workers), shape, critic=critic, ranks=ranks_at_once(cfg.workers))
     return replace(cfg, update=replace(cfg.update, micro_batch_tokens=value))
 
 
+SFT_DIR = "sft"  # RUN/sft: the warm start's checkpoint (sft.data), the run's initial policy
+
+
 def resolve_model_paths(cfg: Config, run_dir: Path) -> Config:
-    """Fill in the run's model folder and the `policy` shorthands."""
+    """Fill in the run's model folder and the `policy` shorthands: the initial policy's weights,
+    which with a warm start (sft.data) are RUN/sft's, not model.path's."""
     model = cfg.model
     path = model.path or str(run_dir / "model")
-    ref = path if model.ref == POLICY else model.ref
-    critic = path if model.critic == POLICY else model.critic
+    start = initial_policy(replace(cfg, model=replace(model, path=path)), run_dir)
+    ref = start if model.ref == POLICY else model.ref
+    critic = start if model.critic == POLICY else model.critic
     return replace(cfg, model=replace(model, path=path, ref=ref, critic=critic))
+
+
+def initial_policy(cfg: Config, run_dir: Path) -> str:
+    """The weights iteration 1 starts from: model.path, or its fine-tuned copy RUN/sft."""
+    return str(run_dir / SFT_DIR) if cfg.sft.data else cfg.model.path
 
 
 def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | None = None) -> None:
@@ -113,6 +124,10 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
     if cfg.pipeline.keep_best.startswith("val/") and not (cfg.data.val_prompts and cfg.pipeline.val_every):
         raise ConfigError(f"pipeline.keep_best = {cfg.pipeline.keep_best!r} is measured by validation: set data.val_prompts and pipeline.val_every")
     check_loggers(cfg.pipeline.loggers)
+    if cfg.sft.data and cfg.workers.backend != "local":
+        raise ConfigError("sft.data: the warm start trains in the controller's process, not on Ray workers: run `rlctl sft` first and set model.path to its checkpoint")
+    if cfg.sft.data and cfg.sft.lora.r:
+        raise ConfigError("sft.data: the pipeline's warm start trains every weight (sft.lora.r = 0): for LoRA, run `rlctl sft` and `rlctl reshard --merge-lora` first")
     if cfg.score.old_logprobs == "update" and not one_step_on_policy(cfg):
         raise ConfigError("score.old_logprobs = \"update\" needs one optimizer step per batch (update.epochs = 1, one mini-batch)")
     if cfg.score.old_logprobs == "update" and kl_in_reward(cfg):
@@ -227,9 +242,23 @@ class Pipeline:
                 if not self.cfg.model.init_preset:
                     raise InputError(f"model {self.cfg.model.path!r} does not exist (set model.init_preset to create it)")
                 init_model(self.cfg.model.path, self.cfg.model.init_preset, self.cfg.model.init_seed)
-            policy, critic = checkpoint_sources(str(self.checkpoint) if self.checkpoint else None, self.cfg)
+            if self.cfg.sft.data:
+                self._warm_start()
+            policy, critic = checkpoint_sources(str(self.checkpoint) if self.checkpoint else None, self.cfg, initial_policy(self.cfg, self.run_dir))
             self._workers = make_workers(self.cfg, policy_source=policy, critic_source=critic, log_dir=self.run_dir / "logs" / "ray")
         return self._workers
+
+    def _warm_start(self) -> None:
+        """Fine-tune model.path on sft.data into RUN/sft before iteration 1 (`rlctl sft`); a
+        committed RUN/sft with the same inputs and settings is kept (resume)."""
+        from rlctl import sft
+
+        def report(row: dict) -> None:
+            if self.view is not None:
+                self.view.message("sft: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items() if k != "seconds"))
+
+        cfg = self.cfg
+        sft.run(data=cfg.sft.data, val_data=cfg.sft.val_data or None, model=cfg.model.path, out=str(self.run_dir / SFT_DIR), cfg=cfg, device=cfg.model.device, report=report)
 
     # -- running ---------------------------------------------------------------------
 
@@ -454,6 +483,8 @@ class Pipeline:
             f"iterations    {first}..{total} of {total}" if first <= total else f"iterations    none left ({total} done)",
             f"stages        {' → '.join(self._stages_to_run())} → hand-over ({describe_handover(cfg)})",
             f"policy        {cfg.model.path}{' (created: ' + cfg.model.init_preset + ')' if not Path(cfg.model.path, 'config.json').exists() else ''}",
+            *([f"warm start    {self.run_dir / SFT_DIR}: fine-tuned on {cfg.sft.data}, {cfg.sft.epochs} epoch(s) at lr {cfg.sft.lr:g}, "
+               "before iteration 1 (the initial policy: model.ref/critic = \"policy\" mean it)"] if cfg.sft.data else []),
             *([f"training      LoRA adapters r={cfg.update.lora.r}, alpha={cfg.update.lora.alpha:g} on {', '.join(cfg.update.lora.target_modules)}; "
                "checkpoints hold the adapter (reshard --merge-lora)"] if cfg.update.lora.r else []),
             f"reference     {cfg.model.ref or '-'}{' (the policy base with its adapters disabled, if it is that folder)' if cfg.update.lora.r and cfg.model.ref else ''}",
@@ -477,7 +508,7 @@ class Pipeline:
         """A folder holding exactly the weights iteration `i` starts from, if one is on disk."""
         if self.checkpoint is not None and self.checkpoint_iteration == i - 1:
             return str(self.checkpoint)
-        return self.cfg.model.path if i == 1 else None
+        return initial_policy(self.cfg, self.run_dir) if i == 1 else None
 
     # -- stages ----------------------------------------------------------------------
 
@@ -954,12 +985,13 @@ def _resolve_relative(cfg: Config, base_dir: Path | None) -> Config:
 
     model = replace(cfg.model, path=fix(cfg.model.path), ref=fix(cfg.model.ref), critic=fix(cfg.model.critic))
     data = replace(cfg.data, prompts=fix(cfg.data.prompts), val_prompts=fix(cfg.data.val_prompts))
+    sft = replace(cfg.sft, data=fix(cfg.sft.data), val_data=fix(cfg.sft.val_data))
     def fix_reward(spec: str) -> str:
         return fix(spec) if spec.partition(":")[0].endswith(".py") else spec
 
     terms = tuple(replace(term, fn=fix_reward(term.fn)) for term in cfg.score.rewards)
     return replace(
-        cfg, model=model, data=data, rollout=replace(cfg.rollout, tool=fix_reward(cfg.rollout.tool)),
+        cfg, model=model, data=data, sft=sft, rollout=replace(cfg.rollout, tool=fix_reward(cfg.rollout.tool)),
         score=replace(cfg.score, reward=fix_reward(cfg.score.reward), rewards=terms),
     )
 

@@ -261,7 +261,7 @@ def _update(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> di
 
     weights = _weights(recorded)
     checkpoint = weights if load_trainer_state(weights) is not None else None
-    policy, critic = checkpoint_sources(checkpoint, cfg)
+    policy, critic = checkpoint_sources(checkpoint, cfg, weights)  # iteration 1: the initial policy (a warm start's RUN/sft)
     with _run_workers(cfg, policy=policy, critic=critic, train=True) as workers:
         batch = read(str(iter_dir / "advantage"), "batch").table
         own = old_logprobs_source(cfg) == "update" and "old_logprobs" not in batch.column_names  # as the run trained

@@ -153,9 +153,10 @@ def sync_record(engine, trainer_model: torch.nn.Module, seconds: float) -> dict:
     return {"weights_in_sync": True, "weight_sync_seconds": seconds, "probe_max_logprob_diff": check.max_logprob_diff}
 
 
-def checkpoint_sources(checkpoint: str | None, cfg: Config) -> tuple[str, str | None]:
-    """Where to load the policy and critic from: a resumed checkpoint, or the config's models."""
+def checkpoint_sources(checkpoint: str | None, cfg: Config, start: str | None = None) -> tuple[str, str | None]:
+    """Where to load the policy and critic from: a resumed checkpoint, or the config's models
+    (the policy from `start`, a warm start's checkpoint, where given)."""
     if checkpoint is None:
-        return cfg.model.path, (cfg.model.critic or None)
+        return start or cfg.model.path, (cfg.model.critic or None)
     critic = str(Path(checkpoint) / CRITIC_DIR) if cfg.model.critic else None
     return checkpoint, critic

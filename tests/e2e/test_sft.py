@@ -74,3 +74,33 @@ def test_bad_input_is_one_line_and_nothing_written(cli, tmp_path, tiny_model, ro
 def test_sft_into_its_own_model_folder_is_refused(cli, tmp_path, tiny_model, examples):
     result = cli("sft", "--data", examples, "--model", tiny_model, "--out", tiny_model)
     assert result.exit_code == 2 and "is the --model folder" in one_line_error(result)
+
+
+def test_a_pipeline_with_sft_data_warm_starts_once_and_its_first_iteration_replays(cli, tmp_path, tiny_model, examples):
+    config = write_config(
+        tmp_path, tiny_model, model={"critic": "", "ref": "policy"}, advantage={"estimator": "grpo", "kl_coef": 0.0},
+        sft={"data": str(examples), "epochs": 2, "lr": 1e-3, "batch_size": 4}, update={"use_kl_loss": True},
+        pipeline={"iterations": 1, "val_every": 1, "val_before_train": True},
+    )
+    plan = cli("pipeline", config, "--run-dir", tmp_path / "run", "--dry-run")
+    assert f"warm start    {tmp_path / 'run' / 'sft'}" in plan.stdout and f"reference     {tmp_path / 'run' / 'sft'}" in plan.stdout
+    first = cli("pipeline", config, "--run-dir", tmp_path / "run", "--quiet")
+    assert first.exit_code == 0, first.stderr
+    sft_manifest = (tmp_path / "run" / "sft" / "_manifest.json").read_bytes()
+    assert json.loads(sft_manifest)["state"]["optimizer_steps"] == 4 and is_intact(str(tmp_path / "run" / "sft")) is None
+    rollout = json.loads((tmp_path / "run" / "iter-0001" / "rollout" / "_manifest.json").read_text())
+    assert rollout["state"]["weights_source"] == str(tmp_path / "run" / "sft")
+    for stage in ("iter-0000/val", "iter-0001/rollout", "iter-0001/update"):
+        replayed = cli("replay", tmp_path / "run" / stage, "--check")
+        assert replayed.exit_code == 0 and "identical" in replayed.stdout, (stage, replayed.stdout, replayed.stderr)
+    more = cli("pipeline", config, "--run-dir", tmp_path / "run", "--quiet", "--iterations", "2")
+    assert more.exit_code == 0, more.stderr
+    assert (tmp_path / "run" / "sft" / "_manifest.json").read_bytes() == sft_manifest  # resumed from the checkpoint: no second warm start
+
+
+def test_a_pipeline_warm_start_is_refused_on_ray_workers_and_with_lora_before_any_work(cli, tmp_path, tiny_model, examples):
+    for extra, fragment in ((["--workers-backend", "ray"], "not on Ray workers"), (["--set", "sft.lora.r=4"], "trains every weight")):
+        config = write_config(tmp_path, tiny_model, sft={"data": str(examples)})
+        result = cli("pipeline", config, "--run-dir", tmp_path / "run", *extra)
+        assert result.exit_code == 2 and fragment in one_line_error(result)
+        assert not (tmp_path / "run").exists()
