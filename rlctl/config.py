@@ -522,7 +522,9 @@ def parse_scalar(text: str) -> Any:
 
 # values older rlctl wrote into configs (run folders' config.resolved.toml), read as today's
 # and booleans of keys that also take "auto"
-LEGACY_VALUES = {"score.old_logprobs": {True: "recompute", False: "rollout"}, "update.bf16": {True: "true", False: "false"}}
+LEGACY_VALUES = {
+    "score.old_logprobs": {True: "recompute", False: "rollout"}, "update.bf16": {True: "true", False: "false"}, "sft.bf16": {True: "true", False: "false"},
+}
 
 
 def coerce(value: Any, expected: Any, key: str) -> Any:

@@ -223,19 +223,20 @@ class SftTrainer:
     def _passes(self, examples: Examples, rows: list[int], backward: Callable[[torch.Tensor], None] | None) -> float:
         """The summed NLL of `rows`' response tokens, in passes of similar lengths capped by
         `micro_batch_size` and `micro_batch_tokens`; `backward(summed)` after each pass."""
-        from rlctl.backends.hf import pack, training_forward
+        from rlctl.backends.hf import casts_kept, pack, training_forward
         from rlctl.passes import cut_passes
 
         policy, lengths = self.policy, examples.lengths
         total = 0.0
-        for micro in cut_passes(sorted(rows, key=lambda i: lengths[i]), self.cfg.micro_batch_size, lengths, int(self.cfg.micro_batch_tokens)):
-            packed = pack([examples.prompt_ids[i] for i in micro], [examples.response_ids[i] for i in micro], policy.pad_id, policy.device)
-            with training_forward(policy.model, policy.device, self.bf16, rows=len(micro), length=packed.input_ids.shape[1]):
-                logp, _ = policy.forward(packed, temperature=1.0)
-            summed = -torch.where(packed.response_mask, logp.float(), 0).sum()
-            if backward is not None:
-                backward(summed)
-            total += float(summed.detach())
+        with casts_kept(policy.device, self.bf16):  # each weight cast to bf16 once for all the passes
+            for micro in cut_passes(sorted(rows, key=lambda i: lengths[i]), self.cfg.micro_batch_size, lengths, int(self.cfg.micro_batch_tokens)):
+                packed = pack([examples.prompt_ids[i] for i in micro], [examples.response_ids[i] for i in micro], policy.pad_id, policy.device)
+                with training_forward(policy.model, policy.device, self.bf16, rows=len(micro), length=packed.input_ids.shape[1]):
+                    logp, _ = policy.forward(packed, temperature=1.0)
+                summed = -torch.where(packed.response_mask, logp.float(), 0).sum()
+                if backward is not None:
+                    backward(summed)
+                total += float(summed.detach())
         return total
 
 

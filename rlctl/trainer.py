@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -30,7 +31,9 @@ from rlctl.backends import compiled_layers
 from rlctl.backends.hf import (
     HFPolicy,
     ValueModel,
+    casts_kept,
     distinct_prompts,
+    held_whole,
     pack,
     training_forward,
 )
@@ -249,6 +252,7 @@ class Trainer:
         self.optimizer = adamw(trainable(policy.model), lr=cfg.lr, weight_decay=cfg.weight_decay) if policy is not None else None  # LoRA: the adapters only
         self.critic_optimizer = adamw(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay) if critic is not None else None
         # what update.micro_batch_tokens = "auto" fits in memory (a stage or pipeline decides it before: then unused)
+        self.weights_whole = all(held_whole(m) for m in (policy.model if policy is not None else None, critic) if m is not None)  # not FSDP2 shards
         self.shapes = (ModelShape.of_model(policy.model) if policy is not None else None, ModelShape.of_model(critic.lm) if critic is not None else None)
         for lm in (policy.model if policy is not None else None, critic.lm if critic is not None else None):
             if lm is not None and cfg.compile:
@@ -371,33 +375,34 @@ class Trainer:
         # decided from the mini-batch's trained rows, so every rank makes the same forward calls (FSDP)
         share_prompts = policy is not None and policy.shares_prompts(prompts)
         groups = dict(zip(rows, distinct_prompts(prompts)[1])) if share_prompts else None  # the mini-batch's rows only
-        for micro, weight in self.ranks.micro_batches(trained, cfg.micro_batch_size, lengths, groups, token_cap(cfg.micro_batch_tokens, device.type, *self.shapes)):
-            scale = 0.0 if weightless else weight * self.ranks.grad_scale
-            packed = pack([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro], self.pad_id, device)
+        with casts_kept(device, bf16 and self.weights_whole):  # each weight cast to bf16 once per optimizer step
+            for micro, weight in self.ranks.micro_batches(trained, cfg.micro_batch_size, lengths, groups, token_cap(cfg.micro_batch_tokens, device.type, *self.shapes)):
+                scale = 0.0 if weightless else weight * self.ranks.grad_scale
+                packed = pack([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro], self.pad_id, device)
 
-            def forward_context(module, rows=len(micro), length=packed.input_ids.shape[1]):
-                return training_forward(module, device, bf16, rows=rows, length=length)
+                def forward_context(module, rows=len(micro), length=packed.input_ids.shape[1]):
+                    return training_forward(module, device, bf16, rows=rows, length=length)
 
-            width = packed.response_mask.shape[1]
+                width = packed.response_mask.shape[1]
 
-            def take(t: torch.Tensor, rows=micro, width=width) -> torch.Tensor:
-                return t[rows, :width].to(device)
+                def take(t: torch.Tensor, rows=micro, width=width) -> torch.Tensor:
+                    return t[rows, :width].to(device)
 
-            m = packed.response_mask & take(batch.response_mask)  # the tokens in the loss: a tool's are not
+                m = packed.response_mask & take(batch.response_mask)  # the tokens in the loss: a tool's are not
 
-            if policy is not None:
-                shared_rows = ([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro]) if share_prompts else None
-                self._policy_backward(batch, packed, m, shared_rows, take, norms, weight, scale, tokens, forward_context, stats)
-            if self.critic is not None:
-                with forward_context(self.critic.lm):
-                    values = self.critic(packed)
-                vf, _ = clipped_value_loss(
-                    values=values.float(), old_values=take(batch.old_values), returns=take(batch.returns), response_mask=m,
-                    cliprange_value=cfg.cliprange_value,
-                )
-                vf_loss = aggregate(loss=vf, response_mask=m, mode=cfg.loss_agg_mode, **norms)
-                (cfg.vf_coef * vf_loss * scale).backward()
-                stats["vf_loss"] += weight * float(vf_loss.detach())
+                if policy is not None:
+                    shared_rows = ([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro]) if share_prompts else None
+                    self._policy_backward(batch, packed, m, shared_rows, take, norms, weight, scale, tokens, forward_context, stats)
+                if self.critic is not None:
+                    with forward_context(self.critic.lm):
+                        values = self.critic(packed)
+                    vf, _ = clipped_value_loss(
+                        values=values.float(), old_values=take(batch.old_values), returns=take(batch.returns), response_mask=m,
+                        cliprange_value=cfg.cliprange_value,
+                    )
+                    vf_loss = aggregate(loss=vf, response_mask=m, mode=cfg.loss_agg_mode, **norms)
+                    (cfg.vf_coef * vf_loss * scale).backward()
+                    stats["vf_loss"] += weight * float(vf_loss.detach())
         stats = self.ranks.sum(stats)
         if policy is not None:  # the same on every rank, so not summed: the share of optimizer steps whose passes ran
             # each prompt once, and the share of the mini-batch's rows left out for a zero advantage (metrics)

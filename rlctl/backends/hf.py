@@ -80,6 +80,28 @@ def training_forward(model, device: torch.device, bf16: bool, *, rows: int, leng
         yield
 
 
+@contextmanager
+def casts_kept(device: torch.device, bf16: bool):
+    """Around the passes of one optimizer step: each trained weight is cast to bf16 once, not
+    once per pass. autocast caches its casts of weights that require grad until its outermost
+    region exits, so an enabled region is held open here and a disabled one inside it: the code
+    between forwards (losses, backward) runs without autocast as before, and each pass's
+    `training_forward` re-enables it and finds the casts made by the first. The gradients are
+    the same bits (tests/unit/test_trainer.py); small preset, 16 rows in passes of 4: 0.82–0.94 s
+    per step instead of 1.0–1.26 (bench/RESULTS.md). Only for weights held whole in this process:
+    an FSDP2 rank's weights are gathered per pass, and caching those would keep them gathered."""
+    if not bf16:
+        yield
+        return
+    with torch.autocast(device.type, dtype=torch.bfloat16), torch.autocast(device.type, enabled=False):
+        yield
+
+
+def held_whole(model) -> bool:
+    """Whether every parameter of `model` is a plain tensor of this process (not a DTensor shard)."""
+    return all(type(p.data) is torch.Tensor for p in model.parameters())
+
+
 def bf16_attention(model, device: torch.device, *, rows: int, length: int):
     """The attention of a bf16 forward over `rows` × `length` tokens: on the CPU, for short
     sequences, transformers' eager attention (see training_forward); otherwise the model's own,

@@ -160,3 +160,8 @@ def test_sft_learns_its_demonstrations_and_commits_a_checkpoint_rl_starts_fresh_
     assert read_trainer_step(str(tmp_path / "ckpt")) == 0
     again = run(data=str(data), model=tiny_model, out=str(tmp_path / "ckpt"), cfg=cfg, val_data=str(data))
     assert again.state.get("skipped")
+
+
+def test_sft_bf16_takes_a_boolean_from_toml_or_set_as_update_bf16_does():
+    assert load_config(None, ["sft.bf16=false"]).sft.bf16 == "false" and load_config(None, ["sft.bf16=true"]).sft.bf16 == "true"
+    assert load_config(None, ["sft.bf16=auto"]).sft.bf16 == "auto"

@@ -143,6 +143,61 @@ def test_bf16_autocast_trains_with_finite_gradients(tiny_model):
     assert any(not torch.equal(before[k], v) for k, v in weights(policy).items())
 
 
+def casts_to_bf16(run) -> int:
+    """How many tensor casts to bf16 `run()` makes (below autocast, where its casts happen)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
+                Count.casts += 1
+            return func(*args, **kwargs)
+
+    with Count():
+        run()
+    return Count.casts
+
+
+def test_a_weight_is_cast_to_bf16_once_for_all_the_passes_of_a_step():
+    from rlctl.backends.hf import casts_kept
+
+    weight, inputs, cpu = torch.nn.Parameter(torch.randn(4, 4)), torch.randn(2, 4), torch.device("cpu")
+    model = torch.nn.Linear(4, 4, bias=False)
+    model.weight = weight
+
+    def three_passes(kept: bool):
+        def run():
+            with casts_kept(cpu, kept):
+                for _ in range(3):
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        out = model(inputs)
+                    assert out.dtype == torch.bfloat16
+                    assert not torch.is_autocast_enabled("cpu")  # the loss and backward run without autocast
+                    out.float().sum().backward()
+        return run
+
+    # each pass casts its input, and its backward the loss's gradient (through .float()); the weight:
+    assert casts_to_bf16(three_passes(False)) == 3 * 3  # at every pass
+    assert casts_to_bf16(three_passes(True)) == 3 * 2 + 1  # once
+
+
+def test_casts_kept_over_a_steps_passes_give_the_same_gradient_bits(tiny_model, monkeypatch):
+    import rlctl.trainer as trainer_module
+
+    batch, grads = make_batch(), []
+    for kept in (True, False):
+        if not kept:
+            monkeypatch.setattr(trainer_module, "casts_kept", lambda device, bf16: trainer_module.nullcontext())
+        policy = HFPolicy.load(tiny_model, "cpu")
+        trainer = Trainer(policy, UpdateConfig(micro_batch_size=2, bf16="true", use_kl_loss=True))
+        trainer.accumulate_gradients(batch, torch.arange(batch.size))
+        grads.append(flat_gradients(policy.model))
+    assert np.abs(grads[0]).max() > 0 and np.array_equal(grads[0], grads[1])
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 def test_one_step_on_its_own_logprobs_is_the_step_on_recomputed_ones(tiny_model, bf16):
     """score.old_logprobs = "update": before its one optimizer step the policy is the old
