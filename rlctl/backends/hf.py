@@ -87,8 +87,8 @@ def casts_kept(device: torch.device, bf16: bool):
     region exits, so an enabled region is held open here and a disabled one inside it: the code
     between forwards (losses, backward) runs without autocast as before, and each pass's
     `training_forward` re-enables it and finds the casts made by the first. The gradients are
-    the same bits (tests/unit/test_trainer.py); small preset, 16 rows in passes of 4: 0.82–0.94 s
-    per step instead of 1.0–1.26 (bench/RESULTS.md). Only for weights held whole in this process:
+    the same bits (tests/unit/test_trainer.py); small preset, an update of 64 rows in 16 passes:
+    2.92 s instead of 3.23 (bench/casts_kept_bench.py, RESULTS.md). Only for weights held whole in this process:
     an FSDP2 rank's weights are gathered per pass, and caching those would keep them gathered."""
     if not bf16:
         yield
