@@ -408,14 +408,14 @@ def sft(
     from dataclasses import replace
 
     from rlctl.config import override_section
-    from rlctl.sft import run
+    from rlctl.sft import describe_epoch, run
 
     cfg = _stage_config(config, set_)
     cfg = replace(cfg, sft=override_section(cfg.sft, epochs=epochs, lr=lr, batch_size=batch_size))
 
     def report(row: dict) -> None:
         if not as_json:
-            _err("sft: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items() if k != "seconds"))
+            _err(describe_epoch(row))
 
     manifest = run(data=data, model=model, out=out, cfg=cfg, val_data=val_data, device=device or cfg.model.device, force=force, report=report)
     _report(manifest, as_json)

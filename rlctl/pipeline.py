@@ -255,7 +255,7 @@ class Pipeline:
 
         def report(row: dict) -> None:
             if self.view is not None:
-                self.view.message("sft: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items() if k != "seconds"))
+                self.view.message(sft.describe_epoch(row))
 
         cfg = self.cfg
         sft.run(data=cfg.sft.data, val_data=cfg.sft.val_data or None, model=cfg.model.path, out=str(self.run_dir / SFT_DIR), cfg=cfg, device=cfg.model.device, report=report)

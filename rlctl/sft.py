@@ -162,6 +162,11 @@ class EpochRow:
         return row
 
 
+def describe_epoch(row: dict) -> str:
+    """One epoch's row as the line the command and the pipeline print."""
+    return "sft: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items() if k != "seconds")
+
+
 class SftTrainer:
     """AdamW on the policy (or its LoRA adapters), an optimizer step per `batch_size` examples."""
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 

@@ -2,6 +2,7 @@
 continue one another through the saved optimizer state; what an optimizer writes in place (the
 trained weights, restored state) lives in the process's memory, not a file's mapping."""
 
+import contextlib
 import os
 
 import numpy as np
@@ -190,7 +191,7 @@ def test_casts_kept_over_a_steps_passes_give_the_same_gradient_bits(tiny_model, 
     batch, grads = make_batch(), []
     for kept in (True, False):
         if not kept:
-            monkeypatch.setattr(trainer_module, "casts_kept", lambda device, bf16: trainer_module.nullcontext())
+            monkeypatch.setattr(trainer_module, "casts_kept", lambda device, bf16: contextlib.nullcontext())
         policy = HFPolicy.load(tiny_model, "cpu")
         trainer = Trainer(policy, UpdateConfig(micro_batch_size=2, bf16="true", use_kl_loss=True))
         trainer.accumulate_gradients(batch, torch.arange(batch.size))
