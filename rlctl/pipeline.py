@@ -124,8 +124,6 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
     if cfg.pipeline.keep_best.startswith("val/") and not (cfg.data.val_prompts and cfg.pipeline.val_every):
         raise ConfigError(f"pipeline.keep_best = {cfg.pipeline.keep_best!r} is measured by validation: set data.val_prompts and pipeline.val_every")
     check_loggers(cfg.pipeline.loggers)
-    if cfg.sft.data and cfg.workers.backend != "local":
-        raise ConfigError("sft.data: the warm start trains in the controller's process, not on Ray workers: run `rlctl sft` first and set model.path to its checkpoint")
     if cfg.sft.data and cfg.sft.lora.r:
         raise ConfigError("sft.data: the pipeline's warm start trains every weight (sft.lora.r = 0): for LoRA, run `rlctl sft` and `rlctl reshard --merge-lora` first")
     if cfg.score.old_logprobs == "update" and not one_step_on_policy(cfg):

@@ -12,7 +12,8 @@ optimizer step's examples, accumulated exactly over its passes as the update acc
 Data: `prompt` (text) or `messages` (chat) with `response` (or TRL's `completion`), or
 `messages` alone ending in the assistant's turn(s), which are the response.
 
-The output is a checkpoint folder: the HF weights (or a LoRA adapter) with a manifest that
+It trains in this process or on a Ray group of FSDP2 ranks (`workers.backend = "ray"`), each
+rank on its share of every optimizer step's examples. The output is a checkpoint folder: the HF weights (or a LoRA adapter) with a manifest that
 lists every file and the epochs' losses, and no trainer state: RL started from it begins at
 step 0 with a fresh optimizer."""
 
@@ -168,18 +169,22 @@ def describe_epoch(row: dict) -> str:
 
 
 class SftTrainer:
-    """AdamW on the policy (or its LoRA adapters), an optimizer step per `batch_size` examples."""
+    """AdamW on the policy (or its LoRA adapters), an optimizer step per `batch_size` examples.
+    On a group of FSDP2 ranks (`ranks`) each rank takes its share of every step's examples, as
+    the update's trainer does (`RankGroup.micro_batches`), and the sums are the group's."""
 
-    def __init__(self, policy, cfg: SftConfig, *, total_steps: int) -> None:
+    def __init__(self, policy, cfg: SftConfig, *, total_steps: int, ranks=None) -> None:
+        from rlctl.backends.hf import held_whole
         from rlctl.dtypes import autocast_bf16
         from rlctl.lora import transformers_model
-        from rlctl.trainer import adamw, trainable
+        from rlctl.trainer import ALONE, adamw, trainable
 
-        self.policy, self.cfg, self.total_steps = policy, cfg, total_steps
+        self.policy, self.cfg, self.total_steps, self.ranks = policy, cfg, total_steps, ranks or ALONE
         self.step = 0
         self.params = trainable(policy.model)
         self.optimizer = adamw(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.bf16 = autocast_bf16(cfg.bf16, policy.device.type)
+        self.weights_whole = held_whole(policy.model)  # not FSDP2 shards (casts_kept)
         if cfg.gradient_checkpointing:
             transformers_model(policy.model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -203,7 +208,7 @@ class SftTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 rows = order[start : start + cfg.batch_size].tolist()
                 tokens = sum(len(examples.response_ids[i]) for i in rows)
-                nll += self._passes(examples, rows, lambda summed, tokens=tokens: (summed / tokens).backward())
+                nll += self._passes(examples, rows, lambda summed, tokens=tokens: (summed / tokens).backward())  # the step's mean
                 norm = clip_gradients(self.params, cfg.max_grad_norm)
                 if not math.isfinite(norm):
                     raise TrainingError(f"sft: optimizer step {self.step} had a non-finite gradient norm; nothing is committed (lower sft.lr?)")
@@ -226,23 +231,92 @@ class SftTrainer:
         return self._passes(examples, list(range(len(examples))), None) / examples.response_tokens
 
     def _passes(self, examples: Examples, rows: list[int], backward: Callable[[torch.Tensor], None] | None) -> float:
-        """The summed NLL of `rows`' response tokens, in passes of similar lengths capped by
-        `micro_batch_size` and `micro_batch_tokens`; `backward(summed)` after each pass."""
+        """The summed NLL of `rows`' response tokens (over every rank), in passes of similar
+        lengths capped by `micro_batch_size` and `micro_batch_tokens`; `backward(summed)` after
+        each pass, scaled so that FSDP's average over ranks is the sum."""
         from rlctl.backends.hf import casts_kept, pack, training_forward
-        from rlctl.passes import cut_passes
 
-        policy, lengths = self.policy, examples.lengths
+        policy, lengths, ranks = self.policy, examples.lengths, self.ranks
         total = 0.0
-        with casts_kept(policy.device, self.bf16):  # each weight cast to bf16 once for all the passes
-            for micro in cut_passes(sorted(rows, key=lambda i: lengths[i]), self.cfg.micro_batch_size, lengths, int(self.cfg.micro_batch_tokens)):
+        passes = ranks.micro_batches(torch.tensor(rows), self.cfg.micro_batch_size, lengths, None, int(self.cfg.micro_batch_tokens))
+        with casts_kept(policy.device, self.bf16 and self.weights_whole):  # each weight cast to bf16 once for all the passes
+            for micro, weight in passes:  # weight 0: a rank's empty pass, run to keep FSDP's collectives in step
                 packed = pack([examples.prompt_ids[i] for i in micro], [examples.response_ids[i] for i in micro], policy.pad_id, policy.device)
                 with training_forward(policy.model, policy.device, self.bf16, rows=len(micro), length=packed.input_ids.shape[1]):
                     logp, _ = policy.forward(packed, temperature=1.0)
                 summed = -torch.where(packed.response_mask, logp.float(), 0).sum()
                 if backward is not None:
-                    backward(summed)
-                total += float(summed.detach())
-        return total
+                    backward(summed * (weight * ranks.grad_scale))
+                total += weight * float(summed.detach())
+        return ranks.sum({"nll": total})["nll"]
+
+
+# --- where it trains: this process, or a Ray group of FSDP2 ranks ------------------------------
+
+
+class LocalSft:
+    """The policy loaded in this process."""
+
+    def __init__(self, model: str, cfg: SftConfig, device: str) -> None:
+        from rlctl.backends.hf import HFPolicy
+        from rlctl.lora import prepare_for_training
+
+        self.policy = HFPolicy.load(model, device)
+        prepare_for_training(self.policy, cfg.lora, model)
+        self.cfg, self.trainer = cfg, None
+        self.tokenizer, self.end_ids, self.context_length = self.policy.tokenizer, self.policy.stop_ids, self.policy.context_length
+
+    def start(self, examples: Examples, total_steps: int) -> None:
+        self.examples, self.trainer = examples, SftTrainer(self.policy, self.cfg, total_steps=total_steps)
+
+    def epoch(self, epoch: int) -> EpochRow:
+        return self.trainer.train_epoch(self.examples, epoch)
+
+    def loss(self, examples: Examples) -> float:
+        return self.trainer.mean_loss(examples)
+
+    def save(self, out: str, manifest: Manifest) -> Manifest:
+        from rlctl.checkpoint import save_checkpoint
+
+        return save_checkpoint(out, policy=self.policy, trainer_state=None, manifest=manifest)
+
+    def close(self) -> None:
+        """Nothing held beyond this object."""
+
+
+class RaySft:
+    """A Ray worker group (`workers.*`): FSDP2 ranks each train on their share of every step's
+    examples; the controller holds the tokenizer only."""
+
+    def __init__(self, model: str, cfg: SftConfig, workers, device: str) -> None:
+        from rlctl.backends.hf import folder_stop_ids
+        from rlctl.config import Config, ModelConfig, UpdateConfig
+        from rlctl.workers.ray import RayWorkers
+
+        # the group's trained copy as SFT wants it: LoRA, checkpointing and bf16 from [sft]
+        update = UpdateConfig(lora=cfg.lora, bf16=cfg.bf16, gradient_checkpointing=cfg.gradient_checkpointing)
+        self.group = RayWorkers(Config(model=ModelConfig(path=model, device=device), workers=workers, update=update), policy_source=model, critic_source=None)
+        self.cfg = cfg
+        self.tokenizer, self.context_length = self.group.tokenizer, self.group.context_length
+        self.end_ids = folder_stop_ids(model, self.tokenizer)
+
+    def start(self, examples: Examples, total_steps: int) -> None:
+        import ray
+
+        self.examples, self.total_steps = ray.put(examples), total_steps  # one copy, read by every rank
+
+    def epoch(self, epoch: int) -> EpochRow:
+        return self.group.call_ranks("sft_epoch", lambda rank: (self.examples, self.cfg, self.total_steps, epoch))[0]
+
+    def loss(self, examples: Examples) -> float:
+        return self.group.call_ranks("sft_loss", lambda rank: (examples, self.cfg, self.total_steps))[0]
+
+    def save(self, out: str, manifest: Manifest) -> Manifest:
+        manifest.state = {**manifest.state, "workers": to_dict(self.group.cfg.workers)}
+        return self.group.save(out, manifest, None, trainer_state=False)
+
+    def close(self) -> None:
+        self.group.close()
 
 
 # --- the command ------------------------------------------------------------------------------
@@ -253,26 +327,23 @@ def run(
     report: Callable[[dict], None] | None = None,
 ) -> Manifest:
     """Fine-tune `model` on the examples at `data` (`cfg.sft`, prompts as `cfg.data` makes
-    them) and commit the checkpoint at `out`; `report(row)` after each epoch (epoch 0: the
-    held-out loss before training)."""
-    from rlctl.backends.hf import HFPolicy, check_model_dir
-    from rlctl.checkpoint import local_checkpoint_dir, same_folder, save_checkpoint
+    them, in this process or on `cfg.workers`' Ray group) and commit the checkpoint at `out`;
+    `report(row)` after each epoch (epoch 0: the held-out loss before training)."""
+    from rlctl.backends.hf import check_model_dir
+    from rlctl.checkpoint import local_checkpoint_dir, same_folder
     from rlctl.dtypes import decided_bf16, models_device
     from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
-    from rlctl.lora import prepare_for_training
-    from rlctl.passes import ModelShape, decided_micro_batch_tokens
+    from rlctl.passes import ModelShape, decided_micro_batch_tokens, ranks_at_once
     from rlctl.shards import read
 
-    if cfg.workers.backend != "local":
-        raise InputError("rlctl sft trains in this process: set workers.backend = local for it (Ray worker groups run the RL stages)")
     check_model_dir(model)
     local_checkpoint_dir(out)
     if same_folder(out, model):
         raise InputError(f"sft --out {out} is the --model folder: write the fine-tuned checkpoint elsewhere")
-    on = models_device(device)
+    on = models_device(device, cfg.workers)
     sft = replace(
         cfg.sft, bf16=decided_bf16(cfg.sft.bf16, on),
-        micro_batch_tokens=decided_micro_batch_tokens(cfg.sft.micro_batch_tokens, on, ModelShape.of_folder(model)),
+        micro_batch_tokens=decided_micro_batch_tokens(cfg.sft.micro_batch_tokens, on, ModelShape.of_folder(model), ranks=ranks_at_once(cfg.workers)),
     )
     train_source = read(data, "prompts")
     val_source = read(val_data, "prompts") if val_data else None
@@ -282,27 +353,29 @@ def run(
         return existing
     if train_source.table.num_rows == 0:
         raise InputError(f"{data}: no examples")
-    policy = HFPolicy.load(model, device)
-    prepare_for_training(policy, sft.lora, model)
+    where = RaySft(model, sft, cfg.workers, device) if cfg.workers.backend == "ray" else LocalSft(model, sft, device)
+    try:
+        def encoded(source) -> Examples:
+            return encode_examples(source.table, where.tokenizer, cfg.data, sft, end_ids=where.end_ids, context_length=where.context_length, source=source.uri)
 
-    def encoded(source) -> Examples:
-        return encode_examples(source.table, policy.tokenizer, cfg.data, sft, end_ids=policy.stop_ids, context_length=policy.context_length, source=source.uri)
+        examples, held_out = encoded(train_source), encoded(val_source) if val_source and val_source.table.num_rows else None
+        where.start(examples, sft.epochs * -(-len(examples) // sft.batch_size))
+        rows = []
 
-    examples, held_out = encoded(train_source), encoded(val_source) if val_source and val_source.table.num_rows else None
-    trainer = SftTrainer(policy, sft, total_steps=sft.epochs * -(-len(examples) // sft.batch_size))
-    rows = []
+        def record(row: EpochRow) -> None:
+            if held_out is not None:
+                row.val_loss = where.loss(held_out)
+            rows.append(row.as_dict())
+            if report is not None:
+                report(rows[-1])
 
-    def record(row: EpochRow) -> None:
         if held_out is not None:
-            row.val_loss = trainer.mean_loss(held_out)
-        rows.append(row.as_dict())
-        if report is not None:
-            report(rows[-1])
-
-    if held_out is not None:
-        record(EpochRow(0))
-    for epoch in range(1, sft.epochs + 1):
-        record(trainer.train_epoch(examples, epoch))
-    manifest.state = {"examples": len(examples), "response_tokens": examples.response_tokens, "optimizer_steps": trainer.step, "epochs": rows}
-    manifest.metrics = {k: v for k, v in rows[-1].items() if k in ("loss", "val_loss")}
-    return save_checkpoint(out, policy=policy, trainer_state=None, manifest=manifest)
+            record(EpochRow(0))
+        for epoch in range(1, sft.epochs + 1):
+            record(where.epoch(epoch))
+        steps = sum(row.get("steps", 0) for row in rows)
+        manifest.state = {"examples": len(examples), "response_tokens": examples.response_tokens, "optimizer_steps": steps, "epochs": rows}
+        manifest.metrics = {k: v for k, v in rows[-1].items() if k in ("loss", "val_loss")}
+        return where.save(out, manifest)
+    finally:
+        where.close()

@@ -409,6 +409,30 @@ def accepts_logits_to_keep(model) -> bool:
         return False
 
 
+def stop_ids_of(generation_config, tokenizer) -> list[int]:
+    """The token ids generation ends at: the generation config's eos id(s) and the tokenizer's."""
+    gen_eos = getattr(generation_config, "eos_token_id", None)
+    stops = set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        stops.add(tokenizer.eos_token_id)
+    return sorted(stops)
+
+
+def folder_stop_ids(uri: str, tokenizer) -> list[int]:
+    """`stop_ids_of` a model folder without loading its weights (a LoRA folder: its base's config)."""
+    from transformers import GenerationConfig
+
+    from rlctl.lora import adapter_base, is_adapter_dir
+
+    path = Path(uri)
+    folder = adapter_base(path) if is_adapter_dir(path) else path
+    try:
+        config = GenerationConfig.from_pretrained(folder)
+    except (OSError, ValueError):
+        config = None
+    return stop_ids_of(config, tokenizer)
+
+
 class HFPolicy:
     """A causal LM + tokenizer that generates, scores and trains."""
 
@@ -418,11 +442,7 @@ class HFPolicy:
         self.model = cpu_linear.install(model)
         self.tokenizer = tokenizer
         self.device = device
-        gen_eos = getattr(model.generation_config, "eos_token_id", None)
-        stops = set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-        if tokenizer.eos_token_id is not None:
-            stops.add(tokenizer.eos_token_id)
-        self.stop_ids = sorted(stops)
+        self.stop_ids = stop_ids_of(model.generation_config, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self._keeps_logits = accepts_logits_to_keep(model)
         self._parameters: int | None = None  # counted on first use (shares_prompts)

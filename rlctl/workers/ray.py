@@ -322,14 +322,15 @@ class RayWorkers:
         """`method(*arguments(rank))` on every rank; results in rank order."""
         return self._call([getattr(actor, method).remote(*arguments(rank)) for rank, actor in enumerate(self.actors)], what=method)
 
-    def save(self, directory: str, manifest: Manifest, pipeline_state: dict | None) -> Manifest:
-        """Rank 0 writes the checkpoint; every rank takes part in gathering the state."""
+    def save(self, directory: str, manifest: Manifest, pipeline_state: dict | None, *, trainer_state: bool = True) -> Manifest:
+        """Rank 0 writes the checkpoint (without the optimizer's state: `trainer_state=False`);
+        every rank takes part in gathering the state."""
         if pipeline_state is not None:
             manifest.state = {**manifest.state, "pipeline": pipeline_state}
         critic = None
         if self.critic_pool is not None:  # a reference to what the critic pool's rank 0 holds: the bytes go rank to rank
             critic = next(payload for payload in self.critic_pool._all("critic_payload") if payload is not None)
-        return Manifest.from_json(self._all("save", directory, manifest.to_json(), critic)[0])
+        return Manifest.from_json(self._all("save", directory, manifest.to_json(), critic, trainer_state)[0])
 
     def close(self) -> None:
         import ray
@@ -521,6 +522,7 @@ class RankWorker:
             self.ref_shards, self.ref = HFPolicy(_sharded(self.ref.model, mesh), self.ref.tokenizer, device), None
         self.critic_engine = ValueModel.load(spec["critic"], device) if spec["critic"] else None
         self.trainer = self.train_policy = self.train_critic = None
+        self.sft_trainer = None  # made by the first sft_epoch (rlctl sft on this group)
         self.shared = world == 1  # one rank: nothing to shard; the engine is the trained module
         if spec["train"] and self.shared:
             self.train_policy, self.train_critic = self.engine, self.critic_engine
@@ -651,6 +653,24 @@ class RankWorker:
     def train(self, batch) -> dict:
         return self.trainer.train(batch)
 
+    # -- supervised fine-tuning (rlctl sft) ---------------------------------------------------
+
+    def sft_epoch(self, examples, cfg, total_steps: int, epoch: int):
+        """One epoch of `rlctl sft` on this rank's share of every step (rlctl.sft.SftTrainer)."""
+        return self._sft_trainer(cfg, total_steps).train_epoch(examples, epoch)
+
+    def sft_loss(self, examples, cfg, total_steps: int) -> float:
+        """The held-out examples' mean NLL per response token, summed over the ranks' shares."""
+        return self._sft_trainer(cfg, total_steps).mean_loss(examples)
+
+    def _sft_trainer(self, cfg, total_steps: int):
+        from rlctl.sft import SftTrainer
+        from rlctl.trainer import RankGroup
+
+        if self.sft_trainer is None:
+            self.sft_trainer = SftTrainer(self.train_policy, cfg, total_steps=total_steps, ranks=RankGroup(self.rank, self.world))
+        return self.sft_trainer
+
     # -- weights -----------------------------------------------------------------------------
 
     def hand_over(self) -> dict:
@@ -682,15 +702,16 @@ class RankWorker:
         module = self.engine.model if which == "policy" else self.critic_engine
         return stream_digest(module) if stream else module_digest(module)
 
-    def save(self, directory: str, manifest_json: str, critic: list | None = None) -> str:
+    def save(self, directory: str, manifest_json: str, critic: list | None = None, trainer_state: bool = True) -> str:
         """Gather the trained weights and the full optimizer state (all ranks); rank 0 writes
         the checkpoint. The gather happens here too, so a save never depends on a hand-over.
-        `critic`: [a reference to the critic pool's `critic_payload`], written beside."""
+        `critic`: [a reference to the critic pool's `critic_payload`], written beside.
+        `trainer_state=False`: the weights alone (rlctl sft: weights to start RL from)."""
         import ray
 
         from rlctl.checkpoint import save_checkpoint
 
-        state = self._full_trainer_state()
+        state = self._full_trainer_state() if trainer_state else self._gather()
         if self.rank != 0:
             return manifest_json
         critic_files = None
@@ -698,7 +719,8 @@ class RankWorker:
             payload = ray.get(critic[0])
             state["critic_optimizer"], critic_files = payload["optimizer"], payload["files"]
         manifest = save_checkpoint(
-            directory, policy=self.engine, trainer_state=state, manifest=Manifest.from_json(manifest_json), critic=self.critic_engine, critic_files=critic_files,
+            directory, policy=self.engine, trainer_state=state if trainer_state else None, manifest=Manifest.from_json(manifest_json),
+            critic=self.critic_engine, critic_files=critic_files,
         )
         return manifest.to_json()
 

@@ -349,3 +349,30 @@ def test_a_stage_records_the_ranks_setting_where_they_agree_and_each_ranks_where
     assert agreed_settings(same) == {"torch_threads": 2, "mkl_kernels": "intel"}
     hosts = [{"torch_threads": 2, "mkl_kernels": "intel"}, {"torch_threads": 2, "mkl_kernels": "default"}]
     assert agreed_settings(hosts) == {"torch_threads": 2, "mkl_kernels": ["intel", "default"]}
+
+
+def test_two_workers_fine_tune_as_one_process_does(ray_session, tiny_model, tmp_path):
+    """`rlctl sft` on two FSDP2 ranks: each takes its share of every step's examples (an odd
+    count: one rank runs an empty pass), the losses are the group's sums, rank 0 writes the
+    weights without a trainer state."""
+    from rlctl import sft
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(f'{{"prompt": "Question {i}: count to {i}", "response": "{" ".join(map(str, range(i + 1)))}"}}\n' for i in range(7)))
+    settings = ["sft.epochs=2", "sft.lr=1e-3", "sft.batch_size=4", "sft.micro_batch_size=1", "sft.bf16=false", "model.device=\"cpu\""]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each worker (cpus_per_worker = 1)
+    try:
+        local = sft.run(data=str(data), val_data=str(data), model=tiny_model, out=str(tmp_path / "local"), cfg=load_config(None, settings), device="cpu")
+    finally:
+        torch.set_num_threads(threads)
+    ray_cfg = load_config(None, [*settings, 'workers.backend="ray"', "workers.num_workers=2"])
+    on_ranks = sft.run(data=str(data), val_data=str(data), model=tiny_model, out=str(tmp_path / "ray"), cfg=ray_cfg, device="cpu")
+    for ours, theirs in zip(on_ranks.state["epochs"], local.state["epochs"]):
+        assert ours["epoch"] == theirs["epoch"] and ours.get("steps") == theirs.get("steps")
+        for key in ("loss", "val_loss"):
+            if key in theirs:
+                assert abs(ours[key] - theirs[key]) < 1e-4, (key, ours, theirs)
+    got, want = load_file(str(tmp_path / "ray" / "model.safetensors")), load_file(str(tmp_path / "local" / "model.safetensors"))
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) < SPLIT_ROUNDING
+    assert not (tmp_path / "ray" / "trainer_state").exists() and on_ranks.state["workers"]["num_workers"] == 2

@@ -58,7 +58,7 @@ def test_lora_sft_writes_an_adapter_over_its_base(cli, tmp_path, tiny_model, exa
         ([{"prompt": "a", "response": "b " * 40}], ["--set", "sft.max_tokens=20"], "over 20 (sft.max_tokens)"),
         ([{"response": "b"}], [], "needs one of the columns 'prompt', 'messages'"),
         ([{"prompt": "a", "response": "b"}], ["--set", "sft.truncate=left"], "sft.truncate must be one of error, right"),
-        ([{"prompt": "a", "response": "b"}], ["--set", "workers.backend=ray"], "rlctl sft trains in this process"),
+        ([{"prompt": "a", "response": "b"}], ["--set", "sft.micro_batch_tokens=lots"], "sft.micro_batch_tokens must be auto, 0 (no cap) or a number"),
         ([{"prompt": "a", "response": "b"}], ["--epochs", "0"], "sft.epochs must be ≥ 1"),
     ],
 )
@@ -98,9 +98,21 @@ def test_a_pipeline_with_sft_data_warm_starts_once_and_its_first_iteration_repla
     assert (tmp_path / "run" / "sft" / "_manifest.json").read_bytes() == sft_manifest  # resumed from the checkpoint: no second warm start
 
 
-def test_a_pipeline_warm_start_is_refused_on_ray_workers_and_with_lora_before_any_work(cli, tmp_path, tiny_model, examples):
-    for extra, fragment in ((["--workers-backend", "ray"], "not on Ray workers"), (["--set", "sft.lora.r=4"], "trains every weight")):
-        config = write_config(tmp_path, tiny_model, sft={"data": str(examples)})
-        result = cli("pipeline", config, "--run-dir", tmp_path / "run", *extra)
-        assert result.exit_code == 2 and fragment in one_line_error(result)
-        assert not (tmp_path / "run").exists()
+def test_a_pipeline_warm_start_with_lora_is_refused_before_any_work(cli, tmp_path, tiny_model, examples):
+    config = write_config(tmp_path, tiny_model, sft={"data": str(examples)})
+    result = cli("pipeline", config, "--run-dir", tmp_path / "run", "--set", "sft.lora.r=4")
+    assert result.exit_code == 2 and "trains every weight" in one_line_error(result)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_pipeline_on_ray_workers_warm_starts_on_them_then_trains(cli, tmp_path, tiny_model, examples):
+    config = write_config(
+        tmp_path, tiny_model, model={"critic": "", "ref": "policy"}, advantage={"estimator": "grpo", "kl_coef": 0.0},
+        sft={"data": str(examples), "epochs": 2, "lr": 1e-3, "batch_size": 4}, update={"use_kl_loss": True}, pipeline={"iterations": 1, "val_every": 0},
+    )
+    result = cli("pipeline", config, "--run-dir", tmp_path / "run", "--quiet", "--workers-backend", "ray", "--workers", "2")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads((tmp_path / "run" / "sft" / "_manifest.json").read_text())
+    assert manifest["state"]["workers"]["num_workers"] == 2 and manifest["state"]["optimizer_steps"] == 4
+    assert json.loads((tmp_path / "run" / "iter-0001" / "rollout" / "_manifest.json").read_text())["state"]["weights_source"] == str(tmp_path / "run" / "sft")
