@@ -23,6 +23,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import pyarrow as pa
 import torch
@@ -49,8 +50,9 @@ class Examples:
     def response_tokens(self) -> int:
         return sum(len(r) for r in self.response_ids)
 
-    @property
+    @cached_property
     def lengths(self) -> list[int]:
+        """Each example's tokens: worked out once, not at every optimizer step's passes."""
         return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)]
 
 
