@@ -421,6 +421,39 @@ def sft(
     _report(manifest, as_json)
 
 
+@app.command("reward-model")
+def reward_model(
+    data: Annotated[str, typer.Option("--data", help="Preference pairs: chosen and rejected (text or messages) with prompt or messages, or whole chosen/rejected conversations; an optional margin column; .jsonl, .json, .parquet or a shard folder.")],
+    model: Annotated[str, typer.Option("--model", help="Model to start from: a causal LM folder (a new one-output head) or a reward model.")],
+    out: Annotated[str, typer.Option("--out", help="Reward model folder to write (score with rm:OUT).")],
+    val_data: Annotated[Optional[str], typer.Option("--val-data", help="Held-out pairs: their loss and accuracy before training and after each epoch.")] = None,
+    epochs: Annotated[Optional[int], typer.Option("--epochs", help="Passes over the pairs." + _default("reward_model.epochs"))] = None,
+    lr: Annotated[Optional[float], typer.Option("--lr", help="Learning rate." + _default("reward_model.lr"))] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Pairs per optimizer step." + _default("reward_model.batch_size"))] = None,
+    device: DeviceOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    as_json: JsonOpt = False,
+    force: ForceOpt = False,
+) -> None:
+    """Train a reward model on preference pairs (Bradley-Terry), for score's rm:FOLDER."""
+    from dataclasses import replace
+
+    from rlctl.config import override_section
+    from rlctl.reward_model import run
+    from rlctl.sft import describe_epoch
+
+    cfg = _stage_config(config, set_)
+    cfg = replace(cfg, reward_model=override_section(cfg.reward_model, epochs=epochs, lr=lr, batch_size=batch_size))
+
+    def report(row: dict) -> None:
+        if not as_json:
+            _err(describe_epoch(row, "reward-model"))
+
+    manifest = run(data=data, model=model, out=out, cfg=cfg, val_data=val_data, device=device or cfg.model.device, force=force, report=report)
+    _report(manifest, as_json)
+
+
 @app.command()
 def replay(
     stage_dir: Annotated[str, typer.Argument(help="RUN/iter-NNNN/STAGE of a recorded run.")],

@@ -311,6 +311,42 @@ class SftConfig:
 
 
 @dataclass(frozen=True)
+class RewardModelConfig:
+    """Reward-model training (`rlctl reward-model`): a Bradley-Terry model of preference pairs,
+    a sequence-classification head on a causal LM, that `rm:FOLDER` then scores with (TRL's
+    RewardTrainer, OpenRLHF's train_rm)."""
+
+    data: str = ""  # in a pipeline: preference pairs to train RUN/reward_model on before iteration 1 (score.reward = "rm:trained" scores with it; "" = none)
+    val_data: str = ""  # in a pipeline: held-out pairs, their loss and accuracy before and after each epoch
+    base: str = "policy"  # in a pipeline: the model the reward model starts from: policy (the run's initial policy: model.path, or RUN/sft after a warm start) or a folder
+    lr: float = 1e-5  # learning rate (AdamW)
+    epochs: int = 1  # passes over the pairs
+    batch_size: int = 16  # pairs per optimizer step
+    micro_batch_size: int = 4  # pairs per forward/backward (each pair is two sequences)
+    max_tokens: int = 0  # tokens of a prompt and response at most; 0 = the model's context
+    too_long: str = "error"  # a pair with a side over max_tokens: error | drop (left out of training, counted in the manifest)
+    center_coef: float = 0.0  # weight of the mean squared (chosen + rejected) reward, which keeps rewards centred on 0 (TRL's center_rewards_coefficient); 0 = off
+    max_grad_norm: float = 1.0  # gradient clipping by global norm; 0 = off
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
+    lr_schedule: str = "constant"  # constant | linear | cosine, as sft.lr_schedule
+    min_lr_ratio: float = 0.0  # the floor of the decay, as a share of lr
+    bf16: str = "auto"  # bf16 autocast: auto (where the CPU/GPU has native bf16) | true | false
+    gradient_checkpointing: bool = False  # recompute each decoder layer's activations in the backward: less memory for ~30% more compute
+    seed: int = 0  # seed of the pair order and of the new head's initial weights
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bf16, bool):
+            object.__setattr__(self, "bf16", "true" if self.bf16 else "false")
+        check_ranges(self, "reward_model", {
+            "lr": above(0.0), "epochs": at_least(1), "batch_size": at_least(1), "micro_batch_size": at_least(1), "max_tokens": at_least(0),
+            "too_long": one_of("error", "drop"), "center_coef": at_least(0.0), "max_grad_norm": at_least(0.0), "weight_decay": at_least(0.0),
+            "warmup_steps": at_least(0), "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0), "bf16": one_of(*AUTOCAST_CHOICES),
+            "base": lambda v: None if v else "must be policy or a model folder",
+        })
+
+
+@dataclass(frozen=True)
 class ReshardConfig:
     """Converting a checkpoint into what inference loads."""
 
@@ -412,6 +448,7 @@ class Config:
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     sft: SftConfig = field(default_factory=SftConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
@@ -524,6 +561,7 @@ def parse_scalar(text: str) -> Any:
 # and booleans of keys that also take "auto"
 LEGACY_VALUES = {
     "score.old_logprobs": {True: "recompute", False: "rollout"}, "update.bf16": {True: "true", False: "false"}, "sft.bf16": {True: "true", False: "false"},
+    "reward_model.bf16": {True: "true", False: "false"},
 }
 
 

@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ from rlctl.loggers import Loggers, check_loggers
 from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest, strict_json_value
 from rlctl.modelinit import preset_fields
 from rlctl.passes import ModelShape, as_recorded, decided_micro_batch_tokens, ranks_at_once
-from rlctl.rewards import RewardSet, load_rewards
+from rlctl.rewards import RewardSet, describe_rewards, load_rewards, reward_model_folders
 from rlctl.run_checks import run_findings
 from rlctl.runinfo import best_iteration, iteration_folders, iteration_number
 from rlctl.sample_stats import reward_stats, rollout_stats, validation_metrics
@@ -83,6 +84,8 @@ def resolve_pass_tokens(cfg: Config, recorded: Config | None) -> Config:
 
 
 SFT_DIR = "sft"  # RUN/sft: the warm start's checkpoint (sft.data), the run's initial policy
+REWARD_MODEL_DIR = "reward_model"  # RUN/reward_model: the reward model trained on reward_model.data
+TRAINED_RM = "rm:trained"  # a reward spec meaning "the reward model this run trains" (RUN/reward_model)
 
 
 def resolve_model_paths(cfg: Config, run_dir: Path) -> Config:
@@ -93,7 +96,28 @@ def resolve_model_paths(cfg: Config, run_dir: Path) -> Config:
     start = initial_policy(replace(cfg, model=replace(model, path=path)), run_dir)
     ref = start if model.ref == POLICY else model.ref
     critic = start if model.critic == POLICY else model.critic
-    return replace(cfg, model=replace(model, path=path, ref=ref, critic=critic))
+    return resolve_trained_reward(replace(cfg, model=replace(model, path=path, ref=ref, critic=critic)), run_dir)
+
+
+def resolve_trained_reward(cfg: Config, run_dir: Path) -> Config:
+    """`rm:trained` as the folder the run trains its reward model into, and reward_model.base's
+    `policy` as the initial policy; a reward model trained for no reward is refused."""
+    specs = [cfg.score.reward] + [term.fn for term in cfg.score.rewards]
+    used = TRAINED_RM in specs
+    if used and not cfg.reward_model.data:
+        raise ConfigError(f"score: {TRAINED_RM} is the reward model the run trains on reward_model.data, which is not set")
+    if cfg.reward_model.data and not used:
+        raise ConfigError(f"reward_model.data trains a reward model that no reward uses: set score.reward = \"{TRAINED_RM}\" (or a score.rewards term's fn)")
+    if not used:
+        return cfg
+    trained = f"rm:{run_dir / REWARD_MODEL_DIR}"
+
+    def fix(spec: str) -> str:
+        return trained if spec == TRAINED_RM else spec
+
+    base = initial_policy(cfg, run_dir) if cfg.reward_model.base == POLICY else cfg.reward_model.base
+    score = replace(cfg.score, reward=fix(cfg.score.reward), rewards=tuple(replace(t, fn=fix(t.fn)) for t in cfg.score.rewards))
+    return replace(cfg, score=score, reward_model=replace(cfg.reward_model, base=base))
 
 
 def initial_policy(cfg: Config, run_dir: Path) -> str:
@@ -191,7 +215,9 @@ class Pipeline:
         self.config_changes = check_resume_config(self.run_dir, cfg, allow=resume_with_changes)
         self.cfg = cfg
         self.from_stage, self.until_stage = from_stage, until_stage
-        self.reward: RewardSet = load_rewards(cfg.score, device=cfg.model.device, reward_fn=reward_fn)
+        # a reward model the run trains is loaded once trained (before iteration 1's score)
+        self._reward_fn = reward_fn
+        self._reward: RewardSet | None = None if cfg.reward_model.data and reward_fn is None else load_rewards(cfg.score, device=cfg.model.device, reward_fn=reward_fn)
         dataset = read(cfg.data.prompts, "prompts")
         self.dataset, self.dataset_ref = dataset.table, shards_ref(dataset)
         self.val_dataset = read(cfg.data.val_prompts, "prompts").table if cfg.data.val_prompts else None
@@ -200,6 +226,7 @@ class Pipeline:
         self._governor: ThreadGovernor | None = None
         self.view = view
         self._workers = None
+        self._warm_started = self._reward_model_trained = False
         self._stepped = False  # --from/--until shape only the first iteration of this run
         self._findings_said: set[str] = set()
         checkpoint = latest_checkpoint(self.run_dir)
@@ -232,19 +259,69 @@ class Pipeline:
     def workers(self):
         """The resident models, loaded on first use (once per run)."""
         if self._workers is None:
-            from rlctl.modelinit import init_model
             from rlctl.workers import make_workers
             from rlctl.workers.local import checkpoint_sources
 
-            if not Path(self.cfg.model.path, "config.json").exists():
-                if not self.cfg.model.init_preset:
-                    raise InputError(f"model {self.cfg.model.path!r} does not exist (set model.init_preset to create it)")
-                init_model(self.cfg.model.path, self.cfg.model.init_preset, self.cfg.model.init_seed)
-            if self.cfg.sft.data:
-                self._warm_start()
+            self._initial_models()
             policy, critic = checkpoint_sources(str(self.checkpoint) if self.checkpoint else None, self.cfg, initial_policy(self.cfg, self.run_dir))
             self._workers = make_workers(self.cfg, policy_source=policy, critic_source=critic, log_dir=self.run_dir / "logs" / "ray")
         return self._workers
+
+    @property
+    def reward(self) -> RewardSet:
+        """The score stage's rewards; a reward model the run trains (reward_model.data) is
+        trained first, after the warm start when it starts from the initial policy."""
+        if self._reward is None:
+            self._reward_model_ready()
+            self._reward = load_rewards(self.cfg.score, device=self.cfg.model.device)
+        return self._reward
+
+    def _reward_model_ready(self) -> None:
+        """The reward model the run trains (reward_model.data) trained, once."""
+        if self.cfg.reward_model.data and not self._reward_model_trained:
+            self._initial_models()
+            self._train_reward_model()
+            self._reward_model_trained = True
+
+    @cached_property
+    def reward_model_inputs(self) -> list[InputRef]:
+        """The `rm:` folders the score stage reads, by manifest (or weights) digest: worked out
+        once, after a reward model the run trains exists."""
+        from rlctl.lineage import model_ref
+
+        if self._reward_fn is not None:
+            return []
+        self._reward_model_ready()
+        return [model_ref(folder) for folder in reward_model_folders(self.cfg.score)]
+
+    def _initial_models(self) -> None:
+        """model.path made from model.init_preset when it does not exist, and the warm start run
+        (both kept when done: a second call, or a resumed run, finds them)."""
+        from rlctl.modelinit import init_model
+
+        if not Path(self.cfg.model.path, "config.json").exists():
+            if not self.cfg.model.init_preset:
+                raise InputError(f"model {self.cfg.model.path!r} does not exist (set model.init_preset to create it)")
+            init_model(self.cfg.model.path, self.cfg.model.init_preset, self.cfg.model.init_seed)
+        if self.cfg.sft.data and not self._warm_started:
+            self._warm_start()
+            self._warm_started = True
+
+    def _train_reward_model(self) -> None:
+        """Train reward_model.base on reward_model.data into RUN/reward_model (`rlctl
+        reward-model`); a committed one with the same inputs and settings is kept (resume)."""
+        from rlctl import reward_model
+        from rlctl.sft import describe_epoch
+
+        def report(row: dict) -> None:
+            if self.view is not None:
+                self.view.message(describe_epoch(row, "reward-model"))
+
+        cfg = self.cfg
+        reward_model.run(
+            data=cfg.reward_model.data, val_data=cfg.reward_model.val_data or None, model=cfg.reward_model.base,
+            out=str(self.run_dir / REWARD_MODEL_DIR), cfg=cfg, device=cfg.model.device, report=report,
+        )
 
     def _warm_start(self) -> None:
         """Fine-tune model.path on sft.data into RUN/sft before iteration 1 (`rlctl sft`); a
@@ -427,7 +504,7 @@ class Pipeline:
         if rollout is None:
             return prompts, None, None
         score = stage(
-            "score" + suffix, {"score": to_dict(cfg.score), "reward": self.reward.spec, "old_logprobs": old_logprobs_source(cfg)}, [rollout.ref(), *model_inputs],
+            "score" + suffix, {"score": to_dict(cfg.score), "reward": self.reward.spec, "old_logprobs": old_logprobs_source(cfg)}, [rollout.ref(), *model_inputs, *self.reward_model_inputs],
             lambda: _with_stats(self._score(rollout.table), reward_stats), "scores",
             write_parts=self._score_parts(rollout.table), kind="score",
         )
@@ -488,7 +565,9 @@ class Pipeline:
             f"reference     {cfg.model.ref or '-'}{' (the policy base with its adapters disabled, if it is that folder)' if cfg.update.lora.r and cfg.model.ref else ''}",
             f"critic        {cfg.model.critic or '-'}",
             f"workers       {describe_workers(cfg)}",
-            f"reward        {self.reward.spec}",
+            *([f"reward model  {self.run_dir / REWARD_MODEL_DIR}: trained on {cfg.reward_model.data} from {cfg.reward_model.base}, "
+               f"{cfg.reward_model.epochs} epoch(s) at lr {cfg.reward_model.lr:g}, before iteration 1"] if cfg.reward_model.data else []),
+            f"reward        {self._reward.spec if self._reward is not None else describe_rewards(cfg.score)}",
             f"prompts       {cfg.data.prompts} ({self.dataset.num_rows} rows, {cfg.data.batch_size} per iteration × n={cfg.rollout.n})",
             f"outputs       {self.run_dir}/iter-NNNN/{{prompts,rollout,score,{'filter,' if cfg.pipeline.dynamic_sampling else ''}advantage,update}}, metrics.jsonl",
             *([f"sampling      dynamic: groups with equal rewards dropped, up to {cfg.pipeline.max_sampling_rounds} rounds (prompts-rN, rollout-rN, score-rN)"]
@@ -984,12 +1063,18 @@ def _resolve_relative(cfg: Config, base_dir: Path | None) -> Config:
     model = replace(cfg.model, path=fix(cfg.model.path), ref=fix(cfg.model.ref), critic=fix(cfg.model.critic))
     data = replace(cfg.data, prompts=fix(cfg.data.prompts), val_prompts=fix(cfg.data.val_prompts))
     sft = replace(cfg.sft, data=fix(cfg.sft.data), val_data=fix(cfg.sft.val_data))
+    rm = cfg.reward_model
+    reward_model = replace(rm, data=fix(rm.data), val_data=fix(rm.val_data), base=fix(rm.base))
+
     def fix_reward(spec: str) -> str:
-        return fix(spec) if spec.partition(":")[0].endswith(".py") else spec
+        kind, _, rest = spec.partition(":")
+        if kind == "rm" and spec != TRAINED_RM:
+            return f"rm:{fix(rest)}"
+        return fix(spec) if kind.endswith(".py") else spec
 
     terms = tuple(replace(term, fn=fix_reward(term.fn)) for term in cfg.score.rewards)
     return replace(
-        cfg, model=model, data=data, sft=sft, rollout=replace(cfg.rollout, tool=fix_reward(cfg.rollout.tool)),
+        cfg, model=model, data=data, sft=sft, reward_model=reward_model, rollout=replace(cfg.rollout, tool=fix_reward(cfg.rollout.tool)),
         score=replace(cfg.score, reward=fix_reward(cfg.score.reward), rewards=terms),
     )
 

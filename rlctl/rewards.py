@@ -252,7 +252,7 @@ def load_reward(spec: str, *, device: str = "cpu", batch_size: int = 16, http: H
     if kind == "builtin":
         return from_callable(BUILTINS.get(rest), spec)
     if kind == "rm":
-        return RewardFunction(spec, RewardModel(rest, device=device, batch_size=batch_size), ("prompts", "responses"))
+        return RewardFunction(spec, RewardModel(rest, device=device, batch_size=batch_size), ("prompts", "responses", "messages"))
     target = spec.rpartition(":")[0]
     if target.endswith(".py") and not Path(target).is_file():
         raise InputError(f"{flag} {spec!r}: file {target} does not exist")
@@ -300,41 +300,33 @@ def _load_module(target: str, spec: str):
 
 
 class RewardModel:
-    """`rm:URI`: a Hugging Face sequence-classification model; the reward is logit 0."""
+    """`rm:URI`: a sequence-classification model with one output (`rlctl reward-model` trains
+    one); the reward is its logit at the last token of what it reads: the sample as it read its
+    training pairs (`reward_model.scored_ids`), a sequence over the model's context keeping its end."""
 
     def __init__(self, uri: str, *, device: str = "cpu", batch_size: int = 16) -> None:
-        import torch
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from rlctl.backends.hf import resolve_device
+        from rlctl.reward_model import load_scorer
 
-        from rlctl import cpu_linear
-        from rlctl.backends.hf import check_model_dir, quiet_transformers, resolve_device
-
-        quiet_transformers()
-        path = check_model_dir(uri)
         self.device = resolve_device(device)
-        self.tokenizer = AutoTokenizer.from_pretrained(path, padding_side="right")
-        model, loading = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
-        untrained = sorted(loading.get("missing_keys", []))
-        if untrained:  # e.g. a plain causal LM: transformers would add a random head and score noise
-            raise InputError(
-                f"rm:{uri}: not a trained reward model: its classification head or weights ({', '.join(untrained[:2])}) are not in the "
-                "checkpoint, so its scores would be random; use a sequence-classification model with one label"
-            )
-        self.model = cpu_linear.install(model.to(self.device).eval())
-        if self.model.config.pad_token_id is None:
-            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.model, self.tokenizer = load_scorer(uri, self.device)
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        self.context = context if isinstance(context, int) else None
         self.batch_size = batch_size
 
-    def __call__(self, *, prompts: list[str], responses: list[str]) -> list[float]:
+    def __call__(self, *, prompts: list[str], responses: list[str], messages: list[list[dict] | None]) -> list[float]:
         import torch
 
+        from rlctl.reward_model import rewards_of, scored_ids
+
+        chats = messages or [None] * len(responses)
+        sequences = [scored_ids(self.tokenizer, p if m is None else None, m, r) for p, r, m in zip(prompts, responses, chats)]
+        if self.context:
+            sequences = [s[-self.context :] for s in sequences]
         scores: list[float] = []
-        texts = [p + r for p, r in zip(prompts, responses)]
         with torch.no_grad():
-            for start in range(0, len(texts), self.batch_size):
-                enc = self.tokenizer(texts[start : start + self.batch_size], return_tensors="pt", padding=True, truncation=True)
-                logits = self.model(**{k: v.to(self.device) for k, v in enc.items()}).logits
-                scores.extend(logits[:, 0].float().cpu().tolist())
+            for start in range(0, len(sequences), self.batch_size):
+                scores.extend(rewards_of(self.model, sequences[start : start + self.batch_size], self.tokenizer.pad_token_id, self.device).cpu().tolist())
         return scores
 
 
@@ -395,9 +387,7 @@ class RewardSet:
     @property
     def spec(self) -> str:
         """What manifests and the run header record."""
-        if self.single:
-            return self.terms[0].reward.spec
-        return " + ".join(f"{t.weight:g}*{t.reward.spec}" + (f" on {'|'.join(t.sources)}" if t.sources else "") for t in self.terms)
+        return spec_text([(t.reward.spec, t.weight, t.sources) for t in self.terms])
 
     def score(self, samples: RewardSamples, *, timeout: float) -> RewardScores:
         columns: dict[str, list[Any]] = {}
@@ -418,6 +408,26 @@ class RewardSet:
                 raise RewardError(f"no reward applies to sample {i} (data_source {source!r}): {names} returned None for it or do not score its data_source")
             total.append(math.fsum(w * v for w, v in applied))
         return RewardScores(total, columns)
+
+
+def spec_text(terms: Sequence[tuple[str, float, Sequence[str]]]) -> str:
+    """Rewards as manifests record them: one of weight 1 on every sample by its spec, several as
+    their weighted sum."""
+    if len(terms) == 1 and terms[0][1] == 1.0 and not terms[0][2]:
+        return terms[0][0]
+    return " + ".join(f"{weight:g}*{spec}" + (f" on {'|'.join(sources)}" if sources else "") for spec, weight, sources in terms)
+
+
+def reward_model_folders(cfg: Any) -> list[str]:
+    """The `rm:` folders a ScoreConfig scores with: inputs of the score stage, so that a
+    retrained reward model makes a new score rather than a skipped one."""
+    specs = [t.fn for t in cfg.rewards] if cfg.rewards else [cfg.reward]
+    return [spec.partition(":")[2] for spec in specs if spec.partition(":")[0] == "rm"]
+
+
+def describe_rewards(cfg: Any) -> str:
+    """A ScoreConfig's rewards as `RewardSet.spec` will record them, without loading any."""
+    return spec_text([(t.fn, t.weight, t.sources) for t in cfg.rewards] if cfg.rewards else [(cfg.reward, 1.0, ())])
 
 
 def term_name(spec: str) -> str:

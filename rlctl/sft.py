@@ -165,9 +165,9 @@ class EpochRow:
         return row
 
 
-def describe_epoch(row: dict) -> str:
+def describe_epoch(row: dict, command: str = "sft") -> str:
     """One epoch's row as the line the command and the pipeline print."""
-    return "sft: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items() if k != "seconds")
+    return f"{command}: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items() if k != "seconds")
 
 
 class SftTrainer:

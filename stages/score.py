@@ -14,7 +14,14 @@ from rlctl.dtypes import compute_dtype, models_device
 from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
 from rlctl.manifest import Manifest
-from rlctl.rewards import RewardSamples, RewardScores, RewardSet, load_rewards, overlong_penalty
+from rlctl.rewards import (
+    RewardSamples,
+    RewardScores,
+    RewardSet,
+    load_rewards,
+    overlong_penalty,
+    reward_model_folders,
+)
 from rlctl.sample_stats import reward_stats
 from rlctl.schemas import spec
 from rlctl.shards import OutputSpec, read, write
@@ -44,7 +51,7 @@ def run(
         if uri:
             check_model_dir(uri)
     reward = load_rewards(cfg, device=device)
-    inputs = [shards_ref(source)] + [model_ref(u) for u in model_uris.values() if u]
+    inputs = [shards_ref(source)] + [model_ref(u) for u in [*model_uris.values(), *reward_model_folders(cfg)] if u]
     config = {"score": to_dict(cfg), "models": {k: v or "" for k, v in model_uris.items()}}
     manifest = make_manifest("score", config, inputs)
     if (existing := up_to_date(out.uri, manifest, force)) is not None:

@@ -1,0 +1,379 @@
+"""Reward-model training (`rlctl reward-model`): a model of human (or any) preferences that
+`rm:FOLDER` then scores rollouts with, the RLHF step between supervised fine-tuning and PPO.
+
+A pair is a prompt with a chosen and a rejected response. The model reads each side exactly as
+`rm:` scoring reads a sample (`scored_ids`: a chat prompt's conversation through the
+tokenizer's chat template, else the prompt's text then the response's), and its reward is the
+sequence-classification head's logit at the last token: a causal LM's decoder with a new
+one-output head (`AutoModelForSequenceClassification`, `num_labels = 1`). The loss is
+Bradley-Terry's, −log σ(r_chosen − r_rejected − margin), plus `center_coef` · (r_chosen +
+r_rejected)², the mean over each optimizer step's pairs, accumulated exactly over its passes.
+
+Data: `chosen` and `rejected` (text, or the assistant's turn(s) as messages) beside `prompt`
+(text, or chat messages) or `messages`; or, TRL's implicit prompt, `chosen` and `rejected` as
+whole conversations whose shared leading turns are the prompt. An optional `margin` column
+(TRL's) asks for that much more reward for the chosen side.
+
+It trains in this process (on `--device`). The output is a committed model folder that `rm:`
+loads: weights, tokenizer, and a manifest with the epochs' loss and accuracy."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from functools import cached_property
+from types import SimpleNamespace
+
+import pyarrow as pa
+import torch
+
+from rlctl.config import Config, RewardModelConfig, to_dict
+from rlctl.errors import InputError, TrainingError
+from rlctl.manifest import Manifest
+
+Response = str | list[dict]
+
+
+# --- what the model reads ---------------------------------------------------------------------
+
+
+def scored_ids(tokenizer, prompt: str | None, chat: Sequence[dict] | None, response: Response) -> list[int]:
+    """The tokens a reward model reads for one response, in training and in `rm:` scoring
+    alike: a chat rendered whole by the tokenizer's template (the response as the assistant's
+    turn), else the prompt's text (a chat's last message without a template) then the
+    response's."""
+    if chat is not None and getattr(tokenizer, "chat_template", None):
+        turns = [{"role": "assistant", "content": response}] if isinstance(response, str) else list(response)
+        text = tokenizer.apply_chat_template(list(chat) + turns, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    context = prompt if chat is None else (chat[-1].get("content") or "" if chat else "")
+    reply = response if isinstance(response, str) else "".join(turn.get("content") or "" for turn in response)
+    return tokenizer((context or "") + reply)["input_ids"]
+
+
+def load_scorer(uri: str, device: torch.device, *, new_head_seed: int | None = None):
+    """(model, tokenizer) of a sequence-classification model with one output, fp32, eval mode.
+    `new_head_seed`: a causal LM folder gets a new head, initialised from this seed (training);
+    None: the folder must hold a trained head, since a new one would score noise (`rm:`)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlctl import cpu_linear
+    from rlctl.backends.hf import check_model_dir, quiet_transformers
+
+    quiet_transformers()
+    path = check_model_dir(uri)
+    if new_head_seed is not None:
+        torch.manual_seed(new_head_seed)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="right", trust_remote_code=False)
+        model, loading = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=torch.float32, output_loading_info=True, trust_remote_code=False, use_safetensors=True,
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise InputError(f"model {uri!r} cannot be loaded as a reward model: {type(exc).__name__}: {first}") from None
+    untrained = sorted(loading.get("missing_keys", []))
+    if untrained and new_head_seed is None:  # e.g. a plain causal LM: transformers would add a random head and score noise
+        raise InputError(
+            f"rm:{uri}: not a trained reward model: its classification head or weights ({', '.join(untrained[:2])}) are not in the "
+            "checkpoint, so its scores would be random; train one with `rlctl reward-model`, or use a sequence-classification model with one label"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.config.pad_token_id is None:  # the head reads the last token that is not padding
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return cpu_linear.install(model.to(device).eval()), tokenizer
+
+
+def padded(sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of right-padded sequences."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        mask[row, : len(seq)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def rewards_of(model, sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+    """The head's logit at each sequence's last token, fp32 [N]."""
+    input_ids, attention_mask = padded(sequences, pad_id, device)
+    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, 0].float()
+
+
+# --- pairs ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """Token ids of each pair's chosen and rejected side, its margin, and how many pairs over
+    `max_tokens` were left out (`too_long = "drop"`)."""
+
+    ids: list[str]
+    chosen: list[list[int]]
+    rejected: list[list[int]]
+    margins: list[float]
+    dropped: int = 0
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @cached_property
+    def lengths(self) -> list[int]:
+        """A pair's padded tokens in a pass: two sequences of the longer side's length."""
+        return [2 * max(len(c), len(r)) for c, r in zip(self.chosen, self.rejected)]
+
+
+def _shared_turns(chosen: list[dict], rejected: list[dict]) -> int:
+    same = 0
+    while same < min(len(chosen), len(rejected)) and chosen[same] == rejected[same]:
+        same += 1
+    return same
+
+
+def split_pairs(table: pa.Table, source: str) -> list[tuple[str | None, list[dict] | None, Response, Response]]:
+    """(plain prompt, chat prompt, chosen, rejected) of every row."""
+    names = table.column_names
+    if "chosen" not in names or "rejected" not in names:
+        raise InputError(f"{source}: preference pairs need 'chosen' and 'rejected' columns (it has: {', '.join(names)})")
+
+    def column(name: str) -> list:
+        return table.column(name).to_pylist() if name in names else [None] * table.num_rows
+
+    prompts, chats = column("prompt"), column("messages")
+    rows = []
+    for row, (prompt, chat, chosen, rejected) in enumerate(zip(prompts, chats, column("chosen"), column("rejected"))):
+        if chosen is None or rejected is None:
+            raise InputError(f"{source}: row {row} has no {'chosen' if chosen is None else 'rejected'} response")
+        if isinstance(prompt, list):  # a chat prompt in the `prompt` column (verl's, TRL's conversational)
+            prompt, chat = None, prompt
+        if prompt is None and chat is None and isinstance(chosen, list) and isinstance(rejected, list):
+            cut = _shared_turns(chosen, rejected)  # TRL's implicit prompt: the conversations' shared turns
+            if cut == 0 or cut == min(len(chosen), len(rejected)):
+                raise InputError(f"{source}: row {row}: chosen and rejected conversations share no prompt turns, or one is the other's prefix")
+            chat, chosen, rejected = chosen[:cut], chosen[cut:], rejected[cut:]
+        elif isinstance(chosen, list) != isinstance(rejected, list):
+            raise InputError(f"{source}: row {row}: chosen and rejected must both be text or both be messages")
+        if isinstance(chosen, list) and chat is None:
+            raise InputError(f"{source}: row {row}: a response given as messages needs a chat prompt (messages, or a prompt of messages)")
+        rows.append((prompt, chat, chosen, rejected))
+    return rows
+
+
+def encode_pairs(table: pa.Table, tokenizer, cfg: RewardModelConfig, *, context_length: int | None, source: str) -> Pairs:
+    """Every pair as the tokens the model reads; a side over `max_tokens` is one error (or,
+    with `too_long = "drop"`, the pair is left out)."""
+    ids = table.column("id").cast(pa.string()).to_pylist() if "id" in table.column_names else [str(i) for i in range(table.num_rows)]
+    margins = table.column("margin").to_pylist() if "margin" in table.column_names else [0.0] * table.num_rows
+    limit = cfg.max_tokens or context_length or 0
+    kept = Pairs([], [], [], [])
+    dropped = 0
+    for pair_id, margin, (prompt, chat, chosen, rejected) in zip(ids, margins, split_pairs(table, source)):
+        sides = [scored_ids(tokenizer, prompt, chat, response) for response in (chosen, rejected)]
+        longest = max(len(s) for s in sides)
+        if limit and longest > limit:
+            if cfg.too_long == "drop":
+                dropped += 1
+                continue
+            where = "reward_model.max_tokens" if cfg.max_tokens else "the model context"
+            raise InputError(f"{source}: pair {pair_id!r} has a side of {longest} tokens, over {limit} ({where}): use --set reward_model.too_long=drop to leave such pairs out")
+        if margin is not None and not math.isfinite(float(margin)):
+            raise InputError(f"{source}: pair {pair_id!r} has a margin that is not a finite number")
+        kept.ids.append(pair_id)
+        kept.chosen.append(sides[0])
+        kept.rejected.append(sides[1])
+        kept.margins.append(float(margin or 0.0))
+    return replace(kept, dropped=dropped)
+
+
+# --- training ---------------------------------------------------------------------------------
+
+
+@dataclass
+class EpochRow:
+    """One epoch's figures, as the passes met the pairs (the weights moving): the mean loss, the
+    share of pairs ranked right (`accuracy`), the mean r_chosen − r_rejected (`margin`); the
+    held-out pairs' loss and accuracy after the epoch."""
+
+    epoch: int
+    loss: float | None = None
+    accuracy: float | None = None
+    margin: float | None = None
+    val_loss: float | None = None
+    val_accuracy: float | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    steps: int = 0
+    pairs: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        row = {k: v for k, v in self.__dict__.items() if v is not None and (self.steps or k in ("epoch", "val_loss", "val_accuracy"))}
+        if self.seconds:
+            row["pairs_per_s"] = self.pairs / self.seconds
+        return row
+
+
+@dataclass
+class PairSums:
+    """Sums over pairs: the loss, the pairs ranked right, r_chosen − r_rejected."""
+
+    loss: float = 0.0
+    right: float = 0.0
+    margin: float = 0.0
+
+    def add(self, other: PairSums) -> None:
+        self.loss, self.right, self.margin = self.loss + other.loss, self.right + other.right, self.margin + other.margin
+
+
+def pair_losses(chosen: torch.Tensor, rejected: torch.Tensor, margins: torch.Tensor, center_coef: float) -> torch.Tensor:
+    """Each pair's loss: Bradley-Terry's −log σ(r_c − r_r − margin), plus the centring term."""
+    losses = -torch.nn.functional.logsigmoid(chosen - rejected - margins)
+    if center_coef:
+        losses = losses + center_coef * (chosen + rejected) ** 2
+    return losses
+
+
+class RewardModelTrainer:
+    """AdamW on every weight of the model and its head, an optimizer step per `batch_size` pairs,
+    in passes of at most `micro_batch_size` pairs of similar lengths."""
+
+    def __init__(self, model, pad_id: int, cfg: RewardModelConfig, *, device: torch.device, total_steps: int) -> None:
+        from rlctl.backends.hf import held_whole
+        from rlctl.dtypes import autocast_bf16
+        from rlctl.trainer import adamw, trainable
+
+        self.model, self.pad_id, self.cfg, self.device, self.total_steps = model, pad_id, cfg, device, total_steps
+        self.step = 0
+        self.params = trainable(model)
+        self.optimizer = adamw(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.bf16 = autocast_bf16(cfg.bf16, device.type)
+        self.weights_whole = held_whole(model)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def lr_at(self, step: int) -> float:
+        from rlctl.algos.lr_schedule import lr_at
+
+        cfg = self.cfg
+        return lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule, decay_steps=self.total_steps, min_lr_ratio=cfg.min_lr_ratio)
+
+    def train_epoch(self, pairs: Pairs, epoch: int) -> EpochRow:
+        from rlctl.trainer import clip_gradients
+
+        cfg = self.cfg
+        started = time.perf_counter()
+        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
+        row, sums, norms = EpochRow(epoch), PairSums(), 0.0
+        self.model.train()
+        try:
+            for start in range(0, len(pairs), cfg.batch_size):
+                self.optimizer.zero_grad(set_to_none=True)
+                rows = order[start : start + cfg.batch_size].tolist()
+                sums.add(self.passes(pairs, rows, lambda summed, n=len(rows): (summed / n).backward()))  # the step's mean
+                norm = clip_gradients(self.params, cfg.max_grad_norm)
+                if not math.isfinite(norm):
+                    raise TrainingError(f"reward-model: optimizer step {self.step} had a non-finite gradient norm; nothing is committed (lower reward_model.lr?)")
+                row.lr = self.lr_at(self.step)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = row.lr
+                self.optimizer.step()
+                self.step += 1
+                norms += norm
+                row.steps += 1
+                row.pairs += len(rows)
+        finally:
+            self.model.eval()
+        row.loss, row.accuracy, row.margin = sums.loss / row.pairs, sums.right / row.pairs, sums.margin / row.pairs
+        row.grad_norm, row.seconds = norms / row.steps, time.perf_counter() - started
+        return row
+
+    @torch.no_grad()
+    def evaluate(self, pairs: Pairs) -> tuple[float, float]:
+        """(mean loss, accuracy) of `pairs` under the current weights."""
+        sums = self.passes(pairs, list(range(len(pairs))), None)
+        return sums.loss / len(pairs), sums.right / len(pairs)
+
+    def passes(self, pairs: Pairs, rows: list[int], backward: Callable[[torch.Tensor], None] | None) -> PairSums:
+        """Sums over `rows`, in passes of both sides of similar-length pairs; `backward(summed
+        loss)` after each pass."""
+        from rlctl.backends.hf import casts_kept, training_forward
+        from rlctl.trainer import ALONE
+
+        sums = PairSums()
+        with casts_kept(self.device, self.bf16 and self.weights_whole):  # each weight cast to bf16 once for all the passes
+            for micro, _ in ALONE.micro_batches(torch.tensor(rows), self.cfg.micro_batch_size, pairs.lengths):
+                sequences = [pairs.chosen[i] for i in micro] + [pairs.rejected[i] for i in micro]
+                width = max(len(s) for s in sequences)
+                with training_forward(self.model, self.device, self.bf16, rows=len(sequences), length=width):
+                    rewards = rewards_of(self.model, sequences, self.pad_id, self.device)
+                chosen, rejected = rewards[: len(micro)], rewards[len(micro) :]
+                margins = torch.tensor([pairs.margins[i] for i in micro], device=self.device)
+                summed = pair_losses(chosen, rejected, margins, self.cfg.center_coef).sum()
+                if backward is not None:
+                    backward(summed)
+                gap = (chosen - rejected).detach()
+                sums.add(PairSums(float(summed.detach()), float((gap > 0).sum()), float(gap.sum())))
+        return sums
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def run(
+    *, data: str, model: str, out: str, cfg: Config, val_data: str | None = None, device: str = "auto", force: bool = False,
+    report: Callable[[dict], None] | None = None,
+) -> Manifest:
+    """Train a reward model from `model` on the pairs at `data` (`cfg.reward_model`) and commit
+    it at `out`; `report(row)` after each epoch (epoch 0: the held-out pairs before training)."""
+    from rlctl.backends.hf import check_model_dir, resolve_device
+    from rlctl.checkpoint import local_checkpoint_dir, same_folder, save_checkpoint
+    from rlctl.dtypes import decided_bf16
+    from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
+    from rlctl.shards import read
+
+    check_model_dir(model)
+    local_checkpoint_dir(out)
+    if same_folder(out, model):
+        raise InputError(f"reward-model --out {out} is the --model folder: write the reward model elsewhere")
+    on = resolve_device(device)
+    rm_cfg = replace(cfg.reward_model, bf16=decided_bf16(cfg.reward_model.bf16, on.type))
+    train_source = read(data)
+    val_source = read(val_data) if val_data else None
+    inputs = [shards_ref(train_source), model_ref(model)] + ([shards_ref(val_source)] if val_source else [])
+    settings = {k: v for k, v in to_dict(rm_cfg).items() if k not in ("data", "val_data", "base")}  # where it reads from is in the inputs
+    manifest = make_manifest("reward-model", {"reward_model": settings}, inputs, seed=rm_cfg.seed)
+    if (existing := up_to_date(out, manifest, force)) is not None:
+        return existing
+    if train_source.table.num_rows == 0:
+        raise InputError(f"{data}: no preference pairs")
+    scorer, tokenizer = load_scorer(model, on, new_head_seed=rm_cfg.seed)
+    context = getattr(scorer.config, "max_position_embeddings", None)
+
+    def encoded(source) -> Pairs:
+        return encode_pairs(source.table, tokenizer, rm_cfg, context_length=context if isinstance(context, int) else None, source=source.uri)
+
+    pairs = encoded(train_source)
+    held_out = encoded(val_source) if val_source and val_source.table.num_rows else None
+    if not len(pairs):
+        raise InputError(f"{data}: every pair is over {rm_cfg.max_tokens or context} tokens (reward_model.too_long = drop left them all out)")
+    trainer = RewardModelTrainer(scorer, tokenizer.pad_token_id, rm_cfg, device=on, total_steps=rm_cfg.epochs * -(-len(pairs) // rm_cfg.batch_size))
+    rows = []
+
+    def record(row: EpochRow) -> None:
+        if held_out is not None and len(held_out):
+            row.val_loss, row.val_accuracy = trainer.evaluate(held_out)
+        rows.append(row.as_dict())
+        if report is not None:
+            report(rows[-1])
+
+    if held_out is not None and len(held_out):
+        record(EpochRow(0))
+    for epoch in range(1, rm_cfg.epochs + 1):
+        record(trainer.train_epoch(pairs, epoch))
+    manifest.state = {"pairs": len(pairs), "dropped": pairs.dropped + (held_out.dropped if held_out else 0), "optimizer_steps": trainer.step, "epochs": rows}
+    manifest.metrics = {k: v for k, v in rows[-1].items() if k in ("loss", "accuracy", "val_loss", "val_accuracy")}
+    return save_checkpoint(out, policy=SimpleNamespace(model=scorer, tokenizer=tokenizer), trainer_state=None, manifest=manifest)
