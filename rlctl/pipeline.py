@@ -263,6 +263,7 @@ class Pipeline:
             from rlctl.workers.local import checkpoint_sources
 
             self._initial_models()
+            self._reward_model_ready()  # before iteration 1, as the warm start
             policy, critic = checkpoint_sources(str(self.checkpoint) if self.checkpoint else None, self.cfg, initial_policy(self.cfg, self.run_dir))
             self._workers = make_workers(self.cfg, policy_source=policy, critic_source=critic, log_dir=self.run_dir / "logs" / "ray")
         return self._workers

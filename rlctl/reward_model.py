@@ -42,15 +42,18 @@ Response = str | list[dict]
 def scored_ids(tokenizer, prompt: str | None, chat: Sequence[dict] | None, response: Response) -> list[int]:
     """The tokens a reward model reads for one response, in training and in `rm:` scoring
     alike: a chat rendered whole by the tokenizer's template (the response as the assistant's
-    turn), else the prompt's text (a chat's last message without a template) then the
-    response's."""
+    turn, closed by the template's end token), else the prompt's text (a chat's last message
+    without a template) then the response's and the end token, as TRL's RewardTrainer and
+    OpenRLHF read plain pairs: their reward models score here as they trained."""
     if chat is not None and getattr(tokenizer, "chat_template", None):
         turns = [{"role": "assistant", "content": response}] if isinstance(response, str) else list(response)
         text = tokenizer.apply_chat_template(list(chat) + turns, tokenize=False)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
-    context = prompt if chat is None else (chat[-1].get("content") or "" if chat else "")
+    context = prompt if chat is None else ((chat[-1].get("content") or "") if chat else "")
     reply = response if isinstance(response, str) else "".join(turn.get("content") or "" for turn in response)
-    return tokenizer((context or "") + reply)["input_ids"]
+    ids = tokenizer((context or "") + reply)["input_ids"]
+    end = tokenizer.eos_token_id
+    return ids + [end] if end is not None and (not ids or ids[-1] != end) else ids
 
 
 def load_scorer(uri: str, device: torch.device, *, new_head_seed: int | None = None):

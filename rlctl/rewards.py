@@ -314,7 +314,7 @@ class RewardModel:
         self.context = context if isinstance(context, int) else None
         self.batch_size = batch_size
 
-    def __call__(self, *, prompts: list[str], responses: list[str], messages: list[list[dict] | None]) -> list[float]:
+    def __call__(self, *, prompts: list[str], responses: list[str], messages: list[list[dict] | None] | None = None) -> list[float]:
         import torch
 
         from rlctl.reward_model import rewards_of, scored_ids

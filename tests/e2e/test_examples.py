@@ -132,6 +132,6 @@ def test_rm_grpo_example_trains_a_reward_model_that_teaches_the_rule_it_never_sa
 
     rows = run_example("rm_grpo.toml", tmp_path)
     trained = json.loads((tmp_path / "run" / "reward_model" / "_manifest.json").read_text())
-    assert trained["metrics"]["val_accuracy"] > 0.9  # the held-out pairs (0.98 measured)
+    assert trained["metrics"]["val_accuracy"] > 0.85  # the held-out pairs (0.91 measured in fp32)
     shares = [r["reward_mean/digit_share"] for r in rows]  # the rule, weight 0: measured, never optimized
-    assert len(rows) == 30 and sum(shares[-3:]) / 3 - sum(shares[:3]) / 3 >= 0.4  # the margin stated in examples/rm_grpo.toml
+    assert len(rows) == 30 and sum(shares[-3:]) / 3 - sum(shares[:3]) / 3 >= 0.5  # the margin stated in examples/rm_grpo.toml

@@ -45,7 +45,8 @@ def encode(tokenizer, table, cfg=RewardModelConfig(), context_length=None) -> Pa
 def test_a_plain_pair_is_the_prompts_text_then_each_response(scorer, tmp_path):
     _, tok = scorer
     pairs = encode(tok, table_of(tmp_path, [{"prompt": "2+2=", "chosen": "4", "rejected": "five", "margin": 0.5}]))
-    assert pairs.chosen == [tok("2+2=4")["input_ids"]] and pairs.rejected == [tok("2+2=five")["input_ids"]]
+    end = [tok.eos_token_id]  # the end token closes each side, as TRL's RewardTrainer reads a plain pair
+    assert pairs.chosen == [tok("2+2=4")["input_ids"] + end] and pairs.rejected == [tok("2+2=five")["input_ids"] + end]
     assert pairs.ids == ["0"] and pairs.margins == [0.5] and pairs.lengths == [2 * max(len(pairs.chosen[0]), len(pairs.rejected[0]))]
 
 
@@ -142,7 +143,7 @@ def test_a_trained_reward_model_ranks_held_out_pairs_and_rm_scores_as_it_trained
     right = sum(c > r for c, r in zip(scores[:32], scores[32:])) / 32
     assert right == reported[-1]["val_accuracy"]  # the scorer reads the pairs as the trainer read them
     model, tok = load_scorer(str(tmp_path / "rm"), CPU)
-    alone = rewards_of(model, [tok(held_out[0]["prompt"] + held_out[0]["chosen"])["input_ids"]], tok.pad_token_id, CPU)
+    alone = rewards_of(model, [tok(held_out[0]["prompt"] + held_out[0]["chosen"])["input_ids"] + [tok.eos_token_id]], tok.pad_token_id, CPU)
     assert scores[0] == pytest.approx(float(alone[0].detach()), abs=1e-5)
     again = run(data=str(tmp_path / "train.jsonl"), val_data=str(tmp_path / "val.jsonl"), model=tiny_model, out=str(tmp_path / "rm"), cfg=cfg, device="cpu")
     assert again.state.get("skipped")
