@@ -165,7 +165,7 @@ class ScoreConfig:
     http_batch_size: int = 16  # http rewards: samples per request
     http_concurrency: int = 4  # http rewards: requests in flight at once
     http_retries: int = 2  # http rewards: more tries of a request that timed out or got 429/5xx
-    dtype: str = "auto"  # compute dtype of the ref/policy/critic forward passes: auto (bf16 where native, else fp32) | fp32 | bf16 (the reference from a bf16 copy of its weights, policy and critic under autocast)
+    dtype: str = "auto"  # compute dtype of the ref/policy/critic forward passes and an rm: reward model: auto (bf16 where native, else fp32) | fp32 | bf16 (the reference from a bf16 copy of its weights; policy, critic and reward model under autocast)
     old_logprobs: str = "auto"  # in a pipeline: recompute (a policy forward) | rollout (the engine's own) | update (the update's own forward, one optimizer step per batch) | auto: rollout when engine and trainer are fp32, else update when exact, else recompute
     overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last N tokens before max_new_tokens; 0 = off
     overlong_penalty: float = 1.0  # the penalty at max_new_tokens (it grows linearly over the buffer)

@@ -238,9 +238,12 @@ def from_callable(fn: Callable, spec: str = "<callable>") -> RewardFunction:
     return RewardFunction(spec, fn, style.keywords if style.name == "rlctl" else None)
 
 
-def load_reward(spec: str, *, device: str = "cpu", batch_size: int = 16, http: HttpOptions | None = None, flag: str = "--reward") -> RewardFunction:
+def load_reward(
+    spec: str, *, device: str = "cpu", batch_size: int = 16, http: HttpOptions | None = None, flag: str = "--reward", dtype: str = "fp32",
+) -> RewardFunction:
     """A reward from its spec. Code (file.py:fn, module:fn) is loaded in a child process.
-    `flag` names the setting in messages (a tool is loaded the same way)."""
+    `flag` names the setting in messages (a tool is loaded the same way); `dtype`: a reward
+    model's compute dtype (score.dtype)."""
     kind, sep, rest = spec.partition(":")
     if not sep or not rest:
         raise InputError(f"{flag} {spec!r}: expected file.py:function, module:function, builtin:NAME, rm:MODEL_URI or an http(s):// URL")
@@ -252,7 +255,7 @@ def load_reward(spec: str, *, device: str = "cpu", batch_size: int = 16, http: H
     if kind == "builtin":
         return from_callable(BUILTINS.get(rest), spec)
     if kind == "rm":
-        return RewardFunction(spec, RewardModel(rest, device=device, batch_size=batch_size), ("prompts", "responses", "messages"))
+        return RewardFunction(spec, RewardModel(rest, device=device, batch_size=batch_size, dtype=dtype), ("prompts", "responses", "messages"))
     target = spec.rpartition(":")[0]
     if target.endswith(".py") and not Path(target).is_file():
         raise InputError(f"{flag} {spec!r}: file {target} does not exist")
@@ -302,10 +305,12 @@ def _load_module(target: str, spec: str):
 class RewardModel:
     """`rm:URI`: a sequence-classification model with one output (`rlctl reward-model` trains
     one); the reward is its logit at the last token of what it reads: the sample as it read its
-    training pairs (`reward_model.scored_ids`), a sequence over the model's context keeping its end."""
+    training pairs (`reward_model.scored_ids`), a sequence over the model's context keeping its
+    end. Batches of similar lengths; `dtype` as score.dtype (bf16: under autocast)."""
 
-    def __init__(self, uri: str, *, device: str = "cpu", batch_size: int = 16) -> None:
+    def __init__(self, uri: str, *, device: str = "cpu", batch_size: int = 16, dtype: str = "fp32") -> None:
         from rlctl.backends.hf import resolve_device
+        from rlctl.dtypes import compute_dtype
         from rlctl.reward_model import load_scorer
 
         self.device = resolve_device(device)
@@ -313,6 +318,7 @@ class RewardModel:
         context = getattr(self.model.config, "max_position_embeddings", None)
         self.context = context if isinstance(context, int) else None
         self.batch_size = batch_size
+        self.bf16 = compute_dtype(dtype, self.device.type) == "bf16"
 
     def __call__(self, *, prompts: list[str], responses: list[str], messages: list[list[dict] | None] | None = None) -> list[float]:
         import torch
@@ -323,10 +329,14 @@ class RewardModel:
         sequences = [scored_ids(self.tokenizer, p if m is None else None, m, r) for p, r, m in zip(prompts, responses, chats)]
         if self.context:
             sequences = [s[-self.context :] for s in sequences]
-        scores: list[float] = []
-        with torch.no_grad():
-            for start in range(0, len(sequences), self.batch_size):
-                scores.extend(rewards_of(self.model, sequences[start : start + self.batch_size], self.tokenizer.pad_token_id, self.device).cpu().tolist())
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # a batch pads to a similar length
+        scores: list[float] = [0.0] * len(sequences)
+        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            for start in range(0, len(order), self.batch_size):
+                batch = order[start : start + self.batch_size]
+                values = rewards_of(self.model, [sequences[i] for i in batch], self.tokenizer.pad_token_id, self.device).cpu().tolist()
+                for i, value in zip(batch, values):
+                    scores[i] = value
         return scores
 
 
@@ -447,12 +457,12 @@ def load_rewards(cfg: Any, *, device: str = "cpu", reward_fn: Callable | None = 
     if reward_fn is not None:
         return RewardSet.of(from_callable(reward_fn, f"callable:{getattr(reward_fn, '__name__', 'reward')}"))
     if not cfg.rewards:
-        return RewardSet.of(load_reward(cfg.reward, device=device, batch_size=cfg.batch_size, http=http))
+        return RewardSet.of(load_reward(cfg.reward, device=device, batch_size=cfg.batch_size, http=http, dtype=cfg.dtype))
     terms, seen = [], Counter()
     for term in cfg.rewards:
         name = term.name or term_name(term.fn)
         seen[name] += 1
-        reward = load_reward(term.fn, device=device, batch_size=cfg.batch_size, http=http)
+        reward = load_reward(term.fn, device=device, batch_size=cfg.batch_size, http=http, dtype=cfg.dtype)
         terms.append(WeightedReward(name if seen[name] == 1 else f"{name}_{seen[name]}", reward, term.weight, tuple(term.sources)))
     return RewardSet(terms)
 

@@ -164,3 +164,16 @@ def test_rm_scores_a_chat_sample_through_the_chat_template(tiny_model, tmp_path,
 def test_reward_model_bf16_takes_a_boolean_as_update_bf16_does():
     assert load_config(None, ["reward_model.bf16=false"]).reward_model.bf16 == "false"
     assert load_config(None, ["reward_model.bf16=true"]).reward_model.bf16 == "true"
+
+
+def test_rm_scores_in_length_sorted_batches_and_in_bf16_under_autocast_when_asked(tiny_model, tmp_path, scorer):
+    model, tok = scorer
+    model.save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    responses = ["a much longer response than the others", "7", "twelve", "x y z", "another fairly long one here", "9"]
+    samples = RewardSamples(["q: "] * 6, responses, [None] * 6, [None] * 6)
+    batched = compute_rewards(load_reward(f"rm:{tmp_path / 'rm'}", batch_size=4), samples, timeout=30)
+    alone = [compute_rewards(load_reward(f"rm:{tmp_path / 'rm'}", batch_size=1), samples.subset(i), timeout=30)[0] for i in range(6)]
+    assert batched == pytest.approx(alone, abs=1e-5)  # each score in its own row's place, whatever batch it ran in
+    bf16 = compute_rewards(load_reward(f"rm:{tmp_path / 'rm'}", batch_size=4, dtype="bf16"), samples, timeout=30)
+    assert bf16 != batched and bf16 == pytest.approx(batched, abs=0.05 + 0.02 * max(map(abs, batched)))
