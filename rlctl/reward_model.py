@@ -101,10 +101,30 @@ def padded(sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device
     return ids.to(device), mask.to(device)
 
 
+def pooled(sequence: Sequence[int], pad_token_id: int | None) -> list[int]:
+    """`sequence` up to the token transformers' sequence-classification models pool: the last
+    that is not the pad token (so with pad = end token, the one before a trailing end token, as
+    the model trained under TRL read it)."""
+    end = len(sequence)
+    while pad_token_id is not None and end > 1 and sequence[end - 1] == pad_token_id:
+        end -= 1
+    return list(sequence[:end])
+
+
 def rewards_of(model, sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> torch.Tensor:
-    """The head's logit at each sequence's last token, fp32 [N]."""
-    input_ids, attention_mask = padded(sequences, pad_id, device)
-    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, 0].float()
+    """The head's logit at the token each sequence is pooled at, fp32 [N]: over the real tokens
+    alone (rlctl.backends.unpadded: no padding computed) where the decoder has the Llama layout,
+    else transformers' forward of the right-padded batch."""
+    from rlctl.backends import unpadded
+    from rlctl.backends.hf import pack
+
+    direct = unpadded.for_model(model)
+    if direct is None:  # padded with the token the model pools by, which is then never pooled
+        input_ids, attention_mask = padded(sequences, model.config.pad_token_id if model.config.pad_token_id is not None else pad_id, device)
+        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, 0].float()
+    kept = [pooled(s, model.config.pad_token_id) for s in sequences]
+    batch = pack(kept, [[pad_id]] * len(kept), pad_id, device)  # the state "predicting" a dummy token: the last kept token's
+    return model.score(direct.states(batch)).squeeze(-1).float()
 
 
 # --- pairs ------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ import torch
 
 # The causal LMs whose decoder layers have this layout in their transformers code
 MODEL_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# the same decoders under a sequence-classification head (`score`): reward models
+SCORER_CLASSES = tuple(name.replace("ForCausalLM", "ForSequenceClassification") for name in MODEL_CLASSES)
 
 
 @dataclass(frozen=True)
@@ -41,22 +43,21 @@ def layer_parts(layer) -> Layer:
     )
 
 
-def llama_layout(model) -> bool:
-    """Whether `model` is one of MODEL_CLASSES with every layer full attention (no sliding
-    window)."""
+def llama_layout(model, classes: tuple[str, ...] = MODEL_CLASSES) -> bool:
+    """Whether `model` is one of `classes` with every layer full attention (no sliding window)."""
     config = model.config
-    if layout_class(model) is None:
+    if layout_class(model, classes) is None:
         return False
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return False
     return getattr(config, "sliding_window", None) is None or not getattr(config, "use_sliding_window", True)
 
 
-def layout_class(model) -> type | None:
-    """`model`'s class if it is one of MODEL_CLASSES (not a subclass that may change them), seen
+def layout_class(model, classes: tuple[str, ...] = MODEL_CLASSES) -> type | None:
+    """`model`'s class if it is one of `classes` (not a subclass that may change them), seen
     through the subclass FSDP2 makes of a module it shards (FSDP<class>)."""
     cls = next(c for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
-    return cls if cls.__name__ in MODEL_CLASSES else None
+    return cls if cls.__name__ in classes else None
 
 
 def plain_layers(model) -> bool:

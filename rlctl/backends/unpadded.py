@@ -37,7 +37,7 @@ import torch
 
 from rlctl.algos.logprobs import logprobs_and_entropy
 from rlctl.backends import compiled_layers, decode_attention, grouped_attention
-from rlctl.backends.llama_layers import layout_class, llama_layout
+from rlctl.backends.llama_layers import MODEL_CLASSES, SCORER_CLASSES, layout_class, llama_layout
 from rlctl.errors import InputError
 from rlctl.lora import transformers_model
 
@@ -51,6 +51,7 @@ T = TypeVar("T")
 # decode attention, which hands anything but one eval-mode query token to SDPA) take a bool
 # mask, the eager one an additive mask in the model's dtype
 ATTENTION = ("sdpa", "eager", decode_attention.NAME)
+LAYOUTS = MODEL_CLASSES + SCORER_CLASSES  # causal LMs, and reward models on their decoders
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def for_model(model) -> UnpaddedForward | None:
         raise InputError(f"{OVERRIDE_ENV}={choice!r}: use one of {', '.join(CHOICES)}")
     base = transformers_model(model)
     implementation = getattr(base.config, "_attn_implementation", None)
-    if choice != "rlctl" or implementation not in ATTENTION or not llama_layout(base):
+    if choice != "rlctl" or implementation not in ATTENTION or not llama_layout(base, LAYOUTS):
         return None
     # a checkpointed layer reruns its attention in the backward, after the forward has put the
     # model's own attention back. The packed attention is switched on through the model's
@@ -137,10 +138,10 @@ class UnpaddedForward:
 
     def __init__(self, model, implementation: str) -> None:
         self.model = model
-        self.decoder, self.lm_head = model.model, model.lm_head
+        self.decoder, self.lm_head = model.model, getattr(model, "lm_head", None)  # a reward model has a `score` head instead
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        code = sys.modules[layout_class(model).__module__]
+        code = sys.modules[layout_class(model, LAYOUTS).__module__]
         self.implementation = implementation
         self.attend = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, code.eager_attention_forward)
 

@@ -177,3 +177,25 @@ def test_rm_scores_in_length_sorted_batches_and_in_bf16_under_autocast_when_aske
     assert batched == pytest.approx(alone, abs=1e-5)  # each score in its own row's place, whatever batch it ran in
     bf16 = compute_rewards(load_reward(f"rm:{tmp_path / 'rm'}", batch_size=4, dtype="bf16"), samples, timeout=30)
     assert bf16 != batched and bf16 == pytest.approx(batched, abs=0.05 + 0.02 * max(map(abs, batched)))
+
+
+def test_the_unpadded_forward_gives_transformers_rewards_and_gradients_pooling_where_it_pools(tiny_model, monkeypatch):
+    from rlctl.backends import unpadded
+    from rlctl.reward_model import pooled
+
+    model, tok = load_scorer(tiny_model, CPU, new_head_seed=1)
+    sequences = [tok("2+2=4")["input_ids"] + [tok.eos_token_id], tok("a longer side, padded in the other path")["input_ids"], [5, 6, 7]]
+    results = []
+    for choice, pad in (("rlctl", 0), ("transformers", 0), ("rlctl", tok.eos_token_id), ("transformers", tok.eos_token_id)):
+        monkeypatch.setenv(unpadded.OVERRIDE_ENV, choice)
+        model.config.pad_token_id = pad  # pad = end token (TRL's default where a tokenizer has none): pooled before it
+        assert (unpadded.for_model(model) is not None) == (choice == "rlctl")
+        model.zero_grad()
+        rewards = rewards_of(model, sequences, tok.pad_token_id, CPU)
+        (rewards * torch.tensor([1.0, -2.0, 0.5])).sum().backward()
+        results.append((rewards.detach(), torch.cat([p.grad.reshape(-1) for p in model.parameters()])))
+    for ours, theirs in (results[0:2], results[2:4]):
+        assert torch.allclose(ours[0], theirs[0], atol=1e-5) and torch.allclose(ours[1], theirs[1], atol=1e-5)
+    assert not torch.allclose(results[0][0][0], results[2][0][0])  # the first sequence ends in the end token: pooled elsewhere
+    # transformers pools at the last token that is not padding: with pad = end token, the one before it
+    assert pooled([4, 9, 3, 3], pad_token_id=3) == [4, 9] and pooled([4, 9], pad_token_id=3) == [4, 9] and pooled([4, 9, 3], None) == [4, 9, 3]
