@@ -30,8 +30,9 @@ import pyarrow as pa
 import torch
 
 from rlctl.config import Config, RewardModelConfig, to_dict
-from rlctl.errors import InputError, TrainingError
+from rlctl.errors import InputError
 from rlctl.manifest import Manifest
+from rlctl.supervised import SupervisedSteps
 
 Response = str | list[dict]
 
@@ -260,56 +261,23 @@ def pair_losses(chosen: torch.Tensor, rejected: torch.Tensor, margins: torch.Ten
     return losses
 
 
-class RewardModelTrainer:
+class RewardModelTrainer(SupervisedSteps):
     """AdamW on every weight of the model and its head, an optimizer step per `batch_size` pairs,
     in passes of at most `micro_batch_size` pairs of similar lengths."""
 
     def __init__(self, model, pad_id: int, cfg: RewardModelConfig, *, device: torch.device, total_steps: int) -> None:
-        from rlctl.backends.hf import held_whole
-        from rlctl.dtypes import autocast_bf16
-        from rlctl.trainer import adamw, trainable
-
-        self.model, self.pad_id, self.cfg, self.device, self.total_steps = model, pad_id, cfg, device, total_steps
-        self.step = 0
-        self.params = trainable(model)
-        self.optimizer = adamw(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.bf16 = autocast_bf16(cfg.bf16, device.type)
-        self.weights_whole = held_whole(model)
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-    def lr_at(self, step: int) -> float:
-        from rlctl.algos.lr_schedule import lr_at
-
-        cfg = self.cfg
-        return lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule, decay_steps=self.total_steps, min_lr_ratio=cfg.min_lr_ratio)
+        super().__init__(model, cfg, device_type=device.type, total_steps=total_steps, command="reward-model")
+        self.pad_id, self.device = pad_id, device
 
     def train_epoch(self, pairs: Pairs, epoch: int) -> EpochRow:
-        from rlctl.trainer import clip_gradients
-
-        cfg = self.cfg
         started = time.perf_counter()
-        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
         row, sums, norms = EpochRow(epoch), PairSums(), 0.0
-        self.model.train()
-        try:
-            for start in range(0, len(pairs), cfg.batch_size):
-                self.optimizer.zero_grad(set_to_none=True)
-                rows = order[start : start + cfg.batch_size].tolist()
-                sums.add(self.passes(pairs, rows, lambda summed, n=len(rows): (summed / n).backward()))  # the step's mean
-                norm = clip_gradients(self.params, cfg.max_grad_norm)
-                if not math.isfinite(norm):
-                    raise TrainingError(f"reward-model: optimizer step {self.step} had a non-finite gradient norm; nothing is committed (lower reward_model.lr?)")
-                row.lr = self.lr_at(self.step)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = row.lr
-                self.optimizer.step()
-                self.step += 1
-                norms += norm
-                row.steps += 1
-                row.pairs += len(rows)
-        finally:
-            self.model.eval()
+        for rows in self.steps_of_epoch(len(pairs), epoch):
+            sums.add(self.passes(pairs, rows, lambda summed, n=len(rows): (summed / n).backward()))  # the step's mean
+            norm, row.lr = self.apply("reward_model.lr")
+            norms += norm
+            row.steps += 1
+            row.pairs += len(rows)
         row.loss, row.accuracy, row.margin = sums.loss / row.pairs, sums.right / row.pairs, sums.margin / row.pairs
         row.grad_norm, row.seconds = norms / row.steps, time.perf_counter() - started
         return row

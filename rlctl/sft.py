@@ -19,7 +19,6 @@ step 0 with a fresh optimizer."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -29,8 +28,9 @@ import pyarrow as pa
 import torch
 
 from rlctl.config import Config, DataConfig, SftConfig, to_dict
-from rlctl.errors import InputError, TrainingError
+from rlctl.errors import InputError
 from rlctl.manifest import Manifest
+from rlctl.supervised import SupervisedSteps
 
 RESPONSE_COLUMNS = ("response", "completion")  # rlctl's name, TRL's prompt-completion name
 
@@ -170,60 +170,28 @@ def describe_epoch(row: dict, command: str = "sft") -> str:
     return f"{command}: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items() if k != "seconds")
 
 
-class SftTrainer:
+class SftTrainer(SupervisedSteps):
     """AdamW on the policy (or its LoRA adapters), an optimizer step per `batch_size` examples.
     On a group of FSDP2 ranks (`ranks`) each rank takes its share of every step's examples, as
     the update's trainer does (`RankGroup.micro_batches`), and the sums are the group's."""
 
     def __init__(self, policy, cfg: SftConfig, *, total_steps: int, ranks=None) -> None:
-        from rlctl.backends.hf import held_whole
-        from rlctl.dtypes import autocast_bf16
-        from rlctl.lora import transformers_model
-        from rlctl.trainer import ALONE, adamw, trainable
+        from rlctl.trainer import ALONE
 
-        self.policy, self.cfg, self.total_steps, self.ranks = policy, cfg, total_steps, ranks or ALONE
-        self.step = 0
-        self.params = trainable(policy.model)
-        self.optimizer = adamw(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.bf16 = autocast_bf16(cfg.bf16, policy.device.type)
-        self.weights_whole = held_whole(policy.model)  # not FSDP2 shards (casts_kept)
-        if cfg.gradient_checkpointing:
-            transformers_model(policy.model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-    def lr_at(self, step: int) -> float:
-        from rlctl.algos.lr_schedule import lr_at
-
-        cfg = self.cfg
-        return lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule, decay_steps=self.total_steps, min_lr_ratio=cfg.min_lr_ratio)
+        super().__init__(policy.model, cfg, device_type=policy.device.type, total_steps=total_steps, command="sft")
+        self.policy, self.ranks = policy, ranks or ALONE
 
     def train_epoch(self, examples: Examples, epoch: int) -> EpochRow:
-        from rlctl.trainer import clip_gradients
-
-        cfg = self.cfg
         started = time.perf_counter()
-        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
         row = EpochRow(epoch)
         nll = norms = 0.0
-        self.policy.model.train()
-        try:
-            for start in range(0, len(examples), cfg.batch_size):
-                self.optimizer.zero_grad(set_to_none=True)
-                rows = order[start : start + cfg.batch_size].tolist()
-                tokens = sum(len(examples.response_ids[i]) for i in rows)
-                nll += self._passes(examples, rows, lambda summed, tokens=tokens: (summed / tokens).backward())  # the step's mean
-                norm = clip_gradients(self.params, cfg.max_grad_norm)
-                if not math.isfinite(norm):
-                    raise TrainingError(f"sft: optimizer step {self.step} had a non-finite gradient norm; nothing is committed (lower sft.lr?)")
-                row.lr = self.lr_at(self.step)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = row.lr
-                self.optimizer.step()
-                self.step += 1
-                norms += norm
-                row.steps += 1
-                row.tokens += tokens
-        finally:
-            self.policy.model.eval()
+        for rows in self.steps_of_epoch(len(examples), epoch):
+            tokens = sum(len(examples.response_ids[i]) for i in rows)
+            nll += self._passes(examples, rows, lambda summed, tokens=tokens: (summed / tokens).backward())  # the step's mean
+            norm, row.lr = self.apply("sft.lr")
+            norms += norm
+            row.steps += 1
+            row.tokens += tokens
         row.loss, row.grad_norm, row.seconds = nll / row.tokens, norms / row.steps, time.perf_counter() - started
         return row
 

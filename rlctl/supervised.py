@@ -1,0 +1,69 @@
+"""The optimizer side of rlctl's supervised trainers (`rlctl sft`, `rlctl reward-model`): AdamW on
+the trainable weights, each epoch's rows in a seeded order, an optimizer step per `batch_size`
+rows whose passes accumulate its gradient, clipping, the learning-rate schedule over the run's
+steps, and a non-finite gradient refused before it reaches the weights."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+
+from rlctl.errors import TrainingError
+
+
+class SupervisedSteps:
+    """What a supervised trainer shares; `cfg` has lr, weight_decay, batch_size, max_grad_norm,
+    warmup_steps, lr_schedule, min_lr_ratio, bf16, gradient_checkpointing and seed; `command`
+    names it in messages."""
+
+    def __init__(self, model, cfg, *, device_type: str, total_steps: int, command: str) -> None:
+        from rlctl.backends.hf import held_whole
+        from rlctl.dtypes import autocast_bf16
+        from rlctl.lora import transformers_model
+        from rlctl.trainer import adamw, trainable
+
+        self.model, self.cfg, self.total_steps, self.command = model, cfg, total_steps, command
+        self.step = 0
+        self.params = trainable(model)
+        self.optimizer = adamw(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.bf16 = autocast_bf16(cfg.bf16, device_type)
+        self.weights_whole = held_whole(model)  # not FSDP2 shards (casts_kept)
+        if cfg.gradient_checkpointing:
+            transformers_model(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def lr_at(self, step: int) -> float:
+        from rlctl.algos.lr_schedule import lr_at
+
+        cfg = self.cfg
+        return lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule, decay_steps=self.total_steps, min_lr_ratio=cfg.min_lr_ratio)
+
+    def steps_of_epoch(self, count: int, epoch: int) -> Iterator[list[int]]:
+        """Each optimizer step's rows of an epoch over `count` rows (the model in training mode
+        meanwhile); the caller's passes between one and the next accumulate its gradient."""
+        order = torch.randperm(count, generator=torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch))
+        self.model.train()
+        try:
+            for start in range(0, count, self.cfg.batch_size):
+                self.optimizer.zero_grad(set_to_none=True)
+                yield order[start : start + self.cfg.batch_size].tolist()
+        finally:
+            self.model.eval()
+
+    def apply(self, lower: str) -> tuple[float, float]:
+        """Clip the accumulated gradient and take the optimizer step at the schedule's rate:
+        (the norm before clipping, the rate). `lower` names the setting to lower when the norm
+        is not finite (nothing is committed then)."""
+        from rlctl.trainer import clip_gradients
+
+        norm = clip_gradients(self.params, self.cfg.max_grad_norm)
+        if not math.isfinite(norm):
+            raise TrainingError(f"{self.command}: optimizer step {self.step} had a non-finite gradient norm; nothing is committed (lower {lower}?)")
+        lr = self.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.step += 1
+        return norm, lr
+
