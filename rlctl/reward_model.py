@@ -187,6 +187,17 @@ def split_pairs(table: pa.Table, source: str) -> list[tuple[str | None, list[dic
     return rows
 
 
+def margin_value(value, pair_id: str, source: str) -> float:
+    """A pair's `margin` as a finite float (none: 0)."""
+    try:
+        margin = float(value) if value is not None else 0.0
+    except (TypeError, ValueError):
+        margin = math.nan
+    if not math.isfinite(margin):
+        raise InputError(f"{source}: pair {pair_id!r} has a margin that is not a finite number: {value!r}")
+    return margin
+
+
 def encode_pairs(table: pa.Table, tokenizer, cfg: RewardModelConfig, *, context_length: int | None, source: str) -> Pairs:
     """Every pair as the tokens the model reads; a side over `max_tokens` is one error (or,
     with `too_long = "drop"`, the pair is left out)."""
@@ -204,12 +215,10 @@ def encode_pairs(table: pa.Table, tokenizer, cfg: RewardModelConfig, *, context_
                 continue
             where = "reward_model.max_tokens" if cfg.max_tokens else "the model context"
             raise InputError(f"{source}: pair {pair_id!r} has a side of {longest} tokens, over {limit} ({where}): use --set reward_model.too_long=drop to leave such pairs out")
-        if margin is not None and not math.isfinite(float(margin)):
-            raise InputError(f"{source}: pair {pair_id!r} has a margin that is not a finite number")
         kept.ids.append(pair_id)
         kept.chosen.append(sides[0])
         kept.rejected.append(sides[1])
-        kept.margins.append(float(margin or 0.0))
+        kept.margins.append(margin_value(margin, pair_id, source))
     return replace(kept, dropped=dropped)
 
 

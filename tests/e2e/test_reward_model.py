@@ -57,6 +57,7 @@ def test_reward_model_writes_a_folder_that_score_rewards_with(cli, tmp_path, tin
         ([{"prompt": "a", "chosen": "b " * 40, "rejected": "c"}], ["--set", "reward_model.max_tokens=20", "--set", "reward_model.too_long=drop"], "every pair is over 20 tokens"),
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--set", "reward_model.too_long=cut"], "reward_model.too_long must be one of error, drop"),
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--epochs", "0"], "reward_model.epochs must be ≥ 1"),
+        ([{"prompt": "a", "chosen": "b", "rejected": "c", "margin": "lots"}], [], "pair '0' has a margin that is not a finite number: 'lots'"),
     ],
 )
 def test_bad_input_is_one_line_and_nothing_written(cli, tmp_path, tiny_model, rows, args, fragment):
