@@ -408,7 +408,8 @@ def sft(
     from dataclasses import replace
 
     from rlctl.config import override_section
-    from rlctl.sft import describe_epoch, run
+    from rlctl.sft import run
+    from rlctl.supervised import describe_epoch
 
     cfg = _stage_config(config, set_)
     cfg = replace(cfg, sft=override_section(cfg.sft, epochs=epochs, lr=lr, batch_size=batch_size))
@@ -441,7 +442,7 @@ def reward_model(
 
     from rlctl.config import override_section
     from rlctl.reward_model import run
-    from rlctl.sft import describe_epoch
+    from rlctl.supervised import describe_epoch
 
     cfg = _stage_config(config, set_)
     cfg = replace(cfg, reward_model=override_section(cfg.reward_model, epochs=epochs, lr=lr, batch_size=batch_size))

@@ -312,7 +312,7 @@ class Pipeline:
         """Train reward_model.base on reward_model.data into RUN/reward_model (`rlctl
         reward-model`); a committed one with the same inputs and settings is kept (resume)."""
         from rlctl import reward_model
-        from rlctl.sft import describe_epoch
+        from rlctl.supervised import describe_epoch
 
         def report(row: dict) -> None:
             if self.view is not None:
@@ -328,10 +328,11 @@ class Pipeline:
         """Fine-tune model.path on sft.data into RUN/sft before iteration 1 (`rlctl sft`); a
         committed RUN/sft with the same inputs and settings is kept (resume)."""
         from rlctl import sft
+        from rlctl.supervised import describe_epoch
 
         def report(row: dict) -> None:
             if self.view is not None:
-                self.view.message(sft.describe_epoch(row))
+                self.view.message(describe_epoch(row))
 
         cfg = self.cfg
         sft.run(data=cfg.sft.data, val_data=cfg.sft.val_data or None, model=cfg.model.path, out=str(self.run_dir / SFT_DIR), cfg=cfg, device=cfg.model.device, report=report)

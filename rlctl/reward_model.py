@@ -91,17 +91,6 @@ def load_scorer(uri: str, device: torch.device, *, new_head_seed: int | None = N
     return cpu_linear.install(model.to(device).eval()), tokenizer
 
 
-def padded(sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask) of right-padded sequences."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        mask[row, : len(seq)] = 1
-    return ids.to(device), mask.to(device)
-
-
 def pooled(sequence: Sequence[int], pad_token_id: int | None) -> list[int]:
     """`sequence` up to the token transformers' sequence-classification models pool: the last
     that is not the pad token (so with pad = end token, the one before a trailing end token, as
@@ -121,8 +110,8 @@ def rewards_of(model, sequences: Sequence[Sequence[int]], pad_id: int, device: t
 
     direct = unpadded.for_model(model)
     if direct is None:  # padded with the token the model pools by, which is then never pooled
-        input_ids, attention_mask = padded(sequences, model.config.pad_token_id if model.config.pad_token_id is not None else pad_id, device)
-        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, 0].float()
+        batch = pack(sequences, [[] for _ in sequences], model.config.pad_token_id if model.config.pad_token_id is not None else pad_id, device)
+        return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, 0].float()
     kept = [pooled(s, model.config.pad_token_id) for s in sequences]
     batch = pack(kept, [[pad_id]] * len(kept), pad_id, device)  # the state "predicting" a dummy token: the last kept token's
     return model.score(direct.states(batch)).squeeze(-1).float()
@@ -204,7 +193,7 @@ def encode_pairs(table: pa.Table, tokenizer, cfg: RewardModelConfig, *, context_
     ids = table.column("id").cast(pa.string()).to_pylist() if "id" in table.column_names else [str(i) for i in range(table.num_rows)]
     margins = table.column("margin").to_pylist() if "margin" in table.column_names else [0.0] * table.num_rows
     limit = cfg.max_tokens or context_length or 0
-    kept = Pairs([], [], [], [])
+    kept_ids, chosen_ids, rejected_ids, kept_margins = [], [], [], []
     dropped = 0
     for pair_id, margin, (prompt, chat, chosen, rejected) in zip(ids, margins, split_pairs(table, source)):
         sides = [scored_ids(tokenizer, prompt, chat, response) for response in (chosen, rejected)]
@@ -215,11 +204,11 @@ def encode_pairs(table: pa.Table, tokenizer, cfg: RewardModelConfig, *, context_
                 continue
             where = "reward_model.max_tokens" if cfg.max_tokens else "the model context"
             raise InputError(f"{source}: pair {pair_id!r} has a side of {longest} tokens, over {limit} ({where}): use --set reward_model.too_long=drop to leave such pairs out")
-        kept.ids.append(pair_id)
-        kept.chosen.append(sides[0])
-        kept.rejected.append(sides[1])
-        kept.margins.append(margin_value(margin, pair_id, source))
-    return replace(kept, dropped=dropped)
+        kept_ids.append(pair_id)
+        chosen_ids.append(sides[0])
+        rejected_ids.append(sides[1])
+        kept_margins.append(margin_value(margin, pair_id, source))
+    return Pairs(kept_ids, chosen_ids, rejected_ids, kept_margins, dropped)
 
 
 # --- training ---------------------------------------------------------------------------------
@@ -329,7 +318,7 @@ def run(
 ) -> Manifest:
     """Train a reward model from `model` on the pairs at `data` (`cfg.reward_model`) and commit
     it at `out`; `report(row)` after each epoch (epoch 0: the held-out pairs before training)."""
-    from rlctl.backends.hf import check_model_dir, resolve_device
+    from rlctl.backends.hf import check_model_dir, context_length_of, resolve_device
     from rlctl.checkpoint import local_checkpoint_dir, same_folder, save_checkpoint
     from rlctl.dtypes import decided_bf16
     from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
@@ -351,10 +340,10 @@ def run(
     if train_source.table.num_rows == 0:
         raise InputError(f"{data}: no preference pairs")
     scorer, tokenizer = load_scorer(model, on, new_head_seed=rm_cfg.seed)
-    context = getattr(scorer.config, "max_position_embeddings", None)
+    context = context_length_of(scorer)
 
     def encoded(source) -> Pairs:
-        return encode_pairs(source.table, tokenizer, rm_cfg, context_length=context if isinstance(context, int) else None, source=source.uri)
+        return encode_pairs(source.table, tokenizer, rm_cfg, context_length=context, source=source.uri)
 
     pairs = encoded(train_source)
     held_out = encoded(val_source) if val_source and val_source.table.num_rows else None

@@ -309,14 +309,13 @@ class RewardModel:
     end. Batches of similar lengths; `dtype` as score.dtype (bf16: under autocast)."""
 
     def __init__(self, uri: str, *, device: str = "cpu", batch_size: int = 16, dtype: str = "fp32") -> None:
-        from rlctl.backends.hf import resolve_device
+        from rlctl.backends.hf import context_length_of, resolve_device
         from rlctl.dtypes import compute_dtype
         from rlctl.reward_model import load_scorer
 
         self.device = resolve_device(device)
         self.model, self.tokenizer = load_scorer(uri, self.device)
-        context = getattr(self.model.config, "max_position_embeddings", None)
-        self.context = context if isinstance(context, int) else None
+        self.context = context_length_of(self.model)
         self.batch_size = batch_size
         self.bf16 = compute_dtype(dtype, self.device.type) == "bf16"
 

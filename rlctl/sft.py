@@ -165,11 +165,6 @@ class EpochRow:
         return row
 
 
-def describe_epoch(row: dict, command: str = "sft") -> str:
-    """One epoch's row as the line the command and the pipeline print."""
-    return f"{command}: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items() if k != "seconds")
-
-
 class SftTrainer(SupervisedSteps):
     """AdamW on the policy (or its LoRA adapters), an optimizer step per `batch_size` examples.
     On a group of FSDP2 ranks (`ranks`) each rank takes its share of every step's examples, as

@@ -1,7 +1,8 @@
 """The optimizer side of rlctl's supervised trainers (`rlctl sft`, `rlctl reward-model`): AdamW on
 the trainable weights, each epoch's rows in a seeded order, an optimizer step per `batch_size`
 rows whose passes accumulate its gradient, clipping, the learning-rate schedule over the run's
-steps, and a non-finite gradient refused before it reaches the weights."""
+steps, a non-finite gradient refused before it reaches the weights, and the line each epoch
+prints."""
 
 from __future__ import annotations
 
@@ -67,3 +68,7 @@ class SupervisedSteps:
         self.step += 1
         return norm, lr
 
+
+def describe_epoch(row: dict, command: str = "sft") -> str:
+    """One epoch's row as the line the command and the pipeline print."""
+    return f"{command}: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items() if k != "seconds")

@@ -215,6 +215,12 @@ def load_causal_lm(uri: str, device: torch.device):
     return model, tokenizer
 
 
+def context_length_of(model) -> int | None:
+    """The longest sequence a model's positions cover (its config's max_position_embeddings)."""
+    value = getattr(model.config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) else None
+
+
 def _first_line(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
@@ -452,8 +458,7 @@ class HFPolicy:
     @property
     def context_length(self) -> int | None:
         """The longest sequence (prompt + response) the model's positions cover."""
-        value = getattr(self.model.config, "max_position_embeddings", None)
-        return int(value) if isinstance(value, int) else None
+        return context_length_of(self.model)
 
     @property
     def vocab_size(self) -> int:
