@@ -14,8 +14,10 @@ Data: `chosen` and `rejected` (text, or the assistant's turn(s) as messages) bes
 whole conversations whose shared leading turns are the prompt. An optional `margin` column
 (TRL's) asks for that much more reward for the chosen side.
 
-It trains in this process (on `--device`). The output is a committed model folder that `rm:`
-loads: weights, tokenizer, and a manifest with the epochs' loss and accuracy."""
+It trains in this process (on `--device`), or on a Ray group of FSDP2 ranks (`workers.backend =
+"ray"`: each rank takes its share of every step's pairs, as `rlctl sft` does). The output is a
+committed model folder that `rm:` loads: weights, tokenizer, and a manifest with the epochs'
+loss and accuracy."""
 
 from __future__ import annotations
 
@@ -57,11 +59,22 @@ def scored_ids(tokenizer, prompt: str | None, chat: Sequence[dict] | None, respo
     return ids + [end] if end is not None and (not ids or ids[-1] != end) else ids
 
 
+def scorer_tokenizer(path: str):
+    """A reward model's tokenizer as training and scoring use it: right padding, and the end
+    token as the pad token where the tokenizer has none."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="right", trust_remote_code=False)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_scorer(uri: str, device: torch.device, *, new_head_seed: int | None = None):
     """(model, tokenizer) of a sequence-classification model with one output, fp32, eval mode.
     `new_head_seed`: a causal LM folder gets a new head, initialised from this seed (training);
     None: the folder must hold a trained head, since a new one would score noise (`rm:`)."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
 
     from rlctl import cpu_linear
     from rlctl.backends.hf import check_model_dir, quiet_transformers
@@ -71,7 +84,7 @@ def load_scorer(uri: str, device: torch.device, *, new_head_seed: int | None = N
     if new_head_seed is not None:
         torch.manual_seed(new_head_seed)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="right", trust_remote_code=False)
+        tokenizer = scorer_tokenizer(path)
         model, loading = AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=1, dtype=torch.float32, output_loading_info=True, trust_remote_code=False, use_safetensors=True,
         )
@@ -84,8 +97,6 @@ def load_scorer(uri: str, device: torch.device, *, new_head_seed: int | None = N
             f"rm:{uri}: not a trained reward model: its classification head or weights ({', '.join(untrained[:2])}) are not in the "
             "checkpoint, so its scores would be random; train one with `rlctl reward-model`, or use a sequence-classification model with one label"
         )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
     if model.config.pad_token_id is None:  # the head reads the last token that is not padding
         model.config.pad_token_id = tokenizer.pad_token_id
     return cpu_linear.install(model.to(device).eval()), tokenizer
@@ -114,7 +125,7 @@ def rewards_of(model, sequences: Sequence[Sequence[int]], pad_id: int, device: t
         return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, 0].float()
     kept = [pooled(s, model.config.pad_token_id) for s in sequences]
     batch = pack(kept, [[pad_id]] * len(kept), pad_id, device)  # the state "predicting" a dummy token: the last kept token's
-    return model.score(direct.states(batch)).squeeze(-1).float()
+    return unpadded.run_as_forward(model, lambda: model.score(direct.states(batch))).squeeze(-1).float()  # an FSDP2 rank: in its hooks
 
 
 # --- pairs ------------------------------------------------------------------------------------
@@ -261,11 +272,14 @@ def pair_losses(chosen: torch.Tensor, rejected: torch.Tensor, margins: torch.Ten
 
 class RewardModelTrainer(SupervisedSteps):
     """AdamW on every weight of the model and its head, an optimizer step per `batch_size` pairs,
-    in passes of at most `micro_batch_size` pairs of similar lengths."""
+    in passes of at most `micro_batch_size` pairs of similar lengths. On a group of FSDP2 ranks
+    (`ranks`) each rank takes its share of every step's pairs, and the sums are the group's."""
 
-    def __init__(self, model, pad_id: int, cfg: RewardModelConfig, *, device: torch.device, total_steps: int) -> None:
+    def __init__(self, model, pad_id: int, cfg: RewardModelConfig, *, device: torch.device, total_steps: int, ranks=None) -> None:
+        from rlctl.trainer import ALONE
+
         super().__init__(model, cfg, device_type=device.type, total_steps=total_steps, command="reward-model")
-        self.pad_id, self.device = pad_id, device
+        self.pad_id, self.device, self.ranks = pad_id, device, ranks or ALONE
 
     def train_epoch(self, pairs: Pairs, epoch: int) -> EpochRow:
         started = time.perf_counter()
@@ -287,14 +301,15 @@ class RewardModelTrainer(SupervisedSteps):
         return sums.loss / len(pairs), sums.right / len(pairs)
 
     def passes(self, pairs: Pairs, rows: list[int], backward: Callable[[torch.Tensor], None] | None) -> PairSums:
-        """Sums over `rows`, in passes of both sides of similar-length pairs; `backward(summed
-        loss)` after each pass."""
+        """Sums over `rows` (over every rank), in passes of both sides of similar-length pairs;
+        `backward(summed loss)` after each pass, scaled so that FSDP's average over ranks is
+        the sum."""
         from rlctl.backends.hf import casts_kept, training_forward
-        from rlctl.trainer import ALONE
 
-        sums = PairSums()
+        sums, ranks = PairSums(), self.ranks
         with casts_kept(self.device, self.bf16 and self.weights_whole):  # each weight cast to bf16 once for all the passes
-            for micro, _ in ALONE.micro_batches(torch.tensor(rows), self.cfg.micro_batch_size, pairs.lengths):
+            for micro, weight in ranks.micro_batches(torch.tensor(rows), self.cfg.micro_batch_size, pairs.lengths):
+                # weight 0: a rank's empty pass over one pair, run to keep FSDP's collectives in step
                 sequences = [pairs.chosen[i] for i in micro] + [pairs.rejected[i] for i in micro]
                 width = max(len(s) for s in sequences)
                 with training_forward(self.model, self.device, self.bf16, rows=len(sequences), length=width):
@@ -303,10 +318,75 @@ class RewardModelTrainer(SupervisedSteps):
                 margins = torch.tensor([pairs.margins[i] for i in micro], device=self.device)
                 summed = pair_losses(chosen, rejected, margins, self.cfg.center_coef).sum()
                 if backward is not None:
-                    backward(summed)
+                    backward(summed * (weight * ranks.grad_scale))
                 gap = (chosen - rejected).detach()
-                sums.add(PairSums(float(summed.detach()), float((gap > 0).sum()), float(gap.sum())))
-        return sums
+                sums.add(PairSums(weight * float(summed.detach()), weight * float((gap > 0).sum()), weight * float(gap.sum())))
+        return PairSums(**ranks.sum(vars(sums)))
+
+
+# --- where it trains: this process, or a Ray group of FSDP2 ranks ------------------------------
+
+
+class LocalRewardModel:
+    """The reward model loaded in this process (on `device`)."""
+
+    def __init__(self, model: str, cfg: RewardModelConfig, device: str) -> None:
+        from rlctl.backends.hf import context_length_of, resolve_device
+
+        self.device = resolve_device(device)
+        self.scorer, self.tokenizer = load_scorer(model, self.device, new_head_seed=cfg.seed)
+        self.cfg, self.context_length = cfg, context_length_of(self.scorer)
+
+    def start(self, pairs: Pairs, total_steps: int) -> None:
+        self.pairs = pairs
+        self.trainer = RewardModelTrainer(self.scorer, self.tokenizer.pad_token_id, self.cfg, device=self.device, total_steps=total_steps)
+
+    def epoch(self, epoch: int) -> EpochRow:
+        return self.trainer.train_epoch(self.pairs, epoch)
+
+    def evaluate(self, pairs: Pairs) -> tuple[float, float]:
+        return self.trainer.evaluate(pairs)
+
+    def save(self, out: str, manifest: Manifest) -> Manifest:
+        from rlctl.checkpoint import save_checkpoint
+
+        return save_checkpoint(out, policy=SimpleNamespace(model=self.scorer, tokenizer=self.tokenizer), trainer_state=None, manifest=manifest)
+
+    def close(self) -> None:
+        """Nothing held beyond this object."""
+
+
+class RayRewardModel:
+    """A Ray worker group (`workers.*`): FSDP2 ranks each train on their share of every step's
+    pairs; rank 0 writes the gathered weights. The controller holds the tokenizer only."""
+
+    def __init__(self, model: str, cfg: RewardModelConfig, workers, device: str) -> None:
+        from rlctl.config import Config, ModelConfig
+        from rlctl.workers.ray import RayWorkers
+
+        self.group = RayWorkers(
+            Config(model=ModelConfig(device=device), workers=workers), policy_source=None, critic_source=None, reward_model={"path": model, "seed": cfg.seed},
+        )
+        self.cfg = cfg
+        self.tokenizer, self.context_length = scorer_tokenizer(model), self.group.context_length
+
+    def start(self, pairs: Pairs, total_steps: int) -> None:
+        import ray
+
+        self.pairs, self.total_steps = ray.put(pairs), total_steps  # one copy, read by every rank
+
+    def epoch(self, epoch: int) -> EpochRow:
+        return self.group.call_ranks("reward_model_epoch", lambda rank: (self.pairs, self.cfg, self.total_steps, epoch))[0]
+
+    def evaluate(self, pairs: Pairs) -> tuple[float, float]:
+        return self.group.call_ranks("reward_model_evaluate", lambda rank: (pairs, self.cfg, self.total_steps))[0]
+
+    def save(self, out: str, manifest: Manifest) -> Manifest:
+        manifest.state = {**manifest.state, "workers": to_dict(self.group.cfg.workers)}
+        return Manifest.from_json(self.group.call_ranks("save_reward_model", lambda rank: (out, manifest.to_json()))[0])
+
+    def close(self) -> None:
+        self.group.close()
 
 
 # --- the command ------------------------------------------------------------------------------
@@ -318,9 +398,9 @@ def run(
 ) -> Manifest:
     """Train a reward model from `model` on the pairs at `data` (`cfg.reward_model`) and commit
     it at `out`; `report(row)` after each epoch (epoch 0: the held-out pairs before training)."""
-    from rlctl.backends.hf import check_model_dir, context_length_of, resolve_device
-    from rlctl.checkpoint import local_checkpoint_dir, same_folder, save_checkpoint
-    from rlctl.dtypes import decided_bf16
+    from rlctl.backends.hf import check_model_dir
+    from rlctl.checkpoint import local_checkpoint_dir, same_folder
+    from rlctl.dtypes import decided_bf16, models_device
     from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
     from rlctl.shards import read
 
@@ -328,8 +408,8 @@ def run(
     local_checkpoint_dir(out)
     if same_folder(out, model):
         raise InputError(f"reward-model --out {out} is the --model folder: write the reward model elsewhere")
-    on = resolve_device(device)
-    rm_cfg = replace(cfg.reward_model, bf16=decided_bf16(cfg.reward_model.bf16, on.type))
+    on = models_device(device, cfg.workers)
+    rm_cfg = replace(cfg.reward_model, bf16=decided_bf16(cfg.reward_model.bf16, on))
     train_source = read(data)
     val_source = read(val_data) if val_data else None
     inputs = [shards_ref(train_source), model_ref(model)] + ([shards_ref(val_source)] if val_source else [])
@@ -339,30 +419,32 @@ def run(
         return existing
     if train_source.table.num_rows == 0:
         raise InputError(f"{data}: no preference pairs")
-    scorer, tokenizer = load_scorer(model, on, new_head_seed=rm_cfg.seed)
-    context = context_length_of(scorer)
+    where = RayRewardModel(model, rm_cfg, cfg.workers, device) if cfg.workers.backend == "ray" else LocalRewardModel(model, rm_cfg, device)
+    try:
+        def encoded(source) -> Pairs:
+            return encode_pairs(source.table, where.tokenizer, rm_cfg, context_length=where.context_length, source=source.uri)
 
-    def encoded(source) -> Pairs:
-        return encode_pairs(source.table, tokenizer, rm_cfg, context_length=context, source=source.uri)
+        pairs = encoded(train_source)
+        held_out = encoded(val_source) if val_source and val_source.table.num_rows else None
+        if not len(pairs):
+            raise InputError(f"{data}: every pair is over {rm_cfg.max_tokens or where.context_length} tokens (reward_model.too_long = drop left them all out)")
+        where.start(pairs, rm_cfg.epochs * -(-len(pairs) // rm_cfg.batch_size))
+        rows = []
 
-    pairs = encoded(train_source)
-    held_out = encoded(val_source) if val_source and val_source.table.num_rows else None
-    if not len(pairs):
-        raise InputError(f"{data}: every pair is over {rm_cfg.max_tokens or context} tokens (reward_model.too_long = drop left them all out)")
-    trainer = RewardModelTrainer(scorer, tokenizer.pad_token_id, rm_cfg, device=on, total_steps=rm_cfg.epochs * -(-len(pairs) // rm_cfg.batch_size))
-    rows = []
+        def record(row: EpochRow) -> None:
+            if held_out is not None and len(held_out):
+                row.val_loss, row.val_accuracy = where.evaluate(held_out)
+            rows.append(row.as_dict())
+            if report is not None:
+                report(rows[-1])
 
-    def record(row: EpochRow) -> None:
         if held_out is not None and len(held_out):
-            row.val_loss, row.val_accuracy = trainer.evaluate(held_out)
-        rows.append(row.as_dict())
-        if report is not None:
-            report(rows[-1])
-
-    if held_out is not None and len(held_out):
-        record(EpochRow(0))
-    for epoch in range(1, rm_cfg.epochs + 1):
-        record(trainer.train_epoch(pairs, epoch))
-    manifest.state = {"pairs": len(pairs), "dropped": pairs.dropped + (held_out.dropped if held_out else 0), "optimizer_steps": trainer.step, "epochs": rows}
-    manifest.metrics = {k: v for k, v in rows[-1].items() if k in ("loss", "accuracy", "val_loss", "val_accuracy")}
-    return save_checkpoint(out, policy=SimpleNamespace(model=scorer, tokenizer=tokenizer), trainer_state=None, manifest=manifest)
+            record(EpochRow(0))
+        for epoch in range(1, rm_cfg.epochs + 1):
+            record(where.epoch(epoch))
+        steps = sum(row.get("steps", 0) for row in rows)
+        manifest.state = {"pairs": len(pairs), "dropped": pairs.dropped + (held_out.dropped if held_out else 0), "optimizer_steps": steps, "epochs": rows}
+        manifest.metrics = {k: v for k, v in rows[-1].items() if k in ("loss", "accuracy", "val_loss", "val_accuracy")}
+        return where.save(out, manifest)
+    finally:
+        where.close()

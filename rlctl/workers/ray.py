@@ -174,10 +174,12 @@ class RayWorkers:
 
     def __init__(
         self, cfg: Config, *, policy_source: str | None, critic_source: str | None, train: bool = True, temperature: float | None = None,
-        log_dir: Path | None = None,
+        log_dir: Path | None = None, reward_model: dict | None = None,
     ) -> None:
         """`train=False` builds a group that only generates or scores (no FSDP copy, no optimizer);
-        `policy_source=None` a group of only the reference and/or the critic."""
+        `policy_source=None` a group of only the reference and/or the critic; `reward_model`
+        ({"path", "seed"}, no other model) a group that trains a reward model (rlctl
+        reward-model: rlctl.reward_model.load_scorer on each rank, FSDP2-sharded)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -186,7 +188,7 @@ class RayWorkers:
         from rlctl.backends.hf import check_model_dir, quiet_transformers
 
         quiet_transformers()
-        for source in (policy_source, cfg.model.ref, critic_source):
+        for source in (policy_source, cfg.model.ref, critic_source, (reward_model or {}).get("path")):
             if source:
                 check_model_dir(source)  # bad input is exit 2 here, before Ray starts
         from dataclasses import replace
@@ -238,10 +240,12 @@ class RayWorkers:
         setup = {
             "config": asdict(cfg), "policy": policy_source, "critic": critic_source, "master": master, "port": port,
             "train": train and (policy_source is not None or critic_source is not None), "temperature": cfg.rollout.temperature if temperature is None else temperature,
+            "reward_model": reward_model,
         }
         self.pad_id, self.vocab_size, self.context_length = self._all("setup", setup, per_rank=lambda rank: {"rank": rank, "world": self.size})[0]
-        self.loads += [f"{role}:{source}" for role, source in (("policy", policy_source), ("ref", cfg.model.ref), ("critic", critic_source)) if source]
-        self.tokenizer = AutoTokenizer.from_pretrained(policy_source or cfg.model.ref or critic_source, padding_side="left", trust_remote_code=False)
+        scorer = (reward_model or {}).get("path")
+        self.loads += [f"{role}:{source}" for role, source in (("policy", policy_source), ("ref", cfg.model.ref), ("critic", critic_source), ("reward_model", scorer)) if source]
+        self.tokenizer = AutoTokenizer.from_pretrained(policy_source or cfg.model.ref or critic_source or scorer, padding_side="left", trust_remote_code=False)
         self.trainer = _TrainerProxy(self) if setup["train"] else None
         if self.trainer is not None:
             self.trainer.step = self._call([self.actors[0].step.remote()])[0]
@@ -543,6 +547,16 @@ class RankWorker:
             state = load_trainer_state(source) if source else None
             if state is not None:
                 self._load_trainer_state(state)
+        self.reward_model = self.reward_model_trainer = None  # rlctl reward-model on this group: the model trained, FSDP2-sharded
+        if spec.get("reward_model"):
+            from rlctl.backends.hf import context_length_of
+            from rlctl.reward_model import load_scorer
+
+            self.reward_model, self.reward_model_tokenizer = load_scorer(spec["reward_model"]["path"], device, new_head_seed=spec["reward_model"]["seed"])
+            self.reward_model_device = device
+            if world > 1:
+                _sharded(self.reward_model, init_device_mesh(device.type, (world,)))
+            return self.reward_model_tokenizer.pad_token_id, self.reward_model.config.vocab_size, context_length_of(self.reward_model)
         first = self.engine or self.ref or self.ref_shards
         if first is None:
             return 0, self.critic_engine.vocab_size, None
@@ -671,6 +685,46 @@ class RankWorker:
             self.sft_trainer = SftTrainer(self.train_policy, cfg, total_steps=total_steps, ranks=RankGroup(self.rank, self.world))
         return self.sft_trainer
 
+    # -- reward-model training (rlctl reward-model) ------------------------------------------
+
+    def reward_model_epoch(self, pairs, cfg, total_steps: int, epoch: int):
+        """One epoch of `rlctl reward-model` on this rank's share of every step's pairs."""
+        return self._reward_model_trainer(cfg, total_steps).train_epoch(pairs, epoch)
+
+    def reward_model_evaluate(self, pairs, cfg, total_steps: int) -> tuple[float, float]:
+        """The held-out pairs' mean loss and accuracy, summed over the ranks' shares."""
+        return self._reward_model_trainer(cfg, total_steps).evaluate(pairs)
+
+    def _reward_model_trainer(self, cfg, total_steps: int):
+        from rlctl.reward_model import RewardModelTrainer
+        from rlctl.trainer import RankGroup
+
+        if self.reward_model_trainer is None:
+            self.reward_model_trainer = RewardModelTrainer(
+                self.reward_model, self.reward_model_tokenizer.pad_token_id, cfg, device=self.reward_model_device, total_steps=total_steps,
+                ranks=RankGroup(self.rank, self.world),
+            )
+        return self.reward_model_trainer
+
+    def save_reward_model(self, directory: str, manifest_json: str) -> str:
+        """Gather the trained reward model (all ranks); rank 0 writes it, weights and tokenizer."""
+        from types import SimpleNamespace
+
+        from transformers import AutoModelForSequenceClassification
+
+        from rlctl.checkpoint import save_checkpoint
+
+        model = self.reward_model
+        if self.world > 1:
+            state = full_model_state(model)
+            if self.rank != 0:
+                return manifest_json
+            model = _plain_copy(model, state, AutoModelForSequenceClassification)
+        manifest = save_checkpoint(
+            directory, policy=SimpleNamespace(model=model, tokenizer=self.reward_model_tokenizer), trainer_state=None, manifest=Manifest.from_json(manifest_json),
+        )
+        return manifest.to_json()
+
     # -- weights -----------------------------------------------------------------------------
 
     def hand_over(self) -> dict:
@@ -788,15 +842,15 @@ def _sharded(model, mesh):
     return model
 
 
-def _plain_copy(sharded, state: dict):
-    """A plain (unsharded) module like the FSDP2 module `sharded`, holding its full `state`
-    and its buffers (FSDP2 keeps buffers whole on every rank; rotary tables are not in the
-    state dict)."""
+def _plain_copy(sharded, state: dict, auto_class=None):
+    """A plain (unsharded) module like the FSDP2 module `sharded` (a causal LM, or
+    `auto_class`'s kind), holding its full `state` and its buffers (FSDP2 keeps buffers whole
+    on every rank; rotary tables are not in the state dict)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(sharded.config)
+        model = (auto_class or AutoModelForCausalLM).from_config(sharded.config)
     device = next(iter(state.values())).device
     model = model.to_empty(device=device)
     model.load_state_dict(state)

@@ -376,3 +376,39 @@ def test_two_workers_fine_tune_as_one_process_does(ray_session, tiny_model, tmp_
     got, want = load_file(str(tmp_path / "ray" / "model.safetensors")), load_file(str(tmp_path / "local" / "model.safetensors"))
     assert max(float((got[k] - want[k]).abs().max()) for k in want) < SPLIT_ROUNDING
     assert not (tmp_path / "ray" / "trainer_state").exists() and on_ranks.state["workers"]["num_workers"] == 2
+
+
+def test_two_workers_train_a_reward_model_as_one_process_does(ray_session, tiny_model, tmp_path):
+    """`rlctl reward-model` on two FSDP2 ranks: each takes its share of every step's pairs (an
+    odd count: one rank runs an empty pass), loss, accuracy and margin are the group's sums, and
+    rank 0 writes the gathered weights with the new head, which `rm:` scores with."""
+    from rlctl import reward_model
+    from rlctl.rewards import RewardModel
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Type a number: {i}", "chosen": f"{7 * i + 3}", "rejected": "no" if i % 2 else "maybe so"}) + "\n" for i in range(7)))
+    settings = [
+        "reward_model.epochs=2", "reward_model.lr=1e-3", "reward_model.batch_size=4", "reward_model.micro_batch_size=1",
+        "reward_model.center_coef=0.01", "reward_model.bf16=false", "model.device=\"cpu\"",
+    ]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each worker (cpus_per_worker = 1)
+    try:
+        local = reward_model.run(data=str(data), val_data=str(data), model=tiny_model, out=str(tmp_path / "local"), cfg=load_config(None, settings), device="cpu")
+    finally:
+        torch.set_num_threads(threads)
+    ray_cfg = load_config(None, [*settings, 'workers.backend="ray"', "workers.num_workers=2"])
+    on_ranks = reward_model.run(data=str(data), val_data=str(data), model=tiny_model, out=str(tmp_path / "ray"), cfg=ray_cfg, device="cpu")
+    assert len(on_ranks.state["epochs"]) == len(local.state["epochs"]) == 3  # before training, then 2 epochs
+    for ours, theirs in zip(on_ranks.state["epochs"], local.state["epochs"]):
+        assert ours["epoch"] == theirs["epoch"] and ours.get("steps") == theirs.get("steps") and ours.get("pairs") == theirs.get("pairs")
+        for key in ("loss", "accuracy", "margin", "val_loss", "val_accuracy"):
+            if key in theirs:
+                assert abs(ours[key] - theirs[key]) < 1e-4, (key, ours, theirs)
+    assert on_ranks.state["optimizer_steps"] == local.state["optimizer_steps"] == 4
+    got, want = load_file(str(tmp_path / "ray" / "model.safetensors")), load_file(str(tmp_path / "local" / "model.safetensors"))
+    assert got.keys() == want.keys() and any(k.startswith("score.") for k in want)
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) < SPLIT_ROUNDING
+    assert on_ranks.state["workers"]["num_workers"] == 2 and not (tmp_path / "ray" / "trainer_state").exists()
+    scores = [RewardModel(str(tmp_path / folder), device="cpu")(prompts=["Type a number: 2"], responses=["17"]) for folder in ("ray", "local")]
+    assert abs(scores[0][0] - scores[1][0]) < 1e-4

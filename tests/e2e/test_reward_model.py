@@ -98,6 +98,20 @@ def test_a_pipeline_trains_its_reward_model_once_scores_with_it_and_replays_its_
     assert (trained / "_manifest.json").read_bytes() == rm_manifest  # resumed: no second training
 
 
+@pytest.mark.slow
+def test_a_pipeline_on_ray_workers_trains_its_reward_model_on_them_then_scores_with_it(cli, tmp_path, tiny_model, pairs):
+    config = write_config(
+        tmp_path, tiny_model, model={"critic": "", "ref": ""}, advantage={"estimator": "grpo", "kl_coef": 0.0},
+        reward_model={"data": str(pairs), "epochs": 2, "lr": 1e-3, "batch_size": 4}, score={"reward": "rm:trained"}, pipeline={"iterations": 1, "val_every": 0},
+    )
+    result = cli("pipeline", config, "--run-dir", tmp_path / "run", "--quiet", "--workers-backend", "ray", "--workers", "2")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads((tmp_path / "run" / "reward_model" / "_manifest.json").read_text())
+    assert manifest["state"]["workers"]["num_workers"] == 2 and manifest["state"]["optimizer_steps"] == 4
+    assert is_intact(str(tmp_path / "run" / "reward_model")) is None
+    assert (tmp_path / "run" / "iter-0001" / "score" / "_manifest.json").exists()
+
+
 @pytest.mark.parametrize(
     ("sections", "fragment"),
     [
