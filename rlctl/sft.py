@@ -6,11 +6,16 @@ rollout stage makes them (`encode_prompts`: the same chat template, `data.max_pr
 `data.truncate`), and the response as the rollout would sample it: a plain response's tokens
 and then the end token the engine stops at; a chat response as the tokenizer's template
 renders the assistant's turn after the prompt, up to the turn's end token. The loss is the
-mean negative log-likelihood of the response tokens (the prompt is context only), over each
-optimizer step's examples, accumulated exactly over its passes as the update accumulates.
+mean negative log-likelihood of the trained response tokens (the prompt is context only), over
+each optimizer step's examples, accumulated exactly over its passes as the update accumulates.
 
 Data: `prompt` (text) or `messages` (chat) with `response` (or TRL's `completion`), or
-`messages` alone ending in the assistant's turn(s), which are the response.
+`messages` alone ending in the assistant's turn(s), which are the response. A response of
+several turns trains on the assistant's turns alone, each as the rollout would sample it after
+its generation prompt: a tool's or the user's turn between them, and the template's turn
+headers, are context, as the rollout's tool turns are in the update. With `sft.assistant_turns =
+"all"` a conversation's every assistant turn is trained, from its first (TRL's
+`assistant_only_loss`); with "last" (the default) only its trailing assistant turns.
 
 It trains in this process or on a Ray group of FSDP2 ranks (`workers.backend = "ray"`), each
 rank on its share of every optimizer step's examples. The output is a checkpoint folder: the HF weights (or a LoRA adapter) with a manifest that
@@ -37,18 +42,24 @@ RESPONSE_COLUMNS = ("response", "completion")  # rlctl's name, TRL's prompt-comp
 
 @dataclass(frozen=True)
 class Examples:
-    """Token ids of each example's prompt (context) and response (trained on)."""
+    """Token ids of each example's prompt (context) and response (trained on), and which of a
+    response's tokens the loss counts (`trained`; None: all of them)."""
 
     ids: list[str]
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
+    trained: list[list[bool]] | None = None  # a multi-turn response: its other turns and the turns' headers are context
 
     def __len__(self) -> int:
         return len(self.ids)
 
+    def trained_tokens(self, row: int) -> int:
+        return len(self.response_ids[row]) if self.trained is None else sum(self.trained[row])
+
     @property
     def response_tokens(self) -> int:
-        return sum(len(r) for r in self.response_ids)
+        """The tokens the loss counts, over every example."""
+        return sum(self.trained_tokens(row) for row in range(len(self)))
 
     @cached_property
     def lengths(self) -> list[int]:
@@ -59,9 +70,10 @@ class Examples:
 # --- examples ---------------------------------------------------------------------------------
 
 
-def split_examples(table: pa.Table, source: str) -> tuple[list[str | None], list[list[dict] | None], list[str | list[dict]]]:
+def split_examples(table: pa.Table, source: str, assistant_turns: str = "last") -> tuple[list[str | None], list[list[dict] | None], list[str | list[dict]]]:
     """(plain prompts, chat contexts, responses) of every row: a response column beside the
-    prompt, or a conversation whose trailing assistant turns are the response."""
+    prompt, or a conversation whose trailing assistant turns ("last"), or whose turns from its
+    first assistant turn on ("all"), are the response."""
     ids = table.column("id").to_pylist()
     prompts = table.column("prompt").to_pylist() if "prompt" in table.column_names else [None] * len(ids)
     chats = table.column("messages").to_pylist() if "messages" in table.column_names else [None] * len(ids)
@@ -80,6 +92,8 @@ def split_examples(table: pa.Table, source: str) -> tuple[list[str | None], list
         cut = len(turns)
         while cut and turns[cut - 1].get("role") == "assistant":
             cut -= 1
+        if assistant_turns == "all":
+            cut = next((i for i, turn in enumerate(turns) if turn.get("role") == "assistant"), len(turns))
         if cut == len(turns) or cut == 0:
             raise InputError(
                 f"{source}: example {prompt_id!r} has no response: give a 'response' (or 'completion') column, "
@@ -92,27 +106,49 @@ def split_examples(table: pa.Table, source: str) -> tuple[list[str | None], list
 
 def response_tokens(
     tokenizer, prompt: str | None, context: list[dict] | None, response: str | list[dict], data: DataConfig, end_ids: Sequence[int], example: str,
-) -> list[int]:
-    """A response's tokens as the rollout would sample them after the prompt: plain text then the
-    end token; in a chat, the template's rendering of the assistant's turn(s) after the prompt's
-    (generation prompt included there), up to the last end token (a template's newline after it
-    is never sampled: generation stops at the end token)."""
+) -> tuple[list[int], list[bool]]:
+    """A response's tokens as the rollout would sample them after the prompt, and which of them
+    are trained: plain text then the end token, all trained; in a chat, the template's rendering
+    of each turn after the prompt's, an assistant's turn after its generation prompt trained up
+    to its last end token, its header and anything else context; the context after the last
+    trained token left out (a template's newline after the end token is never sampled:
+    generation stops there)."""
     chat = context if context is not None else [{"role": "user", "content": prompt}] if data.chat_template else None
     if chat is None:
         if not isinstance(response, str):
             raise InputError(f"example {example!r}: a chat response (messages) needs a chat prompt (messages, or data.chat_template = true)")
         end = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else list(end_ids[:1])
-        return tokenizer(response, add_special_tokens=False)["input_ids"] + end
+        tokens = tokenizer(response, add_special_tokens=False)["input_ids"] + end
+        return tokens, [True] * len(tokens)
     turns = [{"role": "assistant", "content": response}] if isinstance(response, str) else list(response)
-    opened = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    whole = tokenizer.apply_chat_template(chat + turns, tokenize=False)
-    if not whole.startswith(opened):
-        raise InputError(f"example {example!r}: the chat template does not render the conversation as the prompt then the response, so the response's tokens are unknown")
-    tokens = tokenizer(whole[len(opened):], add_special_tokens=False)["input_ids"]
-    ends = [i for i, token in enumerate(tokens) if token in end_ids]
-    if ends and not tokenizer.decode(tokens[ends[-1] + 1:]).strip():
-        tokens = tokens[: ends[-1] + 1]
-    return tokens
+    if turns and turns[0].get("role") != "assistant":  # the prompt ends in the assistant's generation prompt
+        raise InputError(f"example {example!r}: its response starts with a {turns[0].get('role')!r} turn: a response starts with the assistant's")
+    tokens: list[int] = []
+    trained: list[bool] = []
+
+    def rendered(upto: int, opened: bool = False) -> str:
+        return tokenizer.apply_chat_template(chat + turns[:upto], tokenize=False, add_generation_prompt=opened)
+
+    def add(text: str, covered: str, train: bool) -> str:
+        if not text.startswith(covered):
+            raise InputError(f"example {example!r}: the chat template does not render the conversation as the prompt then the response, so the response's tokens are unknown")
+        piece = tokenizer(text[len(covered):], add_special_tokens=False)["input_ids"]
+        ends = [i for i, token in enumerate(piece) if token in end_ids] if train else []
+        last = ends[-1] + 1 if ends else len(piece) if train else 0
+        tokens.extend(piece)
+        trained.extend(i < last for i in range(len(piece)))
+        return text
+
+    covered = rendered(0, opened=True)  # the prompt
+    for turn, message in enumerate(turns):
+        assistant = message.get("role") == "assistant"
+        if assistant and turn:
+            covered = add(rendered(turn, opened=True), covered, train=False)  # its generation prompt: the turn's header
+        covered = add(rendered(turn + 1), covered, train=assistant)
+    while trained and not trained[-1]:
+        trained.pop()
+        tokens.pop()
+    return tokens, trained
 
 
 def encode_examples(table: pa.Table, tokenizer, data: DataConfig, cfg: SftConfig, *, end_ids: Sequence[int], context_length: int | None, source: str) -> Examples:
@@ -121,13 +157,13 @@ def encode_examples(table: pa.Table, tokenizer, data: DataConfig, cfg: SftConfig
     from rlctl.stages.rollout import encode_prompts
 
     ids = table.column("id").to_pylist()
-    prompts, contexts, responses = split_examples(table, source)
+    prompts, contexts, responses = split_examples(table, source, cfg.assistant_turns)
     as_prompts = pa.table({"id": ids, "prompt": pa.array(prompts, pa.string()), "messages": pa.array(contexts)})
     prompt_ids = encode_prompts(as_prompts, tokenizer, data, context_length=context_length)
     limit = cfg.max_tokens or context_length or 0
-    kept = []
+    kept, masks = [], []
     for example, prompt, context, response, prompt_tokens in zip(ids, prompts, contexts, responses, prompt_ids):
-        tokens = response_tokens(tokenizer, prompt, context, response, data, end_ids, example)
+        tokens, trained = response_tokens(tokenizer, prompt, context, response, data, end_ids, example)
         if not tokens or response == "":  # an end token alone: most likely a column mapped wrong
             raise InputError(f"{source}: example {example!r} has an empty response")
         over = len(prompt_tokens) + len(tokens) - limit if limit else 0
@@ -136,9 +172,12 @@ def encode_examples(table: pa.Table, tokenizer, data: DataConfig, cfg: SftConfig
             if cfg.truncate != "right" or room < 1:
                 why = "its prompt leaves no room for a response" if room < 1 else "use --set sft.truncate=right to cut its response"
                 raise InputError(f"{source}: example {example!r} has {len(prompt_tokens) + len(tokens)} tokens, over {limit} ({'sft.max_tokens' if cfg.max_tokens else 'the model context'}): {why}")
-            tokens = tokens[:room]
+            tokens, trained = tokens[:room], trained[:room]
+        if not any(trained):
+            raise InputError(f"{source}: example {example!r} has no assistant tokens to train on (its response is other roles' turns, or cut before the assistant's)")
         kept.append(tokens)
-    return Examples(ids, prompt_ids, kept)
+        masks.append(trained)
+    return Examples(ids, prompt_ids, kept, None if all(all(m) for m in masks) else masks)
 
 
 # --- training ---------------------------------------------------------------------------------
@@ -181,7 +220,7 @@ class SftTrainer(SupervisedSteps):
         row = EpochRow(epoch)
         nll = norms = 0.0
         for rows in self.steps_of_epoch(len(examples), epoch):
-            tokens = sum(len(examples.response_ids[i]) for i in rows)
+            tokens = sum(examples.trained_tokens(i) for i in rows)
             nll += self._passes(examples, rows, lambda summed, tokens=tokens: (summed / tokens).backward())  # the step's mean
             norm, row.lr = self.apply("sft.lr")
             norms += norm
@@ -209,11 +248,21 @@ class SftTrainer(SupervisedSteps):
                 packed = pack([examples.prompt_ids[i] for i in micro], [examples.response_ids[i] for i in micro], policy.pad_id, policy.device)
                 with training_forward(policy.model, policy.device, self.bf16, rows=len(micro), length=packed.input_ids.shape[1]):
                     logp, _ = policy.forward(packed, temperature=1.0)
-                summed = -torch.where(packed.response_mask, logp.float(), 0).sum()
+                summed = -torch.where(trained_mask(packed.response_mask, examples, micro), logp.float(), 0).sum()
                 if backward is not None:
                     backward(summed * (weight * ranks.grad_scale))
                 total += weight * float(summed.detach())
         return ranks.sum({"nll": total})["nll"]
+
+
+def trained_mask(response_mask: torch.Tensor, examples: Examples, rows: Sequence[int]) -> torch.Tensor:
+    """`response_mask` [B, T] of a pass over `rows`, less the response tokens that are context."""
+    if examples.trained is None:
+        return response_mask
+    trained = torch.zeros_like(response_mask)
+    for k, row in enumerate(rows):
+        trained[k, : len(examples.trained[row])] = torch.tensor(examples.trained[row])
+    return response_mask & trained
 
 
 # --- where it trains: this process, or a Ray group of FSDP2 ranks ------------------------------

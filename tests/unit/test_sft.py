@@ -67,6 +67,60 @@ def test_several_trailing_assistant_turns_are_all_the_response(policy, tmp_path)
     assert "one" in text and "two" in text and text.count("<|im_end|>") == 2
 
 
+TOOL_CHAT = [
+    {"role": "user", "content": "weather in Oslo?"}, {"role": "assistant", "content": "<call>weather Oslo</call>"},
+    {"role": "tool", "content": "rain, 4 degrees"}, {"role": "assistant", "content": "Rain and 4 degrees."},
+]
+
+
+def trained_text(tokenizer, ex: Examples, row: int = 0) -> list[str]:
+    """The trained runs of a response's tokens, decoded."""
+    runs, current = [], []
+    for token, trained in zip(ex.response_ids[row], ex.trained[row] if ex.trained else [True] * len(ex.response_ids[row])):
+        if trained:
+            current.append(token)
+        elif current:
+            runs, current = runs + [tokenizer.decode(current)], []
+    return runs + ([tokenizer.decode(current)] if current else [])
+
+
+def test_every_assistant_turn_is_trained_and_the_tool_turns_between_are_context(policy, tmp_path):
+    tok = policy.tokenizer
+    got = encode(policy, read_rows(tmp_path, [{"messages": TOOL_CHAT}]), cfg=SftConfig(assistant_turns="all"))
+    assert tok.decode(got.prompt_ids[0]) == tok.apply_chat_template(TOOL_CHAT[:1], tokenize=False, add_generation_prompt=True)
+    assert tok.decode(got.prompt_ids[0] + got.response_ids[0]) == tok.apply_chat_template(TOOL_CHAT, tokenize=False)[: -len("\n")]
+    # each assistant turn as the rollout samples it after its generation prompt: its header, the tool's turn and newlines are context
+    assert trained_text(tok, got) == ["<call>weather Oslo</call><|im_end|>", "Rain and 4 degrees.<|im_end|>"]
+    assert got.response_tokens == sum(got.trained[0]) < len(got.response_ids[0])
+
+
+def test_by_default_only_the_trailing_assistant_turns_are_the_response(policy, tmp_path):
+    tok = policy.tokenizer
+    got = encode(policy, read_rows(tmp_path, [{"messages": TOOL_CHAT}]))
+    assert tok.decode(got.prompt_ids[0]) == tok.apply_chat_template(TOOL_CHAT[:3], tokenize=False, add_generation_prompt=True)
+    assert got.trained is None and trained_text(tok, got) == ["Rain and 4 degrees.<|im_end|>"]
+
+
+def test_a_multi_turn_completion_trains_on_its_assistant_turns_alone(policy, tmp_path):
+    tok = policy.tokenizer
+    row = {"messages": TOOL_CHAT[:1], "completion": TOOL_CHAT[1:]}
+    got = encode(policy, read_rows(tmp_path, [row]))
+    assert trained_text(tok, got) == ["<call>weather Oslo</call><|im_end|>", "Rain and 4 degrees.<|im_end|>"]
+    with pytest.raises(InputError, match="example '0': its response starts with a 'tool' turn"):
+        encode(policy, read_rows(tmp_path, [{"messages": TOOL_CHAT[:1], "completion": TOOL_CHAT[2:3]}]))
+
+
+def test_the_loss_counts_the_trained_tokens_alone(tiny_model, tmp_path):
+    policy = HFPolicy.load(tiny_model, "cpu")
+    rows = [{"messages": TOOL_CHAT}, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}]
+    ex = encode(policy, read_rows(tmp_path, rows), cfg=SftConfig(assistant_turns="all"))
+    want = float(reference_nll(policy.model, ex).detach()) / ex.response_tokens
+    for micro in (1, 2):  # a pass of one row, of rows whose masks differ in length
+        trainer = SftTrainer(policy, SftConfig(batch_size=2, micro_batch_size=micro, micro_batch_tokens="0", bf16="false"), total_steps=1)
+        assert trainer.mean_loss(ex) == pytest.approx(want, rel=1e-5)
+    assert ex.response_tokens < sum(len(r) for r in ex.response_ids)
+
+
 @pytest.mark.parametrize(
     ("rows", "fragment"),
     [
@@ -95,13 +149,14 @@ def test_an_example_over_max_tokens_is_an_error_or_has_its_response_cut(policy, 
 
 
 def reference_nll(model, ex: Examples) -> torch.Tensor:
-    """The summed NLL of the response tokens from the model's full logits, one row at a time."""
+    """The summed NLL of the trained response tokens from the model's full logits, one row at a time."""
     total = torch.zeros((), dtype=torch.float64)
-    for prompt, response in zip(ex.prompt_ids, ex.response_ids):
+    for row, (prompt, response) in enumerate(zip(ex.prompt_ids, ex.response_ids)):
         ids = torch.tensor([prompt + response])
         logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
         positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(response))
-        total -= logp[positions, torch.tensor(response)].sum()
+        trained = torch.tensor(ex.trained[row]) if ex.trained else torch.ones(len(response), dtype=torch.bool)
+        total -= logp[positions, torch.tensor(response)][trained].sum()
     return total
 
 
