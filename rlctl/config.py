@@ -335,6 +335,7 @@ class RewardModelConfig:
     bf16: str = "auto"  # bf16 autocast: auto (where the CPU/GPU has native bf16) | true | false
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in the backward: less memory for ~30% more compute
     seed: int = 0  # seed of the pair order and of the new head's initial weights
+    lora: LoraConfig = field(default_factory=LoraConfig)  # train LoRA adapters and the head instead of every weight (r > 0); the reward model written is merged
 
     def __post_init__(self) -> None:
         if isinstance(self.bf16, bool):

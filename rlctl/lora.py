@@ -66,9 +66,10 @@ def is_lora(model: torch.nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def add_adapter(model: torch.nn.Module, cfg: LoraConfig, base_path: str) -> torch.nn.Module:
-    """`model` with fresh LoRA adapters (B = 0: the same function as before), base frozen.
-    The adapters' initial A is drawn from torch's generator, seeded here for reproducibility."""
+def add_adapter(model: torch.nn.Module, cfg: LoraConfig, base_path: str, trained_whole: tuple[str, ...] = (), setting: str = "update.lora") -> torch.nn.Module:
+    """`model` with fresh LoRA adapters (B = 0: the same function as before), base frozen but
+    for the modules `trained_whole` (a reward model's new head). The adapters' initial A is
+    drawn from torch's generator, seeded here for reproducibility."""
     require_peft()
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
@@ -76,8 +77,10 @@ def add_adapter(model: torch.nn.Module, cfg: LoraConfig, base_path: str) -> torc
     names = {name.rpartition(".")[2] for name, _ in model.named_modules()}
     missing = [m for m in cfg.target_modules if m not in names]
     if missing:
-        raise InputError(f"update.lora.target_modules: the model has no module named {missing[0]!r}")
-    config = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules), bias="none")
+        raise InputError(f"{setting}.target_modules: the model has no module named {missing[0]!r}")
+    config = PeftLoraConfig(
+        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules), bias="none", modules_to_save=list(trained_whole) or None,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         peft_model = get_peft_model(model, config)

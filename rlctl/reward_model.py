@@ -37,6 +37,7 @@ from rlctl.manifest import Manifest
 from rlctl.supervised import SupervisedSteps
 
 Response = str | list[dict]
+LORA_TRAINED_WHOLE = ("score",)  # with LoRA adapters, the new head is trained whole
 
 
 # --- what the model reads ---------------------------------------------------------------------
@@ -100,6 +101,25 @@ def load_scorer(uri: str, device: torch.device, *, new_head_seed: int | None = N
     if model.config.pad_token_id is None:  # the head reads the last token that is not padding
         model.config.pad_token_id = tokenizer.pad_token_id
     return cpu_linear.install(model.to(device).eval()), tokenizer
+
+
+def trainable_scorer(uri: str, device: torch.device, cfg: RewardModelConfig):
+    """(model, tokenizer) to train: `load_scorer` with a new head seeded from `cfg.seed` where
+    the folder has none, and with `cfg.lora.r` LoRA adapters, the head trained whole."""
+    from rlctl.lora import add_adapter
+
+    model, tokenizer = load_scorer(uri, device, new_head_seed=cfg.seed)
+    if cfg.lora.r:
+        model = add_adapter(model, cfg.lora, base_path=uri, trained_whole=LORA_TRAINED_WHOLE, setting="reward_model.lora")
+    return model, tokenizer
+
+
+def as_saved(model):
+    """The reward model as its folder holds it: a LoRA model's adapters merged into its weights
+    (and its head's trained copy in place), so `rm:` loads it as any reward model."""
+    from rlctl.lora import is_lora
+
+    return model.merge_and_unload() if is_lora(model) else model
 
 
 def pooled(sequence: Sequence[int], pad_token_id: int | None) -> list[int]:
@@ -334,7 +354,7 @@ class LocalRewardModel:
         from rlctl.backends.hf import context_length_of, resolve_device
 
         self.device = resolve_device(device)
-        self.scorer, self.tokenizer = load_scorer(model, self.device, new_head_seed=cfg.seed)
+        self.scorer, self.tokenizer = trainable_scorer(model, self.device, cfg)
         self.cfg, self.context_length = cfg, context_length_of(self.scorer)
 
     def start(self, pairs: Pairs, total_steps: int) -> None:
@@ -350,7 +370,7 @@ class LocalRewardModel:
     def save(self, out: str, manifest: Manifest) -> Manifest:
         from rlctl.checkpoint import save_checkpoint
 
-        return save_checkpoint(out, policy=SimpleNamespace(model=self.scorer, tokenizer=self.tokenizer), trainer_state=None, manifest=manifest)
+        return save_checkpoint(out, policy=SimpleNamespace(model=as_saved(self.scorer), tokenizer=self.tokenizer), trainer_state=None, manifest=manifest)
 
     def close(self) -> None:
         """Nothing held beyond this object."""
@@ -365,7 +385,7 @@ class RayRewardModel:
         from rlctl.workers.ray import RayWorkers
 
         self.group = RayWorkers(
-            Config(model=ModelConfig(device=device), workers=workers), policy_source=None, critic_source=None, reward_model={"path": model, "seed": cfg.seed},
+            Config(model=ModelConfig(device=device), workers=workers), policy_source=None, critic_source=None, reward_model={"path": model, "settings": cfg},
         )
         self.cfg = cfg
         self.tokenizer, self.context_length = scorer_tokenizer(model), self.group.context_length

@@ -178,8 +178,8 @@ class RayWorkers:
     ) -> None:
         """`train=False` builds a group that only generates or scores (no FSDP copy, no optimizer);
         `policy_source=None` a group of only the reference and/or the critic; `reward_model`
-        ({"path", "seed"}, no other model) a group that trains a reward model (rlctl
-        reward-model: rlctl.reward_model.load_scorer on each rank, FSDP2-sharded)."""
+        ({"path", "settings": RewardModelConfig}, no other model) a group that trains a reward
+        model (rlctl reward-model: rlctl.reward_model.trainable_scorer on each rank, FSDP2-sharded)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -550,10 +550,10 @@ class RankWorker:
         self.reward_model = self.reward_model_trainer = None  # rlctl reward-model on this group: the model trained, FSDP2-sharded
         if spec.get("reward_model"):
             from rlctl.backends.hf import context_length_of
-            from rlctl.reward_model import load_scorer
+            from rlctl.reward_model import trainable_scorer
 
-            self.reward_model, self.reward_model_tokenizer = load_scorer(spec["reward_model"]["path"], device, new_head_seed=spec["reward_model"]["seed"])
-            self.reward_model_device = device
+            self.reward_model, self.reward_model_tokenizer = trainable_scorer(spec["reward_model"]["path"], device, spec["reward_model"]["settings"])
+            self.reward_model_device, self.reward_model_path, self.reward_model_settings = device, spec["reward_model"]["path"], spec["reward_model"]["settings"]
             if world > 1:
                 _sharded(self.reward_model, init_device_mesh(device.type, (world,)))
             return self.reward_model_tokenizer.pad_token_id, self.reward_model.config.vocab_size, context_length_of(self.reward_model)
@@ -695,6 +695,14 @@ class RankWorker:
         """The held-out pairs' mean loss and accuracy, summed over the ranks' shares."""
         return self._reward_model_trainer(cfg, total_steps).evaluate(pairs)
 
+    def _reward_model_adapter(self, plain):
+        """`plain` (a plain copy of the reward model's base) with its adapters, as on this rank."""
+        from rlctl.lora import add_adapter
+        from rlctl.reward_model import LORA_TRAINED_WHOLE
+
+        settings = self.reward_model_settings
+        return add_adapter(plain, settings.lora, base_path=self.reward_model_path, trained_whole=LORA_TRAINED_WHOLE) if settings.lora.r else plain
+
     def _reward_model_trainer(self, cfg, total_steps: int):
         from rlctl.reward_model import RewardModelTrainer
         from rlctl.trainer import RankGroup
@@ -713,15 +721,17 @@ class RankWorker:
         from transformers import AutoModelForSequenceClassification
 
         from rlctl.checkpoint import save_checkpoint
+        from rlctl.reward_model import as_saved
 
         model = self.reward_model
         if self.world > 1:
             state = full_model_state(model)
             if self.rank != 0:
                 return manifest_json
-            model = _plain_copy(model, state, AutoModelForSequenceClassification)
+            model = _plain_copy(model, state, AutoModelForSequenceClassification, adapted=self._reward_model_adapter)
         manifest = save_checkpoint(
-            directory, policy=SimpleNamespace(model=model, tokenizer=self.reward_model_tokenizer), trainer_state=None, manifest=Manifest.from_json(manifest_json),
+            directory, policy=SimpleNamespace(model=as_saved(model), tokenizer=self.reward_model_tokenizer), trainer_state=None,
+            manifest=Manifest.from_json(manifest_json),
         )
         return manifest.to_json()
 
@@ -842,17 +852,22 @@ def _sharded(model, mesh):
     return model
 
 
-def _plain_copy(sharded, state: dict, auto_class=None):
+def _plain_copy(sharded, state: dict, auto_class=None, adapted=None):
     """A plain (unsharded) module like the FSDP2 module `sharded` (a causal LM, or
-    `auto_class`'s kind), holding its full `state` and its buffers (FSDP2 keeps buffers whole
-    on every rank; rotary tables are not in the state dict)."""
+    `auto_class`'s kind; `adapted(model)` adds the adapters a LoRA module has), holding its full
+    `state` and its buffers (FSDP2 keeps buffers whole on every rank; rotary tables are not in
+    the state dict)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from rlctl.lora import transformers_model
+
     with torch.device("meta"):
-        model = (auto_class or AutoModelForCausalLM).from_config(sharded.config)
+        model = (auto_class or AutoModelForCausalLM).from_config(transformers_model(sharded).config)
     device = next(iter(state.values())).device
     model = model.to_empty(device=device)
+    if adapted is not None:
+        model = adapted(model)
     model.load_state_dict(state)
     for name, buffer in sharded.named_buffers():
         model.get_buffer(name).copy_(buffer)

@@ -378,10 +378,12 @@ def test_two_workers_fine_tune_as_one_process_does(ray_session, tiny_model, tmp_
     assert not (tmp_path / "ray" / "trainer_state").exists() and on_ranks.state["workers"]["num_workers"] == 2
 
 
-def test_two_workers_train_a_reward_model_as_one_process_does(ray_session, tiny_model, tmp_path):
+@pytest.mark.parametrize("lora", [0, 4])
+def test_two_workers_train_a_reward_model_as_one_process_does(ray_session, tiny_model, tmp_path, lora):
     """`rlctl reward-model` on two FSDP2 ranks: each takes its share of every step's pairs (an
     odd count: one rank runs an empty pass), loss, accuracy and margin are the group's sums, and
-    rank 0 writes the gathered weights with the new head, which `rm:` scores with."""
+    rank 0 writes the gathered weights with the new head (a LoRA model's adapters merged),
+    which `rm:` scores with."""
     from rlctl import reward_model
     from rlctl.rewards import RewardModel
 
@@ -389,7 +391,7 @@ def test_two_workers_train_a_reward_model_as_one_process_does(ray_session, tiny_
     data.write_text("".join(json.dumps({"prompt": f"Type a number: {i}", "chosen": f"{7 * i + 3}", "rejected": "no" if i % 2 else "maybe so"}) + "\n" for i in range(7)))
     settings = [
         "reward_model.epochs=2", "reward_model.lr=1e-3", "reward_model.batch_size=4", "reward_model.micro_batch_size=1",
-        "reward_model.center_coef=0.01", "reward_model.bf16=false", "model.device=\"cpu\"",
+        "reward_model.center_coef=0.01", "reward_model.bf16=false", "model.device=\"cpu\"", f"reward_model.lora.r={lora}",
     ]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each worker (cpus_per_worker = 1)

@@ -149,6 +149,33 @@ def test_a_trained_reward_model_ranks_held_out_pairs_and_rm_scores_as_it_trained
     assert again.state.get("skipped")
 
 
+def test_a_lora_reward_model_trains_adapters_and_the_head_and_is_written_merged(tiny_model, tmp_path):
+    from safetensors.torch import load_file
+
+    from rlctl.reward_model import LocalRewardModel
+
+    train, held_out = digit_pairs(64, seed=0), digit_pairs(32, seed=1)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held_out))
+    cfg = load_config(None, ["reward_model.epochs=2", "reward_model.lr=3e-3", "reward_model.batch_size=16", "reward_model.lora.r=8", "reward_model.lora.alpha=16"])
+    held = LocalRewardModel(tiny_model, cfg.reward_model, "cpu")
+    trained = {name for name, p in held.scorer.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in name or ".score." in name for name in trained) and any(".score." in name for name in trained)
+    reported = []
+    manifest = run(data=str(tmp_path / "train.jsonl"), val_data=str(tmp_path / "val.jsonl"), model=tiny_model, out=str(tmp_path / "rm"), cfg=cfg, device="cpu", report=reported.append)
+    assert reported[-1]["val_loss"] < reported[0]["val_loss"] and reported[-1]["val_accuracy"] > reported[0]["val_accuracy"]
+    assert manifest.config["reward_model"]["lora"]["r"] == 8
+    assert not (tmp_path / "rm" / "adapter_config.json").exists()  # merged: rm: loads it as any reward model
+    weights = load_file(str(tmp_path / "rm" / "model.safetensors"))
+    assert not any("lora_" in name or "modules_to_save" in name for name in weights)
+    base = load_scorer(tiny_model, CPU, new_head_seed=0)[0].state_dict()
+    assert any(not torch.equal(weights[k], base[k]) for k in weights if "layers.0.self_attn.q_proj" in k)  # the adapters merged in
+    reward = load_reward(f"rm:{tmp_path / 'rm'}")
+    samples = RewardSamples([r["prompt"] for r in held_out] * 2, [r["chosen"] for r in held_out] + [r["rejected"] for r in held_out], [None] * 64, [None] * 64)
+    scores = compute_rewards(reward, samples, timeout=60)
+    assert sum(c > r for c, r in zip(scores[:32], scores[32:])) / 32 == reported[-1]["val_accuracy"]  # the merged model ranks as the adapted one did
+
+
 def test_rm_scores_a_chat_sample_through_the_chat_template(tiny_model, tmp_path, scorer):
     model, tok = scorer
     model.save_pretrained(tmp_path / "rm")
