@@ -387,7 +387,6 @@ class RayRewardModel:
         self.group = RayWorkers(
             Config(model=ModelConfig(device=device), workers=workers), policy_source=None, critic_source=None, reward_model={"path": model, "settings": cfg},
         )
-        self.cfg = cfg
         self.tokenizer, self.context_length = scorer_tokenizer(model), self.group.context_length
 
     def start(self, pairs: Pairs, total_steps: int) -> None:
@@ -396,10 +395,10 @@ class RayRewardModel:
         self.pairs, self.total_steps = ray.put(pairs), total_steps  # one copy, read by every rank
 
     def epoch(self, epoch: int) -> EpochRow:
-        return self.group.call_ranks("reward_model_epoch", lambda rank: (self.pairs, self.cfg, self.total_steps, epoch))[0]
+        return self.group.call_ranks("reward_model_epoch", lambda rank: (self.pairs, self.total_steps, epoch))[0]
 
     def evaluate(self, pairs: Pairs) -> tuple[float, float]:
-        return self.group.call_ranks("reward_model_evaluate", lambda rank: (pairs, self.cfg, self.total_steps))[0]
+        return self.group.call_ranks("reward_model_evaluate", lambda rank: (pairs, self.total_steps))[0]
 
     def save(self, out: str, manifest: Manifest) -> Manifest:
         manifest.state = {**manifest.state, "workers": to_dict(self.group.cfg.workers)}

@@ -687,13 +687,13 @@ class RankWorker:
 
     # -- reward-model training (rlctl reward-model) ------------------------------------------
 
-    def reward_model_epoch(self, pairs, cfg, total_steps: int, epoch: int):
+    def reward_model_epoch(self, pairs, total_steps: int, epoch: int):
         """One epoch of `rlctl reward-model` on this rank's share of every step's pairs."""
-        return self._reward_model_trainer(cfg, total_steps).train_epoch(pairs, epoch)
+        return self._reward_model_trainer(total_steps).train_epoch(pairs, epoch)
 
-    def reward_model_evaluate(self, pairs, cfg, total_steps: int) -> tuple[float, float]:
+    def reward_model_evaluate(self, pairs, total_steps: int) -> tuple[float, float]:
         """The held-out pairs' mean loss and accuracy, summed over the ranks' shares."""
-        return self._reward_model_trainer(cfg, total_steps).evaluate(pairs)
+        return self._reward_model_trainer(total_steps).evaluate(pairs)
 
     def _reward_model_adapter(self, plain):
         """`plain` (a plain copy of the reward model's base) with its adapters, as on this rank."""
@@ -703,13 +703,13 @@ class RankWorker:
         settings = self.reward_model_settings
         return add_adapter(plain, settings.lora, base_path=self.reward_model_path, trained_whole=LORA_TRAINED_WHOLE) if settings.lora.r else plain
 
-    def _reward_model_trainer(self, cfg, total_steps: int):
+    def _reward_model_trainer(self, total_steps: int):
         from rlctl.reward_model import RewardModelTrainer
         from rlctl.trainer import RankGroup
 
         if self.reward_model_trainer is None:
             self.reward_model_trainer = RewardModelTrainer(
-                self.reward_model, self.reward_model_tokenizer.pad_token_id, cfg, device=self.reward_model_device, total_steps=total_steps,
+                self.reward_model, self.reward_model_tokenizer.pad_token_id, self.reward_model_settings, device=self.reward_model_device, total_steps=total_steps,
                 ranks=RankGroup(self.rank, self.world),
             )
         return self.reward_model_trainer
