@@ -28,7 +28,7 @@ _rlctl() {
         "plot") opts="--help --metrics --out" ;;
         "replay") opts="--check --help --out --reward --set --trust-run-code" ;;
         "reshard") opts="--check --checkpoint --config --dtype --force --help --json --merge-lora --out --set --to" ;;
-        "reward-model") opts="--batch-size --config --data --device --epochs --force --help --json --lr --model --out --set --val-data" ;;
+        "reward-model") opts="--batch-size --config --data --device --epochs --eval --force --help --json --lr --model --out --set --val-data" ;;
         "rollout") opts="--address --backend --chat-template --config --device --dtype --force --format --help --json --max-new-tokens --max-prompt-tokens --model --n --no-chat-template --out --prompts --rows-per-part --seed --set --stop --temperature --top-k --top-p --truncate --workers --workers-backend" ;;
         "score") opts="--address --batch-size --config --critic --device --dtype --force --format --help --json --out --policy --ref --reward --reward-timeout --rollouts --rows-per-part --set --workers --workers-backend" ;;
         "sft") opts="--batch-size --config --data --device --epochs --force --help --json --lr --model --out --set --val-data" ;;

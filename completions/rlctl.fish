@@ -82,6 +82,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from reward-model' -l config
 complete -c rlctl -n '__fish_seen_subcommand_from reward-model' -l data
 complete -c rlctl -n '__fish_seen_subcommand_from reward-model' -l device
 complete -c rlctl -n '__fish_seen_subcommand_from reward-model' -l epochs
+complete -c rlctl -n '__fish_seen_subcommand_from reward-model' -l eval
 complete -c rlctl -n '__fish_seen_subcommand_from reward-model' -l force
 complete -c rlctl -n '__fish_seen_subcommand_from reward-model' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from reward-model' -l json

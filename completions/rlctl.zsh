@@ -12,7 +12,7 @@ _rlctl() {
     'plot:Plot reward, KL, entropy, response length and validation score by iteration.'
     'replay:Re-run one recorded stage from its recorded inputs, config, seed and RNG state.'
     'reshard:Turn a training checkpoint into rollout weights (an HF folder, cast to a dtype; a LoRA'
-    'reward-model:Train a reward model on preference pairs (Bradley-Terry), for scores rm -FOLDER.'
+    'reward-model:Train a reward model on preference pairs (Bradley-Terry), for scores rm -FOLDER; or, with'
     'rollout:Sample responses from the policy for each prompt (writes the rollouts schema).'
     'score:Score rollouts with a reward; optionally add ref/old log-probs and critic values.'
     'sft:Supervised fine-tuning on demonstrations - the warm start before RL (loss on responses only).'
@@ -31,7 +31,7 @@ _rlctl() {
     plot) _arguments '*:file:_files' '--help' '--metrics' '--out' ;;
     replay) _arguments '*:file:_files' '--check' '--help' '--out' '--reward' '--set' '--trust-run-code' ;;
     reshard) _arguments '*:file:_files' '--check' '--checkpoint' '--config' '--dtype:dtype:(bf16 fp16 fp32)' '--force' '--help' '--json' '--merge-lora' '--out' '--set' '--to' ;;
-    reward-model) _arguments '*:file:_files' '--batch-size' '--config' '--data' '--device' '--epochs' '--force' '--help' '--json' '--lr' '--model' '--out' '--set' '--val-data' ;;
+    reward-model) _arguments '*:file:_files' '--batch-size' '--config' '--data' '--device' '--epochs' '--eval' '--force' '--help' '--json' '--lr' '--model' '--out' '--set' '--val-data' ;;
     rollout) _arguments '*:file:_files' '--address' '--backend:backend:(hf vllm)' '--chat-template' '--config' '--device' '--dtype:dtype:(auto fp32 bf16)' '--force' '--format:format:(arrow parquet)' '--help' '--json' '--max-new-tokens' '--max-prompt-tokens' '--model' '--n' '--no-chat-template' '--out' '--prompts' '--rows-per-part' '--seed' '--set' '--stop' '--temperature' '--top-k' '--top-p' '--truncate:truncate:(error left)' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
     score) _arguments '*:file:_files' '--address' '--batch-size' '--config' '--critic' '--device' '--dtype:dtype:(auto fp32 bf16)' '--force' '--format:format:(arrow parquet)' '--help' '--json' '--out' '--policy' '--ref' '--reward' '--reward-timeout' '--rollouts' '--rows-per-part' '--set' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
     sft) _arguments '*:file:_files' '--batch-size' '--config' '--data' '--device' '--epochs' '--force' '--help' '--json' '--lr' '--model' '--out' '--set' '--val-data' ;;

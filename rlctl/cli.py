@@ -426,8 +426,9 @@ def sft(
 def reward_model(
     data: Annotated[str, typer.Option("--data", help="Preference pairs: chosen and rejected (text or messages) with prompt or messages, or whole chosen/rejected conversations; an optional margin column; .jsonl, .json, .parquet or a shard folder.")],
     model: Annotated[str, typer.Option("--model", help="Model to start from: a causal LM folder (a new one-output head) or a reward model.")],
-    out: Annotated[str, typer.Option("--out", help="Reward model folder to write (score with rm:OUT).")],
+    out: Annotated[Optional[str], typer.Option("--out", help="Reward model folder to write (score with rm:OUT).")] = None,
     val_data: Annotated[Optional[str], typer.Option("--val-data", help="Held-out pairs: their loss and accuracy before training and after each epoch.")] = None,
+    evaluate: Annotated[bool, typer.Option("--eval", help="Train nothing: the loss, accuracy and margin of the reward model --model on the pairs --data, over all and per data_source (no --out).")] = False,
     epochs: Annotated[Optional[int], typer.Option("--epochs", help="Passes over the pairs." + _default("reward_model.epochs"))] = None,
     lr: Annotated[Optional[float], typer.Option("--lr", help="Learning rate." + _default("reward_model.lr"))] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Pairs per optimizer step." + _default("reward_model.batch_size"))] = None,
@@ -437,7 +438,8 @@ def reward_model(
     as_json: JsonOpt = False,
     force: ForceOpt = False,
 ) -> None:
-    """Train a reward model on preference pairs (Bradley-Terry), for score's rm:FOLDER."""
+    """Train a reward model on preference pairs (Bradley-Terry), for score's rm:FOLDER; or, with
+    --eval, measure one on held-out pairs."""
     from dataclasses import replace
 
     from rlctl.config import override_section
@@ -446,6 +448,13 @@ def reward_model(
 
     cfg = _stage_config(config, set_)
     cfg = replace(cfg, reward_model=override_section(cfg.reward_model, epochs=epochs, lr=lr, batch_size=batch_size))
+    if evaluate:
+        if out or val_data:
+            raise InputError("reward-model --eval trains nothing and writes nothing: give the pairs as --data, without --out or --val-data")
+        _evaluate_reward_model(data, model, cfg, device or cfg.model.device, as_json)
+        return
+    if not out:
+        raise InputError("reward-model needs --out, the folder to write the reward model to (or --eval to measure --model on --data)")
 
     def report(row: dict) -> None:
         if not as_json:
@@ -453,6 +462,29 @@ def reward_model(
 
     manifest = run(data=data, model=model, out=out, cfg=cfg, val_data=val_data, device=device or cfg.model.device, force=force, report=report)
     _report(manifest, as_json)
+
+
+def _evaluate_reward_model(data: str, model: str, cfg, device: str, as_json: bool) -> None:
+    """`rlctl reward-model --eval`: the table (or JSON) of rlctl.reward_model.evaluate's rows."""
+    import json as json_module
+    from dataclasses import asdict
+
+    from rlctl.reward_model import evaluate
+
+    rows, dropped = evaluate(data=data, model=model, cfg=cfg, device=device)
+    if as_json:
+        typer.echo(json_module.dumps({"rows": [asdict(row) for row in rows], "dropped": dropped}))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    left_out = f", {dropped} left out as too long" if dropped else ""
+    table = Table(title=f"{model} on {data}: {rows[0].pairs} pairs{left_out}", title_justify="left")
+    for name in ("data_source", "pairs", "accuracy", "margin", "loss"):
+        table.add_column(name, justify="left" if name == "data_source" else "right")
+    for row in rows:
+        table.add_row(row.source, str(row.pairs), f"{row.accuracy:.4g}", f"{row.margin:.4g}", f"{row.loss:.4g}")
+    Console().print(table)
 
 
 @app.command()

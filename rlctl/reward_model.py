@@ -408,6 +408,55 @@ class RayRewardModel:
         self.group.close()
 
 
+# --- evaluating a reward model on held-out pairs -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class PairsRow:
+    """A reward model on a set of pairs: how many, the mean Bradley-Terry loss, the share ranked
+    right, the mean r_chosen − r_rejected."""
+
+    source: str  # a data_source, or "all"
+    pairs: int
+    loss: float
+    accuracy: float
+    margin: float
+
+
+def evaluate(*, data: str, model: str, cfg: Config, device: str = "auto") -> tuple[list[PairsRow], int]:
+    """(rows, pairs left out as too long) of the reward model at `model` (a trained head) on the
+    pairs at `data`, read as training and `rm:` read them: one row over every pair ("all"),
+    then one per data_source where the pairs name several."""
+    from rlctl.backends.hf import check_model_dir, context_length_of, resolve_device
+    from rlctl.dtypes import decided_bf16
+    from rlctl.shards import read
+
+    check_model_dir(model)
+    on = resolve_device(device)
+    rm_cfg = replace(cfg.reward_model, bf16=decided_bf16(cfg.reward_model.bf16, on.type))
+    source = read(data)
+    if source.table.num_rows == 0:
+        raise InputError(f"{data}: no preference pairs")
+    scorer, tokenizer = load_scorer(model, on)
+    pairs = encode_pairs(source.table, tokenizer, rm_cfg, context_length=context_length_of(scorer), source=source.uri)
+    if not len(pairs):
+        raise InputError(f"{data}: every pair is over {rm_cfg.max_tokens or context_length_of(scorer)} tokens (reward_model.too_long = drop left them all out)")
+    table = source.table
+    named = dict(zip(table.column("id").to_pylist(), table.column("data_source").to_pylist())) if "data_source" in table.column_names else {}
+    groups: dict[str, list[int]] = {"all": list(range(len(pairs)))}
+    for row, pair_id in enumerate(pairs.ids):
+        groups.setdefault(str(named.get(pair_id) or "unknown"), []).append(row)
+    if len(groups) == 2:  # one data_source: the same row twice
+        groups = {"all": groups["all"]}
+    scoring = RewardModelTrainer(scorer, tokenizer.pad_token_id, rm_cfg, device=on, total_steps=1)
+    rows = []
+    with torch.no_grad():
+        for name, members in groups.items():
+            sums = scoring.passes(pairs, members, None)
+            rows.append(PairsRow(name, len(members), sums.loss / len(members), sums.right / len(members), sums.margin / len(members)))
+    return rows, pairs.dropped
+
+
 # --- the command ------------------------------------------------------------------------------
 
 

@@ -69,6 +69,40 @@ def test_bad_input_is_one_line_and_nothing_written(cli, tmp_path, tiny_model, ro
     assert_not_written(tmp_path / "out")
 
 
+def test_eval_measures_a_reward_model_on_held_out_pairs_over_all_and_per_data_source(cli, tmp_path, tiny_model, pairs):
+    trained = cli("reward-model", "--data", pairs, "--val-data", pairs, "--model", tiny_model, "--out", tmp_path / "rm", "--epochs", "3", "--lr", "1e-3", "--batch-size", "4")
+    assert trained.exit_code == 0, trained.stderr
+    metrics = json.loads((tmp_path / "rm" / "_manifest.json").read_text())["metrics"]
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({**r, "data_source": "odd" if i % 2 else "even"}) + "\n" for i, r in enumerate(PAIRS)))
+    result = cli("reward-model", "--eval", "--data", held, "--model", tmp_path / "rm", "--json")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    every, *per_source = summary["rows"]
+    # the same pairs, read as training read them: the trained model's own held-out figures
+    assert every["source"] == "all" and every["pairs"] == 8 and summary["dropped"] == 0
+    assert every["accuracy"] == metrics["val_accuracy"] and abs(every["loss"] - metrics["val_loss"]) < 1e-5
+    assert [(r["source"], r["pairs"]) for r in per_source] == [("even", 4), ("odd", 4)]
+    assert abs(sum(r["margin"] for r in per_source) / 2 - every["margin"]) < 1e-5
+    table = cli("reward-model", "--eval", "--data", held, "--model", tmp_path / "rm")
+    assert table.exit_code == 0 and "data_source" in table.stdout and "odd" in table.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["held.jsonl", "pairs.jsonl", "rm"]  # nothing written
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--eval", "--model", "{tiny_model}"], "not a trained reward model"),
+        (["--eval", "--model", "{tiny_model}", "--out", "{tmp_path}/out"], "--eval trains nothing and writes nothing"),
+        (["--model", "{tiny_model}"], "reward-model needs --out"),
+    ],
+)
+def test_eval_of_a_model_without_a_trained_head_or_a_write_asked_of_eval_is_one_line(cli, tmp_path, tiny_model, pairs, args, fragment):
+    result = cli("reward-model", "--data", pairs, *(a.format(tiny_model=tiny_model, tmp_path=tmp_path) for a in args))
+    assert result.exit_code == 2 and fragment in one_line_error(result), result.stderr
+    assert_not_written(tmp_path / "out")
+
+
 def test_a_reward_model_into_its_own_base_folder_is_refused(cli, tmp_path, tiny_model, pairs):
     result = cli("reward-model", "--data", pairs, "--model", tiny_model, "--out", tiny_model)
     assert result.exit_code == 2 and "is the --model folder" in one_line_error(result)
