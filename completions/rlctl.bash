@@ -4,7 +4,7 @@ _rlctl() {
     cur="${COMP_WORDS[COMP_CWORD]}"
     prev="${COMP_WORDS[COMP_CWORD-1]}"
     if [[ $COMP_CWORD -eq 1 ]]; then
-        COMPREPLY=($(compgen -W "advantage config eval model pipeline plot replay reshard reward-model rollout score sft show update --help --version" -- "$cur"))
+        COMPREPLY=($(compgen -W "advantage config dpo eval model pipeline plot replay reshard reward-model rollout score sft show update --help --version" -- "$cur"))
         return
     fi
     cmd="${COMP_WORDS[1]}"
@@ -22,6 +22,7 @@ _rlctl() {
         "advantage") opts="--config --estimator --force --format --gamma --help --json --kl-coef --kl-controller --kl-estimator --kl-state --lam --no-norm-by-std --norm-by-std --out --rows-per-part --scores --set --std-scope" ;;
         "config diff") opts="--help --json" ;;
         "config show") opts="--help --json --set" ;;
+        "dpo") opts="--batch-size --beta --config --data --device --epochs --force --help --json --lr --model --out --set --val-data" ;;
         "eval") opts="--config --device --help --json --max-new-tokens --model --n --out --pass-threshold --prompts --reward --set --temperature" ;;
         "model init") opts="--force --help --preset --seed" ;;
         "pipeline") opts="--address --dry-run --from --help --iterations --quiet --resume --resume-with-changes --run-dir --set --until --workers --workers-backend" ;;

@@ -464,6 +464,40 @@ def reward_model(
     _report(manifest, as_json)
 
 
+@app.command()
+def dpo(
+    data: Annotated[str, typer.Option("--data", help="Preference pairs: chosen and rejected (text or messages) with prompt or messages, or whole chosen/rejected conversations; .jsonl, .json, .parquet or a shard folder.")],
+    model: Annotated[str, typer.Option("--model", help="Policy to train (and the reference it is held to): HF folder or rlctl checkpoint.")],
+    out: Annotated[str, typer.Option("--out", help="Checkpoint folder to write (a pipeline's model.path can start from it).")],
+    val_data: Annotated[Optional[str], typer.Option("--val-data", help="Held-out pairs: their loss and accuracy before training and after each epoch.")] = None,
+    epochs: Annotated[Optional[int], typer.Option("--epochs", help="Passes over the pairs." + _default("dpo.epochs"))] = None,
+    lr: Annotated[Optional[float], typer.Option("--lr", help="Learning rate." + _default("dpo.lr"))] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Pairs per optimizer step." + _default("dpo.batch_size"))] = None,
+    beta: Annotated[Optional[float], typer.Option("--beta", help="Strength of the pull towards the reference." + _default("dpo.beta"))] = None,
+    device: DeviceOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    as_json: JsonOpt = False,
+    force: ForceOpt = False,
+) -> None:
+    """Direct preference optimization: train the policy on preference pairs, no reward model."""
+    from dataclasses import replace
+
+    from rlctl.config import override_section
+    from rlctl.dpo import run
+    from rlctl.supervised import describe_epoch
+
+    cfg = _stage_config(config, set_)
+    cfg = replace(cfg, dpo=override_section(cfg.dpo, epochs=epochs, lr=lr, batch_size=batch_size, beta=beta))
+
+    def report(row: dict) -> None:
+        if not as_json:
+            _err(describe_epoch(row, "dpo"))
+
+    manifest = run(data=data, model=model, out=out, cfg=cfg, val_data=val_data, device=device or cfg.model.device, force=force, report=report)
+    _report(manifest, as_json)
+
+
 def _evaluate_reward_model(data: str, model: str, cfg, device: str, as_json: bool) -> None:
     """`rlctl reward-model --eval`: the table (or JSON) of rlctl.reward_model.evaluate's rows."""
     import json as json_module

@@ -438,6 +438,45 @@ class VLLMConfig:
 
 
 @dataclass(frozen=True)
+class DpoConfig:
+    """Direct preference optimization (`rlctl dpo`): the policy trained on preference pairs
+    against its own starting weights as the reference, without a reward model or sampling
+    (TRL's DPOTrainer, OpenRLHF's train_dpo)."""
+
+    beta: float = 0.1  # strength of the pull towards the reference: the implicit reward is beta × (log π − log π_ref) of a response
+    label_smoothing: float = 0.0  # the assumed share of pairs labelled the wrong way round (conservative DPO); 0 = plain DPO
+    lr: float = 1e-6  # learning rate (AdamW)
+    epochs: int = 1  # passes over the pairs
+    batch_size: int = 16  # pairs per optimizer step
+    micro_batch_size: int = 4  # pairs per forward/backward (each pair is two sequences)
+    micro_batch_tokens: str = "auto"  # padded tokens per forward/backward at most, as update.micro_batch_tokens
+    max_tokens: int = 0  # prompt + response tokens of a side at most; 0 = the model's context
+    truncate: str = "error"  # a side over max_tokens: error | right (its response cut; the cut response has no end token)
+    max_grad_norm: float = 1.0  # gradient clipping by global norm; 0 = off
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
+    lr_schedule: str = "constant"  # constant | linear | cosine, as sft.lr_schedule
+    min_lr_ratio: float = 0.0  # the floor of the decay, as a share of lr
+    bf16: str = "auto"  # bf16 autocast: auto (where the CPU/GPU has native bf16) | true | false
+    gradient_checkpointing: bool = False  # recompute each decoder layer's activations in the backward: less memory for ~30% more compute
+    seed: int = 0  # seed of the pair order
+    lora: LoraConfig = field(default_factory=LoraConfig)  # train LoRA adapters instead of every weight (r > 0)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bf16, bool):
+            object.__setattr__(self, "bf16", "true" if self.bf16 else "false")
+        if isinstance(self.micro_batch_tokens, int) and not isinstance(self.micro_batch_tokens, bool):
+            object.__setattr__(self, "micro_batch_tokens", str(self.micro_batch_tokens))
+        check_ranges(self, "dpo", {
+            "beta": above(0.0), "label_smoothing": lambda v: None if 0.0 <= v < 0.5 else "must be at least 0 and below 0.5", "lr": above(0.0), "epochs": at_least(1), "batch_size": at_least(1),
+            "micro_batch_size": at_least(1), "max_tokens": at_least(0), "truncate": one_of("error", "right"), "max_grad_norm": at_least(0.0),
+            "weight_decay": at_least(0.0), "warmup_steps": at_least(0), "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0),
+            "bf16": one_of(*AUTOCAST_CHOICES),
+            "micro_batch_tokens": lambda v: None if v == "auto" or (isinstance(v, str) and v.isascii() and v.isdigit()) else "must be auto, 0 (no cap) or a number of tokens",
+        })
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -451,6 +490,7 @@ class Config:
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     sft: SftConfig = field(default_factory=SftConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
@@ -563,7 +603,7 @@ def parse_scalar(text: str) -> Any:
 # and booleans of keys that also take "auto"
 LEGACY_VALUES = {
     "score.old_logprobs": {True: "recompute", False: "rollout"}, "update.bf16": {True: "true", False: "false"}, "sft.bf16": {True: "true", False: "false"},
-    "reward_model.bf16": {True: "true", False: "false"},
+    "reward_model.bf16": {True: "true", False: "false"}, "dpo.bf16": {True: "true", False: "false"},
 }
 
 

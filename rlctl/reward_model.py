@@ -178,6 +178,11 @@ def _shared_turns(chosen: list[dict], rejected: list[dict]) -> int:
     return same
 
 
+def pair_ids(table: pa.Table) -> list[str]:
+    """Each pair's id: its `id` column, else its row number."""
+    return table.column("id").cast(pa.string()).to_pylist() if "id" in table.column_names else [str(i) for i in range(table.num_rows)]
+
+
 def split_pairs(table: pa.Table, source: str) -> list[tuple[str | None, list[dict] | None, Response, Response]]:
     """(plain prompt, chat prompt, chosen, rejected) of every row."""
     names = table.column_names
@@ -221,7 +226,7 @@ def margin_value(value, pair_id: str, source: str) -> float:
 def encode_pairs(table: pa.Table, tokenizer, cfg: RewardModelConfig, *, context_length: int | None, source: str) -> Pairs:
     """Every pair as the tokens the model reads; a side over `max_tokens` is one error (or,
     with `too_long = "drop"`, the pair is left out)."""
-    ids = table.column("id").cast(pa.string()).to_pylist() if "id" in table.column_names else [str(i) for i in range(table.num_rows)]
+    ids = pair_ids(table)
     margins = table.column("margin").to_pylist() if "margin" in table.column_names else [0.0] * table.num_rows
     limit = cfg.max_tokens or context_length or 0
     kept_ids, chosen_ids, rejected_ids, kept_margins = [], [], [], []
@@ -442,7 +447,7 @@ def evaluate(*, data: str, model: str, cfg: Config, device: str = "auto") -> tup
     if not len(pairs):
         raise InputError(f"{data}: every pair is over {rm_cfg.max_tokens or context_length_of(scorer)} tokens (reward_model.too_long = drop left them all out)")
     table = source.table
-    named = dict(zip(table.column("id").to_pylist(), table.column("data_source").to_pylist())) if "data_source" in table.column_names else {}
+    named = dict(zip(pair_ids(table), table.column("data_source").to_pylist())) if "data_source" in table.column_names else {}
     groups: dict[str, list[int]] = {"all": list(range(len(pairs)))}
     for row, pair_id in enumerate(pairs.ids):
         groups.setdefault(str(named.get(pair_id) or "unknown"), []).append(row)

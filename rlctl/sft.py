@@ -154,27 +154,40 @@ def response_tokens(
 def encode_examples(table: pa.Table, tokenizer, data: DataConfig, cfg: SftConfig, *, end_ids: Sequence[int], context_length: int | None, source: str) -> Examples:
     """Every example as tokens; one that is empty or too long is one error (or, with
     `sft.truncate = "right"`, its response cut to `sft.max_tokens`)."""
+    prompts, contexts, responses = split_examples(table, source, cfg.assistant_turns)
+    return examples_of(
+        table.column("id").to_pylist(), prompts, contexts, responses, tokenizer, data, max_tokens=cfg.max_tokens, truncate=cfg.truncate,
+        end_ids=end_ids, context_length=context_length, source=source, setting="sft",
+    )
+
+
+def examples_of(
+    ids: list[str], prompts: list[str | None], contexts: list[list[dict] | None], responses: list[str | list[dict]], tokenizer, data: DataConfig, *,
+    max_tokens: int, truncate: str, end_ids: Sequence[int], context_length: int | None, source: str, setting: str, noun: str = "example",
+) -> Examples:
+    """Prompts (as the rollout encodes them) and responses (as it would sample them) as tokens;
+    a response that is empty or over `max_tokens` with its prompt is one error naming it (or,
+    with `truncate = "right"`, cut). `setting` names the config section in messages."""
     from rlctl.stages.rollout import encode_prompts
 
-    ids = table.column("id").to_pylist()
-    prompts, contexts, responses = split_examples(table, source, cfg.assistant_turns)
     as_prompts = pa.table({"id": ids, "prompt": pa.array(prompts, pa.string()), "messages": pa.array(contexts)})
     prompt_ids = encode_prompts(as_prompts, tokenizer, data, context_length=context_length)
-    limit = cfg.max_tokens or context_length or 0
+    limit = max_tokens or context_length or 0
     kept, masks = [], []
     for example, prompt, context, response, prompt_tokens in zip(ids, prompts, contexts, responses, prompt_ids):
         tokens, trained = response_tokens(tokenizer, prompt, context, response, data, end_ids, example)
         if not tokens or response == "":  # an end token alone: most likely a column mapped wrong
-            raise InputError(f"{source}: example {example!r} has an empty response")
+            raise InputError(f"{source}: {noun} {example!r} has an empty response")
         over = len(prompt_tokens) + len(tokens) - limit if limit else 0
         if over > 0:
             room = limit - len(prompt_tokens)
-            if cfg.truncate != "right" or room < 1:
-                why = "its prompt leaves no room for a response" if room < 1 else "use --set sft.truncate=right to cut its response"
-                raise InputError(f"{source}: example {example!r} has {len(prompt_tokens) + len(tokens)} tokens, over {limit} ({'sft.max_tokens' if cfg.max_tokens else 'the model context'}): {why}")
+            if truncate != "right" or room < 1:
+                why = "its prompt leaves no room for a response" if room < 1 else f"use --set {setting}.truncate=right to cut its response"
+                where = f"{setting}.max_tokens" if max_tokens else "the model context"
+                raise InputError(f"{source}: {noun} {example!r} has {len(prompt_tokens) + len(tokens)} tokens, over {limit} ({where}): {why}")
             tokens, trained = tokens[:room], trained[:room]
         if not any(trained):
-            raise InputError(f"{source}: example {example!r} has no assistant tokens to train on (its response is other roles' turns, or cut before the assistant's)")
+            raise InputError(f"{source}: {noun} {example!r} has no assistant tokens to train on (its response is other roles' turns, or cut before the assistant's)")
         kept.append(tokens)
         masks.append(trained)
     return Examples(ids, prompt_ids, kept, None if all(all(m) for m in masks) else masks)
@@ -298,19 +311,24 @@ class LocalSft:
         """Nothing held beyond this object."""
 
 
+def policy_group(model: str, cfg, workers, device: str):
+    """A Ray group of FSDP2 ranks training the policy at `model` as a supervised command's `cfg`
+    asks (its `lora`, `bf16` and `gradient_checkpointing`: `rlctl sft`, `rlctl dpo`)."""
+    from rlctl.config import Config, ModelConfig, UpdateConfig
+    from rlctl.workers.ray import RayWorkers
+
+    update = UpdateConfig(lora=cfg.lora, bf16=cfg.bf16, gradient_checkpointing=cfg.gradient_checkpointing)
+    return RayWorkers(Config(model=ModelConfig(path=model, device=device), workers=workers, update=update), policy_source=model, critic_source=None)
+
+
 class RaySft:
     """A Ray worker group (`workers.*`): FSDP2 ranks each train on their share of every step's
     examples; the controller holds the tokenizer only."""
 
     def __init__(self, model: str, cfg: SftConfig, workers, device: str) -> None:
         from rlctl.backends.hf import folder_stop_ids
-        from rlctl.config import Config, ModelConfig, UpdateConfig
-        from rlctl.workers.ray import RayWorkers
 
-        # the group's trained copy as SFT wants it: LoRA, checkpointing and bf16 from [sft]
-        update = UpdateConfig(lora=cfg.lora, bf16=cfg.bf16, gradient_checkpointing=cfg.gradient_checkpointing)
-        self.group = RayWorkers(Config(model=ModelConfig(path=model, device=device), workers=workers, update=update), policy_source=model, critic_source=None)
-        self.cfg = cfg
+        self.group, self.cfg = policy_group(model, cfg, workers, device), cfg
         self.tokenizer, self.context_length = self.group.tokenizer, self.group.context_length
         self.end_ids = folder_stop_ids(model, self.tokenizer)
 

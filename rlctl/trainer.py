@@ -185,6 +185,16 @@ class RankGroup:
         return dict(zip(keys, values.tolist()))
 
 
+    def sum_tensor(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` added across ranks (each rank's share filled in, zeros elsewhere)."""
+        if self.size == 1:
+            return values
+        import torch.distributed as dist
+
+        dist.all_reduce(values)
+        return values
+
+
 ALONE = RankGroup()
 
 

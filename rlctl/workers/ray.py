@@ -685,6 +685,27 @@ class RankWorker:
             self.sft_trainer = SftTrainer(self.train_policy, cfg, total_steps=total_steps, ranks=RankGroup(self.rank, self.world))
         return self.sft_trainer
 
+    # -- direct preference optimization (rlctl dpo) ------------------------------------------
+
+    def dpo_start(self, shared, cfg, total_steps: int) -> None:
+        """The trainer made, and the reference's log-probabilities of the (training, held-out)
+        pairs in `shared` computed with the starting weights, kept on this rank."""
+        from rlctl.dpo import DpoTrainer
+        from rlctl.trainer import RankGroup
+
+        pairs, held_out = shared
+        self.dpo_trainer = DpoTrainer(self.train_policy, cfg, total_steps=total_steps, ranks=RankGroup(self.rank, self.world))
+        self.dpo_pairs = self.dpo_trainer.with_reference(pairs)
+        self.dpo_held_out = self.dpo_trainer.with_reference(held_out) if held_out is not None else None
+
+    def dpo_epoch(self, epoch: int):
+        """One epoch of `rlctl dpo` on this rank's share of every step's pairs."""
+        return self.dpo_trainer.train_epoch(self.dpo_pairs, epoch)
+
+    def dpo_evaluate(self) -> tuple[float, float]:
+        """The held-out pairs' mean loss and accuracy, summed over the ranks' shares."""
+        return self.dpo_trainer.evaluate(self.dpo_held_out)
+
     # -- reward-model training (rlctl reward-model) ------------------------------------------
 
     def reward_model_epoch(self, pairs, total_steps: int, epoch: int):

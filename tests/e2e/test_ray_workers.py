@@ -414,3 +414,31 @@ def test_two_workers_train_a_reward_model_as_one_process_does(ray_session, tiny_
     assert on_ranks.state["workers"]["num_workers"] == 2 and not (tmp_path / "ray" / "trainer_state").exists()
     scores = [RewardModel(str(tmp_path / folder), device="cpu")(prompts=["Type a number: 2"], responses=["17"]) for folder in ("ray", "local")]
     assert abs(scores[0][0] - scores[1][0]) < 1e-4
+
+
+def test_two_workers_train_dpo_as_one_process_does(ray_session, tiny_model, tmp_path):
+    """`rlctl dpo` on two FSDP2 ranks: the reference's log-probabilities computed once, each rank
+    its share and every rank all of them; each takes its share of every step's pairs (an odd
+    count: one rank runs an empty pass); rank 0 writes the weights without a trainer state."""
+    from rlctl import dpo
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Type a number: {i}", "chosen": f"{7 * i + 3}", "rejected": "no" if i % 2 else "maybe so"}) + "\n" for i in range(7)))
+    settings = ["dpo.epochs=2", "dpo.lr=1e-3", "dpo.batch_size=4", "dpo.micro_batch_size=1", "dpo.bf16=false", "model.device=\"cpu\""]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each worker (cpus_per_worker = 1)
+    try:
+        local = dpo.run(data=str(data), val_data=str(data), model=tiny_model, out=str(tmp_path / "local"), cfg=load_config(None, settings), device="cpu")
+    finally:
+        torch.set_num_threads(threads)
+    ray_cfg = load_config(None, [*settings, 'workers.backend="ray"', "workers.num_workers=2"])
+    on_ranks = dpo.run(data=str(data), val_data=str(data), model=tiny_model, out=str(tmp_path / "ray"), cfg=ray_cfg, device="cpu")
+    assert len(on_ranks.state["epochs"]) == len(local.state["epochs"]) == 3
+    for ours, theirs in zip(on_ranks.state["epochs"], local.state["epochs"]):
+        assert ours["epoch"] == theirs["epoch"] and ours.get("steps") == theirs.get("steps")
+        for key in ("loss", "accuracy", "margin", "chosen_reward", "val_loss", "val_accuracy"):
+            if key in theirs:
+                assert abs(ours[key] - theirs[key]) < 1e-4, (key, ours, theirs)
+    got, want = load_file(str(tmp_path / "ray" / "model.safetensors")), load_file(str(tmp_path / "local" / "model.safetensors"))
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) < SPLIT_ROUNDING
+    assert not (tmp_path / "ray" / "trainer_state").exists() and on_ranks.state["workers"]["num_workers"] == 2

@@ -1,0 +1,363 @@
+"""Direct preference optimization (`rlctl dpo`): the policy trained on preference pairs, without
+a reward model or sampling, against its own starting weights as the reference (Rafailov et al.,
+2023; TRL's DPOTrainer, OpenRLHF's train_dpo).
+
+A pair is a prompt with a chosen and a rejected response, in the data `rlctl reward-model` reads
+(`split_pairs`). The prompt becomes tokens as the rollout makes them and each response as the
+rollout would sample it (`rlctl sft`'s reading: the chat template's assistant turn up to its
+end token, the assistant's turns alone trained in a response of several). A response's
+log-probability log π(y|x) is the sum over its trained tokens. The loss of a pair is
+
+    −(1 − ε) log σ(β·h) − ε log σ(−β·h),   h = (log π(y_c) − log π_ref(y_c)) − (log π(y_r) − log π_ref(y_r)),
+
+β = `dpo.beta`, ε = `dpo.label_smoothing` (conservative DPO), the mean over each optimizer
+step's pairs. β·(log π − log π_ref) is a response's implicit reward: `accuracy` is the share of
+pairs whose chosen response has the larger one, `margin` the mean difference. The reference's
+log-probabilities are computed once, before the first step, with the starting weights (LoRA
+adapters start at B = 0, so the same function): no second model is held.
+
+It trains in this process or on a Ray group of FSDP2 ranks (`workers.backend = "ray"`), each
+rank on its share of every step's pairs, as `rlctl sft` does. The output is a checkpoint folder
+like sft's: weights (or a LoRA adapter) without trainer state, the epochs' figures in its
+manifest."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+import pyarrow as pa
+import torch
+
+from rlctl.config import Config, DataConfig, DpoConfig, to_dict
+from rlctl.errors import InputError
+from rlctl.manifest import Manifest
+from rlctl.sft import Examples
+from rlctl.supervised import SupervisedSteps
+
+# --- pairs ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DpoPairs:
+    """Each pair's chosen and rejected side as examples (one prompt, two responses), and the
+    reference's log-probabilities of each response (empty until computed)."""
+
+    chosen: Examples
+    rejected: Examples
+    ref_chosen: list[float] = field(default_factory=list)
+    ref_rejected: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+    @property
+    def ids(self) -> list[str]:
+        return self.chosen.ids
+
+    @cached_property
+    def lengths(self) -> list[int]:
+        """A pair's tokens in a pass: both sides padded to the longer (so passes cap by tokens)."""
+        return [2 * max(c, r) for c, r in zip(self.chosen.lengths, self.rejected.lengths)]
+
+
+def encode_dpo_pairs(table: pa.Table, tokenizer, data: DataConfig, cfg: DpoConfig, *, end_ids: Sequence[int], context_length: int | None, source: str) -> DpoPairs:
+    """Every pair's prompt and both responses as tokens; a side that is empty or too long is one
+    error naming the pair (or, with `dpo.truncate = "right"`, its response cut)."""
+    from rlctl.reward_model import pair_ids, split_pairs
+    from rlctl.sft import examples_of
+
+    ids = pair_ids(table)
+    split = split_pairs(table, source)
+    prompts, chats = [p for p, _, _, _ in split], [c for _, c, _, _ in split]
+
+    def side(index: int, name: str) -> Examples:
+        return examples_of(
+            ids, prompts, chats, [pair[index] for pair in split], tokenizer, data, max_tokens=cfg.max_tokens, truncate=cfg.truncate,
+            end_ids=end_ids, context_length=context_length, source=source, setting="dpo", noun=f"the {name} response of pair",
+        )
+
+    return DpoPairs(side(2, "chosen"), side(3, "rejected"))
+
+
+# --- the loss ---------------------------------------------------------------------------------
+
+
+def dpo_losses(
+    chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, *, beta: float, label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(each pair's loss, the chosen response's implicit reward, the rejected one's) from the
+    responses' summed log-probabilities under the policy and the reference [P]."""
+    chosen_reward, rejected_reward = beta * (chosen - ref_chosen), beta * (rejected - ref_rejected)
+    logits = chosen_reward - rejected_reward
+    losses = -(1 - label_smoothing) * torch.nn.functional.logsigmoid(logits) - label_smoothing * torch.nn.functional.logsigmoid(-logits)
+    return losses, chosen_reward.detach(), rejected_reward.detach()
+
+
+@dataclass
+class DpoSums:
+    """Sums over pairs: the loss, the pairs ranked right, the implicit rewards."""
+
+    loss: float = 0.0
+    right: float = 0.0
+    chosen_reward: float = 0.0
+    rejected_reward: float = 0.0
+
+    def add(self, other: DpoSums) -> None:
+        for key, value in vars(other).items():
+            setattr(self, key, getattr(self, key) + value)
+
+
+@dataclass
+class EpochRow:
+    """One epoch's figures as the passes met the pairs (the weights moving): the mean loss, the
+    share of pairs whose chosen response has the larger implicit reward (`accuracy`), the mean
+    chosen − rejected reward (`margin`) and each side's mean reward; the held-out pairs' loss and
+    accuracy after the epoch."""
+
+    epoch: int
+    loss: float | None = None
+    accuracy: float | None = None
+    margin: float | None = None
+    chosen_reward: float | None = None
+    rejected_reward: float | None = None
+    val_loss: float | None = None
+    val_accuracy: float | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    steps: int = 0
+    pairs: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        row = {k: v for k, v in self.__dict__.items() if v is not None and (self.steps or k in ("epoch", "val_loss", "val_accuracy"))}
+        if self.seconds:
+            row["pairs_per_s"] = self.pairs / self.seconds
+        return row
+
+
+# --- training ---------------------------------------------------------------------------------
+
+
+class DpoTrainer(SupervisedSteps):
+    """AdamW on the policy (or its LoRA adapters), an optimizer step per `batch_size` pairs, in
+    passes of both sides of similar-length pairs. On a group of FSDP2 ranks (`ranks`) each rank
+    takes its share of every step's pairs, and the sums are the group's."""
+
+    def __init__(self, policy, cfg: DpoConfig, *, total_steps: int, ranks=None) -> None:
+        from rlctl.trainer import ALONE
+
+        super().__init__(policy.model, cfg, device_type=policy.device.type, total_steps=total_steps, command="dpo")
+        self.policy, self.ranks = policy, ranks or ALONE
+
+    @torch.no_grad()
+    def with_reference(self, pairs: DpoPairs) -> DpoPairs:
+        """`pairs` with the current weights' log-probabilities as the reference's (before training),
+        each rank computing its share, every rank getting all of them."""
+        from rlctl.backends.hf import casts_kept
+
+        values = torch.zeros(2, len(pairs), dtype=torch.float64)
+        with casts_kept(self.policy.device, self.bf16 and self.weights_whole):  # each weight cast to bf16 once for all the passes
+            for micro, weight in self._passes_of(pairs, list(range(len(pairs)))):
+                chosen, rejected = self._logps(pairs, micro)
+                if weight:
+                    values[0, micro], values[1, micro] = chosen.double().cpu(), rejected.double().cpu()
+        values = self.ranks.sum_tensor(values)
+        return replace(pairs, ref_chosen=values[0].tolist(), ref_rejected=values[1].tolist())
+
+    def train_epoch(self, pairs: DpoPairs, epoch: int) -> EpochRow:
+        started = time.perf_counter()
+        row, sums, norms = EpochRow(epoch), DpoSums(), 0.0
+        for rows in self.steps_of_epoch(len(pairs), epoch):
+            sums.add(self.passes(pairs, rows, lambda summed, n=len(rows): (summed / n).backward()))  # the step's mean
+            norm, row.lr = self.apply("dpo.lr")
+            norms += norm
+            row.steps += 1
+            row.pairs += len(rows)
+        row.loss, row.accuracy = sums.loss / row.pairs, sums.right / row.pairs
+        row.chosen_reward, row.rejected_reward = sums.chosen_reward / row.pairs, sums.rejected_reward / row.pairs
+        row.margin, row.grad_norm, row.seconds = row.chosen_reward - row.rejected_reward, norms / row.steps, time.perf_counter() - started
+        return row
+
+    @torch.no_grad()
+    def evaluate(self, pairs: DpoPairs) -> tuple[float, float]:
+        """(mean loss, accuracy) of `pairs` under the current weights."""
+        sums = self.passes(pairs, list(range(len(pairs))), None)
+        return sums.loss / len(pairs), sums.right / len(pairs)
+
+    def passes(self, pairs: DpoPairs, rows: list[int], backward: Callable[[torch.Tensor], None] | None) -> DpoSums:
+        """Sums over `rows` (over every rank); `backward(summed loss)` after each pass, scaled so
+        that FSDP's average over ranks is the sum."""
+        from rlctl.backends.hf import casts_kept
+
+        if not pairs.ref_chosen:
+            raise ValueError("the reference's log-probabilities are not computed yet (with_reference)")
+        sums, cfg = DpoSums(), self.cfg
+        with casts_kept(self.policy.device, self.bf16 and self.weights_whole):  # each weight cast to bf16 once for all the passes
+            for micro, weight in self._passes_of(pairs, rows):  # weight 0: a rank's empty pass, run to keep FSDP's collectives in step
+                chosen, rejected = self._logps(pairs, micro)
+                ref_chosen, ref_rejected = (torch.tensor([values[i] for i in micro], device=chosen.device) for values in (pairs.ref_chosen, pairs.ref_rejected))
+                losses, chosen_reward, rejected_reward = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta=cfg.beta, label_smoothing=cfg.label_smoothing)
+                summed = losses.sum()
+                if backward is not None:
+                    backward(summed * (weight * self.ranks.grad_scale))
+                sums.add(DpoSums(
+                    weight * float(summed.detach()), weight * float((chosen_reward > rejected_reward).sum()),
+                    weight * float(chosen_reward.sum()), weight * float(rejected_reward.sum()),
+                ))
+        return DpoSums(**self.ranks.sum(vars(sums)))
+
+    def _passes_of(self, pairs: DpoPairs, rows: list[int]) -> list[tuple[list[int], float]]:
+        return self.ranks.micro_batches(torch.tensor(rows), self.cfg.micro_batch_size, pairs.lengths, None, int(self.cfg.micro_batch_tokens))
+
+    def _logps(self, pairs: DpoPairs, micro: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each pair's chosen and rejected response's summed log-probability over its trained
+        tokens, both sides in one forward [P], [P]."""
+        from rlctl.backends.hf import pack, training_forward
+        from rlctl.sft import trained_mask
+
+        policy, count = self.policy, len(micro)
+        prompts = [pairs.chosen.prompt_ids[i] for i in micro]
+        responses = [pairs.chosen.response_ids[i] for i in micro] + [pairs.rejected.response_ids[i] for i in micro]
+        packed = pack(prompts + prompts, responses, policy.pad_id, policy.device)
+        with training_forward(policy.model, policy.device, self.bf16, rows=2 * count, length=packed.input_ids.shape[1]):
+            logp, _ = policy.forward(packed, temperature=1.0)
+        counted = torch.cat([
+            trained_mask(packed.response_mask[:count], pairs.chosen, micro), trained_mask(packed.response_mask[count:], pairs.rejected, micro),
+        ])
+        summed = torch.where(counted, logp.float(), 0).sum(-1)
+        return summed[:count], summed[count:]
+
+
+# --- where it trains: this process, or a Ray group of FSDP2 ranks ------------------------------
+
+
+class LocalDpo:
+    """The policy loaded in this process."""
+
+    def __init__(self, model: str, cfg: DpoConfig, device: str) -> None:
+        from rlctl.backends.hf import HFPolicy
+        from rlctl.lora import prepare_for_training
+
+        self.policy = HFPolicy.load(model, device)
+        prepare_for_training(self.policy, cfg.lora, model)
+        self.cfg = cfg
+        self.tokenizer, self.end_ids, self.context_length = self.policy.tokenizer, self.policy.stop_ids, self.policy.context_length
+
+    def start(self, pairs: DpoPairs, held_out: DpoPairs | None, total_steps: int) -> None:
+        """The trainer made, and the reference's log-probabilities of every pair computed."""
+        self.trainer = DpoTrainer(self.policy, self.cfg, total_steps=total_steps)
+        self.pairs = self.trainer.with_reference(pairs)
+        self.held_out = self.trainer.with_reference(held_out) if held_out is not None else None
+
+    def epoch(self, epoch: int) -> EpochRow:
+        return self.trainer.train_epoch(self.pairs, epoch)
+
+    def evaluate(self) -> tuple[float, float]:
+        return self.trainer.evaluate(self.held_out)
+
+    def save(self, out: str, manifest: Manifest) -> Manifest:
+        from rlctl.checkpoint import save_checkpoint
+
+        return save_checkpoint(out, policy=self.policy, trainer_state=None, manifest=manifest)
+
+    def close(self) -> None:
+        """Nothing held beyond this object."""
+
+
+class RayDpo:
+    """A Ray worker group (`workers.*`): FSDP2 ranks each train on their share of every step's
+    pairs; the controller holds the tokenizer only."""
+
+    def __init__(self, model: str, cfg: DpoConfig, workers, device: str) -> None:
+        from rlctl.backends.hf import folder_stop_ids
+        from rlctl.sft import policy_group
+
+        self.group, self.cfg = policy_group(model, cfg, workers, device), cfg
+        self.tokenizer, self.context_length = self.group.tokenizer, self.group.context_length
+        self.end_ids = folder_stop_ids(model, self.tokenizer)
+
+    def start(self, pairs: DpoPairs, held_out: DpoPairs | None, total_steps: int) -> None:
+        import ray
+
+        shared = ray.put((pairs, held_out))  # one copy, read by every rank
+        self.group.call_ranks("dpo_start", lambda rank: (shared, self.cfg, total_steps))
+
+    def epoch(self, epoch: int) -> EpochRow:
+        return self.group.call_ranks("dpo_epoch", lambda rank: (epoch,))[0]
+
+    def evaluate(self) -> tuple[float, float]:
+        return self.group.call_ranks("dpo_evaluate", lambda rank: ())[0]
+
+    def save(self, out: str, manifest: Manifest) -> Manifest:
+        manifest.state = {**manifest.state, "workers": to_dict(self.group.cfg.workers)}
+        return self.group.save(out, manifest, None, trainer_state=False)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def run(
+    *, data: str, model: str, out: str, cfg: Config, val_data: str | None = None, device: str = "auto", force: bool = False,
+    report: Callable[[dict], None] | None = None,
+) -> Manifest:
+    """Train the policy at `model` on the preference pairs at `data` (`cfg.dpo`, prompts as
+    `cfg.data` makes them, in this process or on `cfg.workers`' Ray group) and commit the
+    checkpoint at `out`; `report(row)` after each epoch (epoch 0: the held-out pairs before
+    training)."""
+    from rlctl.backends.hf import check_model_dir
+    from rlctl.checkpoint import local_checkpoint_dir, same_folder
+    from rlctl.dtypes import decided_bf16, models_device
+    from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
+    from rlctl.passes import ModelShape, decided_micro_batch_tokens, ranks_at_once
+    from rlctl.shards import read
+
+    check_model_dir(model)
+    local_checkpoint_dir(out)
+    if same_folder(out, model):
+        raise InputError(f"dpo --out {out} is the --model folder: write the trained checkpoint elsewhere")
+    on = models_device(device, cfg.workers)
+    dpo = replace(
+        cfg.dpo, bf16=decided_bf16(cfg.dpo.bf16, on),
+        micro_batch_tokens=decided_micro_batch_tokens(cfg.dpo.micro_batch_tokens, on, ModelShape.of_folder(model), ranks=ranks_at_once(cfg.workers)),
+    )
+    train_source = read(data)
+    val_source = read(val_data) if val_data else None
+    inputs = [shards_ref(train_source), model_ref(model)] + ([shards_ref(val_source)] if val_source else [])
+    manifest = make_manifest("dpo", {"dpo": to_dict(dpo), "data": to_dict(cfg.data)}, inputs, seed=dpo.seed)
+    if (existing := up_to_date(out, manifest, force)) is not None:
+        return existing
+    if train_source.table.num_rows == 0:
+        raise InputError(f"{data}: no preference pairs")
+    where = RayDpo(model, dpo, cfg.workers, device) if cfg.workers.backend == "ray" else LocalDpo(model, dpo, device)
+    try:
+        def encoded(source) -> DpoPairs:
+            return encode_dpo_pairs(source.table, where.tokenizer, cfg.data, dpo, end_ids=where.end_ids, context_length=where.context_length, source=source.uri)
+
+        pairs = encoded(train_source)
+        held_out = encoded(val_source) if val_source and val_source.table.num_rows else None
+        where.start(pairs, held_out, dpo.epochs * -(-len(pairs) // dpo.batch_size))
+        rows = []
+
+        def record(row: EpochRow) -> None:
+            if held_out is not None:
+                row.val_loss, row.val_accuracy = where.evaluate()
+            rows.append(row.as_dict())
+            if report is not None:
+                report(rows[-1])
+
+        if held_out is not None:
+            record(EpochRow(0))
+        for epoch in range(1, dpo.epochs + 1):
+            record(where.epoch(epoch))
+        steps = sum(row.get("steps", 0) for row in rows)
+        manifest.state = {"pairs": len(pairs), "optimizer_steps": steps, "epochs": rows}
+        manifest.metrics = {k: v for k, v in rows[-1].items() if k in ("loss", "accuracy", "margin", "val_loss", "val_accuracy")}
+        return where.save(out, manifest)
+    finally:
+        where.close()

@@ -1,0 +1,128 @@
+"""Direct preference optimization: a pair's sides are read as the rollout and `rlctl sft` read a
+prompt and a response, the reference is the starting weights, the loss is DPO's with passes that
+sum to one batch's gradient, and the policy learns to prefer the chosen responses."""
+
+import json
+import math
+
+import pyarrow as pa
+import pytest
+import torch
+
+from rlctl.backends.hf import HFPolicy
+from rlctl.config import DataConfig, DpoConfig, load_config
+from rlctl.dpo import DpoPairs, DpoTrainer, dpo_losses, encode_dpo_pairs, run
+from rlctl.errors import InputError
+from rlctl.sft import encode_examples
+from rlctl.shards import read
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model):
+    return HFPolicy.load(tiny_model, "cpu")
+
+
+def table_of(tmp_path, rows, *schema: str) -> pa.Table:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return read(str(path), *schema).table
+
+
+def encode(policy, table, cfg=DpoConfig(micro_batch_tokens="0")) -> DpoPairs:
+    return encode_dpo_pairs(table, policy.tokenizer, DataConfig(), cfg, end_ids=policy.stop_ids, context_length=policy.context_length, source="test")
+
+
+def number_pairs(count: int) -> list[dict]:
+    return [{"id": f"p{i}", "prompt": f"Type a number: {i}", "chosen": f"{7 * i + 3}", "rejected": "no idea" if i % 2 else "maybe so"} for i in range(count)]
+
+
+def test_each_side_is_the_prompt_and_a_response_as_sft_reads_them(policy, tmp_path):
+    question = [{"role": "user", "content": "2+2"}]
+    pairs = encode(policy, table_of(tmp_path, [
+        {"prompt": "2+2=", "chosen": "4", "rejected": "five"},
+        {"messages": question, "chosen": "4", "rejected": "5"},
+    ]))
+    as_sft = encode_examples(
+        table_of(tmp_path, [{"prompt": "2+2=", "response": "4"}, {"messages": question, "response": "4"}], "prompts"), policy.tokenizer, DataConfig(),
+        load_config().sft, end_ids=policy.stop_ids, context_length=None, source="test",
+    )
+    assert pairs.chosen.prompt_ids == pairs.rejected.prompt_ids == as_sft.prompt_ids
+    assert pairs.chosen.response_ids == as_sft.response_ids
+    tok = policy.tokenizer
+    assert tok.decode(pairs.rejected.response_ids[0]) == "five" + tok.eos_token and tok.decode(pairs.rejected.response_ids[1]) == "5<|im_end|>"
+
+
+def test_a_side_over_max_tokens_is_one_error_naming_the_pair_and_side(policy, tmp_path):
+    table = table_of(tmp_path, [{"prompt": "a", "chosen": "b", "rejected": "c " * 40}])
+    with pytest.raises(InputError, match=r"the rejected response of pair '0' has \d+ tokens, over 20 \(dpo.max_tokens\): use --set dpo.truncate=right"):
+        encode(policy, table, DpoConfig(max_tokens=20))
+
+
+def test_the_loss_is_dpos_with_label_smoothing():
+    chosen, rejected, ref_chosen, ref_rejected = torch.tensor([-3.0, -5.0]), torch.tensor([-4.0, -2.0]), torch.tensor([-3.5, -4.0]), torch.tensor([-3.5, -2.5])
+    losses, chosen_reward, rejected_reward = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta=0.5)
+    h = (chosen - ref_chosen) - (rejected - ref_rejected)  # 1.0, -1.5
+    assert torch.allclose(losses, -torch.log(torch.sigmoid(0.5 * h)))
+    assert torch.allclose(chosen_reward - rejected_reward, 0.5 * h)
+    smoothed, _, _ = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta=0.5, label_smoothing=0.1)
+    assert torch.allclose(smoothed, -0.9 * torch.log(torch.sigmoid(0.5 * h)) - 0.1 * torch.log(torch.sigmoid(-0.5 * h)))
+
+
+def summed_logps(model, prompt_ids, response_ids) -> torch.Tensor:
+    """Each response's summed log-probability from the model's full logits, one row at a time."""
+    out = []
+    for prompt, response in zip(prompt_ids, response_ids):
+        logp = torch.log_softmax(model(input_ids=torch.tensor([prompt + response])).logits[0].double(), -1)
+        positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(response))
+        out.append(logp[positions, torch.tensor(response)].sum())
+    return torch.stack(out)
+
+
+def test_the_reference_is_the_starting_weights_so_the_first_loss_is_log_2(policy, tmp_path):
+    pairs = encode(policy, table_of(tmp_path, number_pairs(5)))
+    trainer = DpoTrainer(policy, DpoConfig(micro_batch_size=2, micro_batch_tokens="0", bf16="false"), total_steps=1)
+    referenced = trainer.with_reference(pairs)
+    with torch.no_grad():
+        want = summed_logps(policy.model, pairs.chosen.prompt_ids, pairs.chosen.response_ids)
+    assert referenced.ref_chosen == pytest.approx(want.tolist(), abs=1e-4)
+    loss, accuracy = trainer.evaluate(referenced)
+    assert loss == pytest.approx(math.log(2), abs=1e-6) and accuracy == 0.0  # no pair's chosen reward above its rejected one's yet
+
+
+def test_passes_of_any_size_give_the_gradient_of_the_batchs_mean_loss(tiny_model, tmp_path):
+    gradients = []
+    for micro, cap in ((1, "0"), (5, "0"), (4, "40")):
+        policy = HFPolicy.load(tiny_model, "cpu")
+        cfg = DpoConfig(batch_size=5, micro_batch_size=micro, micro_batch_tokens=cap, bf16="false", lr=1e-9, max_grad_norm=0.0, beta=0.3)
+        trainer = DpoTrainer(policy, cfg, total_steps=1)
+        pairs = trainer.with_reference(encode(policy, table_of(tmp_path, number_pairs(5))))
+        # a reference other than the weights, so the gradient is not the one at h = 0
+        pairs = DpoPairs(pairs.chosen, pairs.rejected, [v - 0.5 * i for i, v in enumerate(pairs.ref_chosen)], [v + 0.2 for v in pairs.ref_rejected])
+        trainer.train_epoch(pairs, 1)  # one optimizer step of lr 1e-9: the gradient is the one to compare
+        gradients.append(torch.cat([p.grad.reshape(-1) for p in policy.model.parameters() if p.grad is not None]))
+    assert torch.allclose(gradients[0], gradients[1], atol=1e-6) and torch.allclose(gradients[0], gradients[2], atol=1e-6)
+    policy.model.zero_grad()
+    chosen = summed_logps(policy.model, pairs.chosen.prompt_ids, pairs.chosen.response_ids)
+    rejected = summed_logps(policy.model, pairs.rejected.prompt_ids, pairs.rejected.response_ids)
+    losses, _, _ = dpo_losses(chosen, rejected, torch.tensor(pairs.ref_chosen).double(), torch.tensor(pairs.ref_rejected).double(), beta=0.3)
+    losses.mean().backward()
+    direct = torch.cat([p.grad.reshape(-1) for p in policy.model.parameters() if p.grad is not None]).float()
+    assert torch.allclose(gradients[0], direct, atol=1e-5)
+
+
+def test_dpo_learns_to_prefer_the_chosen_responses_and_writes_a_checkpoint(tiny_model, tmp_path):
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in number_pairs(16)))
+    cfg = load_config(None, ["dpo.epochs=3", "dpo.lr=1e-3", "dpo.batch_size=4", "dpo.bf16=false"])
+    reported = []
+    manifest = run(data=str(tmp_path / "train.jsonl"), val_data=str(tmp_path / "train.jsonl"), model=tiny_model, out=str(tmp_path / "dpo"), cfg=cfg, device="cpu", report=reported.append)
+    assert [r["epoch"] for r in reported] == [0, 1, 2, 3] and reported[0]["val_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert reported[-1]["val_loss"] < 0.3 and reported[-1]["val_accuracy"] == 1.0 and reported[-1]["margin"] > 0
+    assert manifest.stage == "dpo" and manifest.state["optimizer_steps"] == 12 and manifest.state["pairs"] == 16
+    trained = HFPolicy.load(str(tmp_path / "dpo"), "cpu")
+    start = HFPolicy.load(tiny_model, "cpu")
+    pairs = encode(start, table_of(tmp_path, number_pairs(16)))
+    with torch.no_grad():
+        moved = [summed_logps(m.model, pairs.chosen.prompt_ids, side.response_ids) for m in (trained, start) for side in (pairs.chosen, pairs.rejected)]
+    assert float(((moved[0] - moved[2]) - (moved[1] - moved[3])).mean()) > 0  # chosen up against rejected, relative to the start
+    again = run(data=str(tmp_path / "train.jsonl"), val_data=str(tmp_path / "train.jsonl"), model=tiny_model, out=str(tmp_path / "dpo"), cfg=cfg, device="cpu")
+    assert again.state.get("skipped")
