@@ -1,60 +1,25 @@
 """TRL's side of bench/sft_bench.py: an SFTTrainer run, each optimizer step's end timed, in
-TRL's own venv (rlctl is not importable there):
+TRL's own venv (bench/trl_trainer_run.py):
 
     python trl_sft_runner.py SPEC.json OUT.json
 
 SPEC holds the model folder, the examples (JSON lines: prompt, completion), the batch shape,
-the epochs and the dtype; OUT gets the wall-clock time at the end of every optimizer step and
-the epoch it belongs to.
+the epochs and the dtype; the loss is on the completions only, as rlctl's.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-import time
-from pathlib import Path
+
+from trl_trainer_run import run_timed
 
 
-def main(spec_path: str, out_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    import torch
-    from datasets import Dataset
-    from transformers import TrainerCallback
+def trainer_of(spec: dict, dataset, settings: dict, callbacks: list):
     from trl import SFTConfig, SFTTrainer
 
-    rows = [json.loads(line) for line in Path(spec["examples"]).read_text().splitlines() if line.strip()]
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in rows])
-    ends: list[dict] = []
-
-    class StepClock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            ends.append({"step": state.global_step, "epoch": state.epoch, "time": time.perf_counter()})
-
-    config = SFTConfig(
-        output_dir=str(Path(out_path).parent / "trl-out"),
-        per_device_train_batch_size=spec["micro_batch_size"],
-        gradient_accumulation_steps=spec["batch_size"] // spec["micro_batch_size"],
-        learning_rate=spec["lr"],
-        lr_scheduler_type="constant",
-        num_train_epochs=spec["epochs"],
-        logging_steps=10**6,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=spec["device"] == "cpu",
-        bf16=spec["dtype"] == "bf16",
-        gradient_checkpointing=spec["gradient_checkpointing"],
-        completion_only_loss=True,
-        dataloader_num_workers=0,
-        seed=0,
-    )
-    trainer = SFTTrainer(model=spec["model"], args=config, train_dataset=dataset, callbacks=[StepClock()])
-    trainer.train()
-    Path(out_path).write_text(json.dumps({
-        "ends": ends, "torch_threads": torch.get_num_threads(),
-        "gradient_checkpointing": getattr(trainer.model, "is_gradient_checkpointing", None),
-    }))
+    config = SFTConfig(**settings, logging_steps=10**6, completion_only_loss=True)
+    return SFTTrainer(model=spec["model"], args=config, train_dataset=dataset, callbacks=callbacks)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    run_timed(*sys.argv[1:3], "examples", ("prompt", "completion"), trainer_of)

@@ -34,7 +34,8 @@ import torch
 from rlctl.config import Config, DataConfig, DpoConfig, to_dict
 from rlctl.errors import InputError
 from rlctl.manifest import Manifest
-from rlctl.sft import Examples
+from rlctl.reward_model import EpochRow as PairsEpochRow
+from rlctl.sft import Examples, LocalPolicy, RayPolicy
 from rlctl.supervised import SupervisedSteps
 
 # --- pairs ------------------------------------------------------------------------------------
@@ -111,31 +112,13 @@ class DpoSums:
 
 
 @dataclass
-class EpochRow:
-    """One epoch's figures as the passes met the pairs (the weights moving): the mean loss, the
-    share of pairs whose chosen response has the larger implicit reward (`accuracy`), the mean
-    chosen − rejected reward (`margin`) and each side's mean reward; the held-out pairs' loss and
-    accuracy after the epoch."""
+class EpochRow(PairsEpochRow):
+    """One epoch's figures as `rlctl reward-model`'s (the loss, the share of pairs whose chosen
+    response has the larger implicit reward, `accuracy`, the mean chosen − rejected reward,
+    `margin`), and each side's mean implicit reward."""
 
-    epoch: int
-    loss: float | None = None
-    accuracy: float | None = None
-    margin: float | None = None
     chosen_reward: float | None = None
     rejected_reward: float | None = None
-    val_loss: float | None = None
-    val_accuracy: float | None = None
-    grad_norm: float | None = None
-    lr: float | None = None
-    steps: int = 0
-    pairs: int = 0
-    seconds: float = 0.0
-
-    def as_dict(self) -> dict:
-        row = {k: v for k, v in self.__dict__.items() if v is not None and (self.steps or k in ("epoch", "val_loss", "val_accuracy"))}
-        if self.seconds:
-            row["pairs_per_s"] = self.pairs / self.seconds
-        return row
 
 
 # --- training ---------------------------------------------------------------------------------
@@ -234,18 +217,7 @@ class DpoTrainer(SupervisedSteps):
 # --- where it trains: this process, or a Ray group of FSDP2 ranks ------------------------------
 
 
-class LocalDpo:
-    """The policy loaded in this process."""
-
-    def __init__(self, model: str, cfg: DpoConfig, device: str) -> None:
-        from rlctl.backends.hf import HFPolicy
-        from rlctl.lora import prepare_for_training
-
-        self.policy = HFPolicy.load(model, device)
-        prepare_for_training(self.policy, cfg.lora, model)
-        self.cfg = cfg
-        self.tokenizer, self.end_ids, self.context_length = self.policy.tokenizer, self.policy.stop_ids, self.policy.context_length
-
+class LocalDpo(LocalPolicy):
     def start(self, pairs: DpoPairs, held_out: DpoPairs | None, total_steps: int) -> None:
         """The trainer made, and the reference's log-probabilities of every pair computed."""
         self.trainer = DpoTrainer(self.policy, self.cfg, total_steps=total_steps)
@@ -258,27 +230,8 @@ class LocalDpo:
     def evaluate(self) -> tuple[float, float]:
         return self.trainer.evaluate(self.held_out)
 
-    def save(self, out: str, manifest: Manifest) -> Manifest:
-        from rlctl.checkpoint import save_checkpoint
 
-        return save_checkpoint(out, policy=self.policy, trainer_state=None, manifest=manifest)
-
-    def close(self) -> None:
-        """Nothing held beyond this object."""
-
-
-class RayDpo:
-    """A Ray worker group (`workers.*`): FSDP2 ranks each train on their share of every step's
-    pairs; the controller holds the tokenizer only."""
-
-    def __init__(self, model: str, cfg: DpoConfig, workers, device: str) -> None:
-        from rlctl.backends.hf import folder_stop_ids
-        from rlctl.sft import policy_group
-
-        self.group, self.cfg = policy_group(model, cfg, workers, device), cfg
-        self.tokenizer, self.context_length = self.group.tokenizer, self.group.context_length
-        self.end_ids = folder_stop_ids(model, self.tokenizer)
-
+class RayDpo(RayPolicy):
     def start(self, pairs: DpoPairs, held_out: DpoPairs | None, total_steps: int) -> None:
         import ray
 
@@ -290,13 +243,6 @@ class RayDpo:
 
     def evaluate(self) -> tuple[float, float]:
         return self.group.call_ranks("dpo_evaluate", lambda rank: ())[0]
-
-    def save(self, out: str, manifest: Manifest) -> Manifest:
-        manifest.state = {**manifest.state, "workers": to_dict(self.group.cfg.workers)}
-        return self.group.save(out, manifest, None, trainer_state=False)
-
-    def close(self) -> None:
-        self.group.close()
 
 
 # --- the command ------------------------------------------------------------------------------

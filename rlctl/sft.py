@@ -281,10 +281,10 @@ def trained_mask(response_mask: torch.Tensor, examples: Examples, rows: Sequence
 # --- where it trains: this process, or a Ray group of FSDP2 ranks ------------------------------
 
 
-class LocalSft:
-    """The policy loaded in this process."""
+class LocalPolicy:
+    """The policy a supervised command trains (sft, dpo), loaded in this process."""
 
-    def __init__(self, model: str, cfg: SftConfig, device: str) -> None:
+    def __init__(self, model: str, cfg, device: str) -> None:
         from rlctl.backends.hf import HFPolicy
         from rlctl.lora import prepare_for_training
 
@@ -292,15 +292,6 @@ class LocalSft:
         prepare_for_training(self.policy, cfg.lora, model)
         self.cfg, self.trainer = cfg, None
         self.tokenizer, self.end_ids, self.context_length = self.policy.tokenizer, self.policy.stop_ids, self.policy.context_length
-
-    def start(self, examples: Examples, total_steps: int) -> None:
-        self.examples, self.trainer = examples, SftTrainer(self.policy, self.cfg, total_steps=total_steps)
-
-    def epoch(self, epoch: int) -> EpochRow:
-        return self.trainer.train_epoch(self.examples, epoch)
-
-    def loss(self, examples: Examples) -> float:
-        return self.trainer.mean_loss(examples)
 
     def save(self, out: str, manifest: Manifest) -> Manifest:
         from rlctl.checkpoint import save_checkpoint
@@ -311,27 +302,42 @@ class LocalSft:
         """Nothing held beyond this object."""
 
 
-def policy_group(model: str, cfg, workers, device: str):
-    """A Ray group of FSDP2 ranks training the policy at `model` as a supervised command's `cfg`
-    asks (its `lora`, `bf16` and `gradient_checkpointing`: `rlctl sft`, `rlctl dpo`)."""
-    from rlctl.config import Config, ModelConfig, UpdateConfig
-    from rlctl.workers.ray import RayWorkers
+class RayPolicy:
+    """The policy a supervised command trains (sft, dpo) on a Ray worker group (`workers.*`):
+    FSDP2 ranks each train on their share of every optimizer step's rows, as `cfg` asks (its
+    `lora`, `bf16` and `gradient_checkpointing`); the controller holds the tokenizer only."""
 
-    update = UpdateConfig(lora=cfg.lora, bf16=cfg.bf16, gradient_checkpointing=cfg.gradient_checkpointing)
-    return RayWorkers(Config(model=ModelConfig(path=model, device=device), workers=workers, update=update), policy_source=model, critic_source=None)
-
-
-class RaySft:
-    """A Ray worker group (`workers.*`): FSDP2 ranks each train on their share of every step's
-    examples; the controller holds the tokenizer only."""
-
-    def __init__(self, model: str, cfg: SftConfig, workers, device: str) -> None:
+    def __init__(self, model: str, cfg, workers, device: str) -> None:
         from rlctl.backends.hf import folder_stop_ids
+        from rlctl.config import Config, ModelConfig, UpdateConfig
+        from rlctl.workers.ray import RayWorkers
 
-        self.group, self.cfg = policy_group(model, cfg, workers, device), cfg
+        update = UpdateConfig(lora=cfg.lora, bf16=cfg.bf16, gradient_checkpointing=cfg.gradient_checkpointing)
+        self.group = RayWorkers(Config(model=ModelConfig(path=model, device=device), workers=workers, update=update), policy_source=model, critic_source=None)
+        self.cfg = cfg
         self.tokenizer, self.context_length = self.group.tokenizer, self.group.context_length
         self.end_ids = folder_stop_ids(model, self.tokenizer)
 
+    def save(self, out: str, manifest: Manifest) -> Manifest:
+        manifest.state = {**manifest.state, "workers": to_dict(self.group.cfg.workers)}
+        return self.group.save(out, manifest, None, trainer_state=False)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class LocalSft(LocalPolicy):
+    def start(self, examples: Examples, total_steps: int) -> None:
+        self.examples, self.trainer = examples, SftTrainer(self.policy, self.cfg, total_steps=total_steps)
+
+    def epoch(self, epoch: int) -> EpochRow:
+        return self.trainer.train_epoch(self.examples, epoch)
+
+    def loss(self, examples: Examples) -> float:
+        return self.trainer.mean_loss(examples)
+
+
+class RaySft(RayPolicy):
     def start(self, examples: Examples, total_steps: int) -> None:
         import ray
 
@@ -342,13 +348,6 @@ class RaySft:
 
     def loss(self, examples: Examples) -> float:
         return self.group.call_ranks("sft_loss", lambda rank: (examples, self.cfg, self.total_steps))[0]
-
-    def save(self, out: str, manifest: Manifest) -> Manifest:
-        manifest.state = {**manifest.state, "workers": to_dict(self.group.cfg.workers)}
-        return self.group.save(out, manifest, None, trainer_state=False)
-
-    def close(self) -> None:
-        self.group.close()
 
 
 # --- the command ------------------------------------------------------------------------------
