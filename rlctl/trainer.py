@@ -177,20 +177,21 @@ class RankGroup:
     def sum(self, stats: dict[str, float]) -> dict[str, float]:
         if self.size == 1:
             return stats
-        import torch.distributed as dist
-
         keys = sorted(stats)
-        values = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(values)
+        values = self.sum_tensor(torch.tensor([stats[k] for k in keys], dtype=torch.float64))
         return dict(zip(keys, values.tolist()))
 
-
     def sum_tensor(self, values: torch.Tensor) -> torch.Tensor:
-        """`values` added across ranks (each rank's share filled in, zeros elsewhere)."""
+        """`values` (on the CPU) added across ranks (each rank's share filled in, zeros
+        elsewhere); through the GPU where the group's backend is NCCL, which takes no CPU tensor."""
         if self.size == 1:
             return values
         import torch.distributed as dist
 
+        if dist.get_backend() == "nccl":
+            on_gpu = values.to(f"cuda:{torch.cuda.current_device()}")
+            dist.all_reduce(on_gpu)
+            return on_gpu.cpu()
         dist.all_reduce(values)
         return values
 
