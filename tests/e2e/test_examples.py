@@ -135,3 +135,30 @@ def test_rm_grpo_example_trains_a_reward_model_that_teaches_the_rule_it_never_sa
     assert trained["metrics"]["val_accuracy"] > 0.85  # the held-out pairs (0.91 measured in fp32)
     shares = [r["reward_mean/digit_share"] for r in rows]  # the rule, weight 0: measured, never optimized
     assert len(rows) == 30 and sum(shares[-3:]) / 3 - sum(shares[:3]) / 3 >= 0.5  # the margin stated in examples/rm_grpo.toml
+
+
+@pytest.mark.slow
+def test_dpo_on_the_examples_digit_preferences_raises_the_digit_share_of_samples(tmp_path):
+    """README: `rlctl dpo` on the pairs examples/rm_grpo.toml trains its reward model on, offline,
+    then `rlctl eval` with the rule the pairs were made by."""
+    import json
+
+    def rlctl(*args) -> str:
+        result = subprocess.run([sys.executable, "-m", "rlctl", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout
+
+    rlctl("model", "init", tmp_path / "tiny", "--preset", "tiny")
+    rlctl(
+        "dpo", "--data", "examples/digit_prefs.jsonl", "--val-data", "examples/digit_prefs_val.jsonl", "--model", tmp_path / "tiny", "--out", tmp_path / "dpo",
+        "--epochs", "2", "--lr", "1e-3",
+    )
+
+    def digit_share(model) -> float:
+        rows = json.loads(rlctl(
+            "eval", "--model", model, "--prompts", "examples/digits_val.jsonl", "--reward", "examples/rewards.py:digit_share", "--n", "8", "--max-new-tokens", "16", "--json",
+        ))
+        return rows[0]["mean"]
+
+    before, after = digit_share(tmp_path / "tiny"), digit_share(tmp_path / "dpo")
+    assert before < 0.05 and after - before >= 0.2  # 0.008 → 0.35 measured in fp32
