@@ -23,7 +23,6 @@ manifest."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -68,16 +67,17 @@ def encode_dpo_pairs(table: pa.Table, tokenizer, data: DataConfig, cfg: DpoConfi
     """Every pair's prompt and both responses as tokens; a side that is empty or too long is one
     error naming the pair (or, with `dpo.truncate = "right"`, its response cut)."""
     from rlctl.reward_model import pair_ids, split_pairs
-    from rlctl.sft import examples_of
+    from rlctl.sft import encoded_prompts, examples_of
 
     ids = pair_ids(table)
     split = split_pairs(table, source)
     prompts, chats = [p for p, _, _, _ in split], [c for _, c, _, _ in split]
+    prompt_ids = encoded_prompts(ids, prompts, chats, tokenizer, data, context_length=context_length)  # the pair's one prompt, for both sides
 
     def side(index: int, name: str) -> Examples:
         return examples_of(
             ids, prompts, chats, [pair[index] for pair in split], tokenizer, data, max_tokens=cfg.max_tokens, truncate=cfg.truncate,
-            end_ids=end_ids, context_length=context_length, source=source, setting="dpo", noun=f"the {name} response of pair",
+            end_ids=end_ids, context_length=context_length, source=source, setting="dpo", noun=f"the {name} response of pair", prompt_ids=prompt_ids,
         )
 
     return DpoPairs(side(2, "chosen"), side(3, "rejected"))
@@ -151,17 +151,16 @@ class DpoTrainer(SupervisedSteps):
         return replace(pairs, ref_chosen=values[0].tolist(), ref_rejected=values[1].tolist())
 
     def train_epoch(self, pairs: DpoPairs, epoch: int) -> EpochRow:
-        started = time.perf_counter()
-        row, sums, norms = EpochRow(epoch), DpoSums(), 0.0
-        for rows in self.steps_of_epoch(len(pairs), epoch):
-            sums.add(self.passes(pairs, rows, lambda summed, n=len(rows): (summed / n).backward()))  # the step's mean
-            norm, row.lr = self.apply("dpo.lr")
-            norms += norm
-            row.steps += 1
-            row.pairs += len(rows)
+        sums = DpoSums()
+
+        def passes(rows: list[int]) -> None:
+            sums.add(self.passes(pairs, rows, lambda summed: (summed / len(rows)).backward()))  # the step's mean
+
+        done = self.run_epoch(len(pairs), epoch, passes)
+        row = EpochRow(epoch, grad_norm=done.grad_norm, lr=done.lr, steps=done.steps, pairs=done.rows, seconds=done.seconds)
         row.loss, row.accuracy = sums.loss / row.pairs, sums.right / row.pairs
         row.chosen_reward, row.rejected_reward = sums.chosen_reward / row.pairs, sums.rejected_reward / row.pairs
-        row.margin, row.grad_norm, row.seconds = row.chosen_reward - row.rejected_reward, norms / row.steps, time.perf_counter() - started
+        row.margin = row.chosen_reward - row.rejected_reward
         return row
 
     @torch.no_grad()

@@ -22,7 +22,6 @@ loss and accuracy."""
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -307,17 +306,16 @@ class RewardModelTrainer(SupervisedSteps):
         self.pad_id, self.device, self.ranks = pad_id, device, ranks or ALONE
 
     def train_epoch(self, pairs: Pairs, epoch: int) -> EpochRow:
-        started = time.perf_counter()
-        row, sums, norms = EpochRow(epoch), PairSums(), 0.0
-        for rows in self.steps_of_epoch(len(pairs), epoch):
-            sums.add(self.passes(pairs, rows, lambda summed, n=len(rows): (summed / n).backward()))  # the step's mean
-            norm, row.lr = self.apply("reward_model.lr")
-            norms += norm
-            row.steps += 1
-            row.pairs += len(rows)
-        row.loss, row.accuracy, row.margin = sums.loss / row.pairs, sums.right / row.pairs, sums.margin / row.pairs
-        row.grad_norm, row.seconds = norms / row.steps, time.perf_counter() - started
-        return row
+        sums = PairSums()
+
+        def passes(rows: list[int]) -> None:
+            sums.add(self.passes(pairs, rows, lambda summed: (summed / len(rows)).backward()))  # the step's mean
+
+        done = self.run_epoch(len(pairs), epoch, passes)
+        return EpochRow(
+            epoch, loss=sums.loss / done.rows, accuracy=sums.right / done.rows, margin=sums.margin / done.rows,
+            grad_norm=done.grad_norm, lr=done.lr, steps=done.steps, pairs=done.rows, seconds=done.seconds,
+        )
 
     @torch.no_grad()
     def evaluate(self, pairs: Pairs) -> tuple[float, float]:
@@ -326,27 +324,35 @@ class RewardModelTrainer(SupervisedSteps):
         return sums.loss / len(pairs), sums.right / len(pairs)
 
     def passes(self, pairs: Pairs, rows: list[int], backward: Callable[[torch.Tensor], None] | None) -> PairSums:
-        """Sums over `rows` (over every rank), in passes of both sides of similar-length pairs;
-        `backward(summed loss)` after each pass, scaled so that FSDP's average over ranks is
-        the sum."""
-        from rlctl.backends.hf import casts_kept, training_forward
+        return pair_sums(self.model, pairs, rows, pad_id=self.pad_id, cfg=self.cfg, device=self.device, bf16=self.bf16, ranks=self.ranks, backward=backward)
 
-        sums, ranks = PairSums(), self.ranks
-        with casts_kept(self.device, self.bf16 and self.weights_whole):  # each weight cast to bf16 once for all the passes
-            for micro, weight in ranks.micro_batches(torch.tensor(rows), self.cfg.micro_batch_size, pairs.lengths):
-                # weight 0: a rank's empty pass over one pair, run to keep FSDP's collectives in step
-                sequences = [pairs.chosen[i] for i in micro] + [pairs.rejected[i] for i in micro]
-                width = max(len(s) for s in sequences)
-                with training_forward(self.model, self.device, self.bf16, rows=len(sequences), length=width):
-                    rewards = rewards_of(self.model, sequences, self.pad_id, self.device)
-                chosen, rejected = rewards[: len(micro)], rewards[len(micro) :]
-                margins = torch.tensor([pairs.margins[i] for i in micro], device=self.device)
-                summed = pair_losses(chosen, rejected, margins, self.cfg.center_coef).sum()
-                if backward is not None:
-                    backward(summed * (weight * ranks.grad_scale))
-                gap = (chosen - rejected).detach()
-                sums.add(PairSums(weight * float(summed.detach()), weight * float((gap > 0).sum()), weight * float(gap.sum())))
-        return PairSums(**ranks.sum(vars(sums)))
+
+def pair_sums(
+    model, pairs: Pairs, rows: list[int], *, pad_id: int, cfg: RewardModelConfig, device: torch.device, bf16: bool, ranks=None,
+    backward: Callable[[torch.Tensor], None] | None = None,
+) -> PairSums:
+    """Sums over `rows` (over every rank of `ranks`), in passes of both sides of similar-length
+    pairs; `backward(summed loss)` after each pass, scaled so that FSDP's average over ranks is
+    the sum (training), none to only measure."""
+    from rlctl.backends.hf import casts_kept, held_whole, training_forward
+    from rlctl.trainer import ALONE
+
+    sums, ranks = PairSums(), ranks or ALONE
+    with casts_kept(device, bf16 and held_whole(model)):  # each weight cast to bf16 once for all the passes
+        for micro, weight in ranks.micro_batches(torch.tensor(rows), cfg.micro_batch_size, pairs.lengths):
+            # weight 0: a rank's empty pass over one pair, run to keep FSDP's collectives in step
+            sequences = [pairs.chosen[i] for i in micro] + [pairs.rejected[i] for i in micro]
+            width = max(len(s) for s in sequences)
+            with training_forward(model, device, bf16, rows=len(sequences), length=width):
+                rewards = rewards_of(model, sequences, pad_id, device)
+            chosen, rejected = rewards[: len(micro)], rewards[len(micro) :]
+            margins = torch.tensor([pairs.margins[i] for i in micro], device=device)
+            summed = pair_losses(chosen, rejected, margins, cfg.center_coef).sum()
+            if backward is not None:
+                backward(summed * (weight * ranks.grad_scale))
+            gap = (chosen - rejected).detach()
+            sums.add(PairSums(weight * float(summed.detach()), weight * float((gap > 0).sum()), weight * float(gap.sum())))
+    return PairSums(**ranks.sum(vars(sums)))
 
 
 # --- where it trains: this process, or a Ray group of FSDP2 ranks ------------------------------
@@ -433,7 +439,7 @@ def evaluate(*, data: str, model: str, cfg: Config, device: str = "auto") -> tup
     pairs at `data`, read as training and `rm:` read them: one row over every pair ("all"),
     then one per data_source where the pairs name several."""
     from rlctl.backends.hf import check_model_dir, context_length_of, resolve_device
-    from rlctl.dtypes import decided_bf16
+    from rlctl.dtypes import autocast_bf16, decided_bf16
     from rlctl.shards import read
 
     check_model_dir(model)
@@ -453,11 +459,11 @@ def evaluate(*, data: str, model: str, cfg: Config, device: str = "auto") -> tup
         groups.setdefault(str(named.get(pair_id) or "unknown"), []).append(row)
     if len(groups) == 2:  # one data_source: the same row twice
         groups = {"all": groups["all"]}
-    scoring = RewardModelTrainer(scorer, tokenizer.pad_token_id, rm_cfg, device=on, total_steps=1)
+    bf16 = autocast_bf16(rm_cfg.bf16, on.type)
     rows = []
     with torch.no_grad():
         for name, members in groups.items():
-            sums = scoring.passes(pairs, members, None)
+            sums = pair_sums(scorer, pairs, members, pad_id=tokenizer.pad_token_id, cfg=rm_cfg, device=on, bf16=bf16)
             rows.append(PairsRow(name, len(members), sums.loss / len(members), sums.right / len(members), sums.margin / len(members)))
     return rows, pairs.dropped
 

@@ -24,7 +24,6 @@ step 0 with a fresh optimizer."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -161,17 +160,25 @@ def encode_examples(table: pa.Table, tokenizer, data: DataConfig, cfg: SftConfig
     )
 
 
-def examples_of(
-    ids: list[str], prompts: list[str | None], contexts: list[list[dict] | None], responses: list[str | list[dict]], tokenizer, data: DataConfig, *,
-    max_tokens: int, truncate: str, end_ids: Sequence[int], context_length: int | None, source: str, setting: str, noun: str = "example",
-) -> Examples:
-    """Prompts (as the rollout encodes them) and responses (as it would sample them) as tokens;
-    a response that is empty or over `max_tokens` with its prompt is one error naming it (or,
-    with `truncate = "right"`, cut). `setting` names the config section in messages."""
+def encoded_prompts(ids: list[str], prompts: list[str | None], contexts: list[list[dict] | None], tokenizer, data: DataConfig, *, context_length: int | None) -> list[list[int]]:
+    """Each example's prompt (plain, or a chat context) as the rollout encodes it."""
     from rlctl.stages.rollout import encode_prompts
 
     as_prompts = pa.table({"id": ids, "prompt": pa.array(prompts, pa.string()), "messages": pa.array(contexts)})
-    prompt_ids = encode_prompts(as_prompts, tokenizer, data, context_length=context_length)
+    return encode_prompts(as_prompts, tokenizer, data, context_length=context_length)
+
+
+def examples_of(
+    ids: list[str], prompts: list[str | None], contexts: list[list[dict] | None], responses: list[str | list[dict]], tokenizer, data: DataConfig, *,
+    max_tokens: int, truncate: str, end_ids: Sequence[int], context_length: int | None, source: str, setting: str, noun: str = "example",
+    prompt_ids: list[list[int]] | None = None,
+) -> Examples:
+    """Prompts (as the rollout encodes them; `prompt_ids` where they are encoded already) and
+    responses (as it would sample them) as tokens; a response that is empty or over
+    `max_tokens` with its prompt is one error naming it (or, with `truncate = "right"`, cut).
+    `setting` names the config section in messages."""
+    if prompt_ids is None:
+        prompt_ids = encoded_prompts(ids, prompts, contexts, tokenizer, data, context_length=context_length)
     limit = max_tokens or context_length or 0
     kept, masks = [], []
     for example, prompt, context, response, prompt_tokens in zip(ids, prompts, contexts, responses, prompt_ids):
@@ -229,18 +236,16 @@ class SftTrainer(SupervisedSteps):
         self.policy, self.ranks = policy, ranks or ALONE
 
     def train_epoch(self, examples: Examples, epoch: int) -> EpochRow:
-        started = time.perf_counter()
-        row = EpochRow(epoch)
-        nll = norms = 0.0
-        for rows in self.steps_of_epoch(len(examples), epoch):
-            tokens = sum(examples.trained_tokens(i) for i in rows)
-            nll += self._passes(examples, rows, lambda summed, tokens=tokens: (summed / tokens).backward())  # the step's mean
-            norm, row.lr = self.apply("sft.lr")
-            norms += norm
-            row.steps += 1
-            row.tokens += tokens
-        row.loss, row.grad_norm, row.seconds = nll / row.tokens, norms / row.steps, time.perf_counter() - started
-        return row
+        nll, tokens = 0.0, 0
+
+        def passes(rows: list[int]) -> None:
+            nonlocal nll, tokens
+            counted = sum(examples.trained_tokens(i) for i in rows)
+            nll += self._passes(examples, rows, lambda summed: (summed / counted).backward())  # the step's mean
+            tokens += counted
+
+        done = self.run_epoch(len(examples), epoch, passes)
+        return EpochRow(epoch, loss=nll / tokens, grad_norm=done.grad_norm, lr=done.lr, steps=done.steps, tokens=tokens, seconds=done.seconds)
 
     @torch.no_grad()
     def mean_loss(self, examples: Examples) -> float:

@@ -1,4 +1,4 @@
-"""The optimizer side of rlctl's supervised trainers (`rlctl sft`, `rlctl reward-model`): AdamW on
+"""The optimizer side of rlctl's supervised trainers (`rlctl sft`, `rlctl reward-model`, `rlctl dpo`): AdamW on
 the trainable weights, each epoch's rows in a seeded order, an optimizer step per `batch_size`
 rows whose passes accumulate its gradient, clipping, the learning-rate schedule over the run's
 steps, a non-finite gradient refused before it reaches the weights, and the line each epoch
@@ -7,11 +7,25 @@ prints."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from rlctl.errors import TrainingError
+
+
+@dataclass
+class EpochSteps:
+    """What an epoch's optimizer steps were: how many, over how many rows, their mean gradient
+    norm before clipping, the last step's learning rate, the seconds they took."""
+
+    steps: int = 0
+    rows: int = 0
+    grad_norm: float | None = None
+    lr: float | None = None
+    seconds: float = 0.0
 
 
 class SupervisedSteps:
@@ -51,6 +65,19 @@ class SupervisedSteps:
                 yield order[start : start + self.cfg.batch_size].tolist()
         finally:
             self.model.eval()
+
+    def run_epoch(self, count: int, epoch: int, passes: Callable[[list[int]], None]) -> EpochSteps:
+        """Every optimizer step of an epoch over `count` rows: `passes(rows)` accumulates a
+        step's gradient (and the caller's sums), then the step is taken."""
+        started, done, norms = time.perf_counter(), EpochSteps(), 0.0
+        for rows in self.steps_of_epoch(count, epoch):
+            passes(rows)
+            norm, done.lr = self.apply(f"{self.command.replace('-', '_')}.lr")
+            norms += norm
+            done.steps += 1
+            done.rows += len(rows)
+        done.grad_norm, done.seconds = norms / max(done.steps, 1), time.perf_counter() - started
+        return done
 
     def apply(self, lower: str) -> tuple[float, float]:
         """Clip the accumulated gradient and take the optimizer step at the schedule's rate:
