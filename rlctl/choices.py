@@ -24,5 +24,6 @@ KL_ESTIMATORS = ("abs", "abs+", "k1", "k1+", "k2", "k2+", "k3", "k3+", "kl", "kl
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "kl_cov")
 LR_SCHEDULES = ("constant", "linear", "cosine")
+DPO_LOSSES = ("sigmoid", "robust", "ipo", "hinge")
 PRESETS = ("tiny", "small", "medium")
 BUILTIN_REWARDS = ("countdown", "gsm8k", "gsm8k_flexible", "length", "math")

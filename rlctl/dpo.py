@@ -6,15 +6,22 @@ A pair is a prompt with a chosen and a rejected response, in the data `rlctl rew
 (`split_pairs`). The prompt becomes tokens as the rollout makes them and each response as the
 rollout would sample it (`rlctl sft`'s reading: the chat template's assistant turn up to its
 end token, the assistant's turns alone trained in a response of several). A response's
-log-probability log π(y|x) is the sum over its trained tokens. The loss of a pair is
+log-probability log π(y|x) is the sum over its trained tokens, and with
 
-    −(1 − ε) log σ(β·h) − ε log σ(−β·h),   h = (log π(y_c) − log π_ref(y_c)) − (log π(y_r) − log π_ref(y_r)),
+    h = (log π(y_c) − log π_ref(y_c)) − (log π(y_r) − log π_ref(y_r))
 
-β = `dpo.beta`, ε = `dpo.label_smoothing` (conservative DPO), the mean over each optimizer
-step's pairs. β·(log π − log π_ref) is a response's implicit reward: `accuracy` is the share of
-pairs whose chosen response has the larger one, `margin` the mean difference. The reference's
-log-probabilities are computed once, before the first step, with the starting weights (LoRA
-adapters start at B = 0, so the same function): no second model is held.
+a pair's loss is, by `dpo.loss` (β = `dpo.beta`, ε = `dpo.label_smoothing`):
+
+    sigmoid  −(1 − ε) log σ(β·h) − ε log σ(−β·h)              DPO; ε > 0: conservative DPO
+    robust   (−(1 − ε) log σ(β·h) + ε log σ(−β·h)) / (1 − 2ε)   rDPO, unbiased under labels flipped at rate ε
+    ipo      (h' − 1/(2β))², h' as h with per-token log-ratios  IPO
+    hinge    max(0, 1 − β·h)                                    SLiC's hinge
+
+the mean over each optimizer step's pairs. β·(log π − log π_ref) is a response's implicit
+reward: `accuracy` is the share of pairs whose chosen response has the larger one, `margin` the
+mean difference. The reference's log-probabilities are computed once, before the first step,
+with the starting weights (LoRA adapters start at B = 0, so the same function): no second
+model is held.
 
 It trains in this process or on a Ray group of FSDP2 ranks (`workers.backend = "ray"`), each
 rank on its share of every step's pairs, as `rlctl sft` does. The output is a checkpoint folder
@@ -87,14 +94,30 @@ def encode_dpo_pairs(table: pa.Table, tokenizer, data: DataConfig, cfg: DpoConfi
 
 
 def dpo_losses(
-    chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, *, beta: float, label_smoothing: float = 0.0,
+    chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, *, beta: float, loss: str = "sigmoid",
+    label_smoothing: float = 0.0, chosen_tokens: torch.Tensor | None = None, rejected_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(each pair's loss, the chosen response's implicit reward, the rejected one's) from the
-    responses' summed log-probabilities under the policy and the reference [P]."""
-    chosen_reward, rejected_reward = beta * (chosen - ref_chosen), beta * (rejected - ref_rejected)
-    logits = chosen_reward - rejected_reward
-    losses = -(1 - label_smoothing) * torch.nn.functional.logsigmoid(logits) - label_smoothing * torch.nn.functional.logsigmoid(-logits)
-    return losses, chosen_reward.detach(), rejected_reward.detach()
+    responses' summed log-probabilities under the policy and the reference [P]; "ipo" also
+    needs each side's trained tokens, since it compares per-token log-ratios."""
+    from torch.nn.functional import logsigmoid, relu
+
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    h, eps = chosen_ratio - rejected_ratio, label_smoothing
+    if loss == "sigmoid":  # Rafailov et al.; with eps, conservative DPO (Mitchell)
+        losses = -(1 - eps) * logsigmoid(beta * h) - eps * logsigmoid(-beta * h)
+    elif loss == "robust":  # Chowdhury et al.: unbiased for labels flipped with probability eps
+        losses = (-(1 - eps) * logsigmoid(beta * h) + eps * logsigmoid(-beta * h)) / (1 - 2 * eps)
+    elif loss == "ipo":  # Azar et al., eq. 17, beta as their tau; log-ratios per trained token, as the IPO authors and TRL compute them
+        if chosen_tokens is None or rejected_tokens is None:
+            raise ValueError("the ipo loss needs each side's trained tokens")
+        per_token = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
+        losses = (per_token - 1 / (2 * beta)) ** 2
+    elif loss == "hinge":  # SLiC (Zhao et al.) on the log-ratios, as TRL's "hinge"
+        losses = relu(1 - beta * h)
+    else:
+        raise ValueError(f"unknown DPO loss {loss!r}")
+    return losses, (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
 
 
 @dataclass
@@ -181,7 +204,11 @@ class DpoTrainer(SupervisedSteps):
             for micro, weight in self._passes_of(pairs, rows):  # weight 0: a rank's empty pass, run to keep FSDP's collectives in step
                 chosen, rejected = self._logps(pairs, micro)
                 ref_chosen, ref_rejected = (torch.tensor([values[i] for i in micro], device=chosen.device) for values in (pairs.ref_chosen, pairs.ref_rejected))
-                losses, chosen_reward, rejected_reward = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta=cfg.beta, label_smoothing=cfg.label_smoothing)
+                chosen_tokens, rejected_tokens = (torch.tensor([side.trained_tokens(i) for i in micro], device=chosen.device) for side in (pairs.chosen, pairs.rejected))
+                losses, chosen_reward, rejected_reward = dpo_losses(
+                    chosen, rejected, ref_chosen, ref_rejected, beta=cfg.beta, loss=cfg.loss, label_smoothing=cfg.label_smoothing,
+                    chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens,
+                )
                 summed = losses.sum()
                 if backward is not None:
                     backward(summed * (weight * self.ranks.grad_scale))
