@@ -63,6 +63,7 @@ from rlctl.shards import Shards, commit_empty, filesystem, is_committed, read, r
 from rlctl.stages.rollout import stage_config as rollout_stage_config
 from rlctl.tensors import list_lengths
 from rlctl.threads import ThreadGovernor
+from rlctl.workers import held_reward_models
 
 STAGES = ("rollout", "score", "advantage", "update")
 POLICY = "policy"  # model.ref / model.critic value meaning "the initial policy's weights"
@@ -217,7 +218,10 @@ class Pipeline:
         self.from_stage, self.until_stage = from_stage, until_stage
         # a reward model the run trains is loaded once trained (before iteration 1's score)
         self._reward_fn = reward_fn
-        self._reward: RewardSet | None = None if cfg.reward_model.data and reward_fn is None else load_rewards(cfg.score, device=cfg.model.device, reward_fn=reward_fn)
+        # on a Ray group its ranks hold the rm: models, loaded with it (when the run first needs a model)
+        self._scorers = held_reward_models(cfg.score, cfg.workers) if reward_fn is None else {}
+        held_later = (cfg.reward_model.data or self._scorers) and reward_fn is None
+        self._reward: RewardSet | None = None if held_later else load_rewards(cfg.score, device=cfg.model.device, reward_fn=reward_fn)
         dataset = read(cfg.data.prompts, "prompts")
         self.dataset, self.dataset_ref = dataset.table, shards_ref(dataset)
         self.val_dataset = read(cfg.data.val_prompts, "prompts").table if cfg.data.val_prompts else None
@@ -265,7 +269,7 @@ class Pipeline:
             self._initial_models()
             self._reward_model_ready()  # before iteration 1, as the warm start
             policy, critic = checkpoint_sources(str(self.checkpoint) if self.checkpoint else None, self.cfg, initial_policy(self.cfg, self.run_dir))
-            self._workers = make_workers(self.cfg, policy_source=policy, critic_source=critic, log_dir=self.run_dir / "logs" / "ray")
+            self._workers = make_workers(self.cfg, policy_source=policy, critic_source=critic, log_dir=self.run_dir / "logs" / "ray", scorers=self._scorers)
         return self._workers
 
     @property
@@ -274,7 +278,8 @@ class Pipeline:
         trained first, after the warm start when it starts from the initial policy."""
         if self._reward is None:
             self._reward_model_ready()
-            self._reward = load_rewards(self.cfg.score, device=self.cfg.model.device)
+            held = self.workers.reward_model if self._scorers else None  # the group's ranks hold the rm: models
+            self._reward = load_rewards(self.cfg.score, device=self.cfg.model.device, reward_models=held)
         return self._reward
 
     def _reward_model_ready(self) -> None:
@@ -283,6 +288,12 @@ class Pipeline:
             self._initial_models()
             self._train_reward_model()
             self._reward_model_trained = True
+
+    @property
+    def _reward_spec(self) -> str:
+        """What the score stage's manifest records of the rewards, without loading them (a
+        committed score's check need not start a Ray group)."""
+        return self.reward.spec if self._reward_fn is not None else describe_rewards(self.cfg.score)
 
     @cached_property
     def reward_model_inputs(self) -> list[InputRef]:
@@ -506,7 +517,7 @@ class Pipeline:
         if rollout is None:
             return prompts, None, None
         score = stage(
-            "score" + suffix, {"score": to_dict(cfg.score), "reward": self.reward.spec, "old_logprobs": old_logprobs_source(cfg)}, [rollout.ref(), *model_inputs, *self.reward_model_inputs],
+            "score" + suffix, {"score": to_dict(cfg.score), "reward": self._reward_spec, "old_logprobs": old_logprobs_source(cfg)}, [rollout.ref(), *model_inputs, *self.reward_model_inputs],
             lambda: _with_stats(self._score(rollout.table), reward_stats), "scores",
             write_parts=self._score_parts(rollout.table), kind="score",
         )
@@ -569,7 +580,8 @@ class Pipeline:
             f"workers       {describe_workers(cfg)}",
             *([f"reward model  {self.run_dir / REWARD_MODEL_DIR}: trained on {cfg.reward_model.data} from {cfg.reward_model.base}, "
                f"{cfg.reward_model.epochs} epoch(s) at lr {cfg.reward_model.lr:g}, before iteration 1"] if cfg.reward_model.data else []),
-            f"reward        {self._reward.spec if self._reward is not None else describe_rewards(cfg.score)}",
+            f"reward        {self._reward.spec if self._reward is not None else describe_rewards(cfg.score)}"
+            + (" (a replica on every Ray rank, each scoring its share)" if self._scorers else ""),
             f"prompts       {cfg.data.prompts} ({self.dataset.num_rows} rows, {cfg.data.batch_size} per iteration × n={cfg.rollout.n})",
             f"outputs       {self.run_dir}/iter-NNNN/{{prompts,rollout,score,{'filter,' if cfg.pipeline.dynamic_sampling else ''}advantage,update}}, metrics.jsonl",
             *([f"sampling      dynamic: groups with equal rewards dropped, up to {cfg.pipeline.max_sampling_rounds} rounds (prompts-rN, rollout-rN, score-rN)"]

@@ -27,6 +27,7 @@ from rlctl.manifest import Manifest
 from rlctl.passes import as_recorded
 from rlctl.rewards import is_code_reward
 from rlctl.shards import read, read_manifest, write
+from rlctl.workers import held_reward_models
 
 REPLAYABLE = ("prompts", "rollout", "score", "filter", "advantage", "update", "val")
 TIMING_KEYS = ("seconds", "tokens_per_s")
@@ -167,15 +168,23 @@ def _prompts(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> p
     return read(target).table
 
 
-def _run_workers(cfg: Config, *, policy: str, ref: str = "", critic: str | None = None, train: bool = False, generate: bool = False):
+def _run_workers(cfg: Config, *, policy: str, ref: str = "", critic: str | None = None, train: bool = False, generate: bool = False, scorers: dict | None = None):
     """The kind of workers the run used (its [workers] section), so a replay splits the rows,
-    and shards the training, exactly as the run did; `generate` starts the run's rollout engine."""
+    and shards the training, exactly as the run did; `generate` starts the run's rollout engine;
+    `scorers`: the `rm:` models a Ray group's ranks held."""
     from rlctl.workers import worker_group
 
     return worker_group(
         cfg.workers, policy=policy, ref=ref or None, critic=critic, update=cfg.update if train else None,
-        temperature=cfg.rollout.temperature, device=cfg.model.device, rollout=cfg.rollout if generate else None, engine=cfg.vllm,
+        temperature=cfg.rollout.temperature, device=cfg.model.device, rollout=cfg.rollout if generate else None, engine=cfg.vllm, scorers=scorers,
     )
+
+
+def _run_rewards(cfg: Config, workers, scorers: dict):
+    """The run's rewards, the `rm:` models scored where the run scored them (`scorers`: on the ranks)."""
+    from rlctl.rewards import load_rewards
+
+    return load_rewards(cfg.score, device=cfg.model.device, reward_models=workers.reward_model if scorers else None)
 
 
 def _rollout(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> pa.Table:
@@ -195,7 +204,6 @@ def _rollout(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> p
 
 def _score(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> pa.Table:
     from rlctl.pipeline import old_logprobs_source
-    from rlctl.rewards import load_rewards
     from rlctl.stages.score import ScoringModels, score_table
 
     weights = _weights(recorded)
@@ -203,8 +211,9 @@ def _score(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> pa.
     if cfg.model.critic:
         critic_dir = Path(weights) / "critic"
         critic = str(critic_dir) if critic_dir.exists() else cfg.model.critic
-    reward = load_rewards(cfg.score, device=cfg.model.device)
-    with _run_workers(cfg, policy=weights, ref=cfg.model.ref, critic=critic) as workers:
+    scorers = held_reward_models(cfg.score, cfg.workers)
+    with _run_workers(cfg, policy=weights, ref=cfg.model.ref, critic=critic, scorers=scorers) as workers:
+        reward = _run_rewards(cfg, workers, scorers)
         models = ScoringModels(ref=workers.ref, policy=workers.policy if old_logprobs_source(cfg) == "recompute" else None, critic=workers.critic)
         table = score_table(read(str(iter_dir / "rollout"), "rollouts").table, reward, models, cfg.score)
     write(table, target, Manifest(stage="score", state={"replay_of": str(iter_dir / "score")}), schema="scores")
@@ -214,17 +223,17 @@ def _score(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> pa.
 def _val(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> pa.Table:
     """The validation again: the held-out prompts, sampled as recorded (its `rollout` section)
     from the iteration's checkpoint, scored with the run's reward."""
-    from rlctl.rewards import load_rewards
     from rlctl.stages.rollout import rollout_table
     from rlctl.stages.score import ScoringModels, score_table
 
     if not cfg.data.val_prompts:
         raise InputError(f"{iter_dir.name}/val: the run's config names no data.val_prompts to validate on")
     prompts = read(cfg.data.val_prompts, "prompts").table
-    reward = load_rewards(cfg.score, device=cfg.model.device)
-    with _run_workers(cfg, policy=_weights(recorded), generate=True) as workers:
+    scorers = held_reward_models(cfg.score, cfg.workers)
+    with _run_workers(cfg, policy=_weights(recorded), generate=True, scorers=scorers) as workers:
         table = rollout_table(prompts, workers.engine, cfg.rollout, cfg.data, policy_version=recorded.state["policy_version"])
-    write(score_table(table, reward, ScoringModels(), cfg.score), target, Manifest(stage="validate", state={"replay_of": str(iter_dir / "val")}), schema="scores")
+        scored = score_table(table, _run_rewards(cfg, workers, scorers), ScoringModels(), cfg.score)
+    write(scored, target, Manifest(stage="validate", state={"replay_of": str(iter_dir / "val")}), schema="scores")
     return read(target).table
 
 

@@ -240,10 +240,12 @@ def from_callable(fn: Callable, spec: str = "<callable>") -> RewardFunction:
 
 def load_reward(
     spec: str, *, device: str = "cpu", batch_size: int = 16, http: HttpOptions | None = None, flag: str = "--reward", dtype: str = "fp32",
+    reward_models: Callable[[str], Callable] | None = None,
 ) -> RewardFunction:
     """A reward from its spec. Code (file.py:fn, module:fn) is loaded in a child process.
     `flag` names the setting in messages (a tool is loaded the same way); `dtype`: a reward
-    model's compute dtype (score.dtype)."""
+    model's compute dtype (score.dtype); `reward_models(uri)`: an `rm:` folder's scorer where a
+    worker group holds it (else it is loaded here)."""
     kind, sep, rest = spec.partition(":")
     if not sep or not rest:
         raise InputError(f"{flag} {spec!r}: expected file.py:function, module:function, builtin:NAME, rm:MODEL_URI or an http(s):// URL")
@@ -255,7 +257,8 @@ def load_reward(
     if kind == "builtin":
         return from_callable(BUILTINS.get(rest), spec)
     if kind == "rm":
-        return RewardFunction(spec, RewardModel(rest, device=device, batch_size=batch_size, dtype=dtype), ("prompts", "responses", "messages"))
+        scorer = reward_models(rest) if reward_models is not None else RewardModel(rest, device=device, batch_size=batch_size, dtype=dtype)
+        return RewardFunction(spec, scorer, ("prompts", "responses", "messages"))
     target = spec.rpartition(":")[0]
     if target.endswith(".py") and not Path(target).is_file():
         raise InputError(f"{flag} {spec!r}: file {target} does not exist")
@@ -449,19 +452,20 @@ def term_name(spec: str) -> str:
     return spec.rpartition(":")[2] or spec
 
 
-def load_rewards(cfg: Any, *, device: str = "cpu", reward_fn: Callable | None = None) -> RewardSet:
+def load_rewards(cfg: Any, *, device: str = "cpu", reward_fn: Callable | None = None, reward_models: Callable[[str], Callable] | None = None) -> RewardSet:
     """The RewardSet a ScoreConfig names (`score.rewards`, else `score.reward`); a Python
-    callable given to the Pipeline stands in for `score.reward`."""
+    callable given to the Pipeline stands in for `score.reward`; `reward_models(uri)` gives the
+    `rm:` scorers a worker group holds."""
     http = HttpOptions(batch_size=cfg.http_batch_size, concurrency=cfg.http_concurrency, retries=cfg.http_retries, timeout=cfg.reward_timeout or HttpOptions.timeout)
     if reward_fn is not None:
         return RewardSet.of(from_callable(reward_fn, f"callable:{getattr(reward_fn, '__name__', 'reward')}"))
     if not cfg.rewards:
-        return RewardSet.of(load_reward(cfg.reward, device=device, batch_size=cfg.batch_size, http=http, dtype=cfg.dtype))
+        return RewardSet.of(load_reward(cfg.reward, device=device, batch_size=cfg.batch_size, http=http, dtype=cfg.dtype, reward_models=reward_models))
     terms, seen = [], Counter()
     for term in cfg.rewards:
         name = term.name or term_name(term.fn)
         seen[name] += 1
-        reward = load_reward(term.fn, device=device, batch_size=cfg.batch_size, http=http, dtype=cfg.dtype)
+        reward = load_reward(term.fn, device=device, batch_size=cfg.batch_size, http=http, dtype=cfg.dtype, reward_models=reward_models)
         terms.append(WeightedReward(name if seen[name] == 1 else f"{name}_{seen[name]}", reward, term.weight, tuple(term.sources)))
     return RewardSet(terms)
 
@@ -577,6 +581,8 @@ def _call_with_timeout(reward: RewardFunction, samples: RewardSamples, timeout: 
             return reward.fn.call(args, kwargs, timeout)
         except RewardCallFailed as exc:
             raise _Failure(str(exc)) from None
+    if getattr(reward.fn, "runs_on_workers", False):  # a worker group's reward model: the group's own failure handling, no alarm in its Ray calls
+        return reward(samples)
     if timeout <= 0:
         return _call(reward, samples)
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):

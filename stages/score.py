@@ -50,17 +50,23 @@ def run(
     for uri in model_uris.values():
         if uri:
             check_model_dir(uri)
-    reward = load_rewards(cfg, device=device)
+    from rlctl.workers import held_reward_models
+
+    scorers = held_reward_models(cfg, workers)  # on a Ray group its ranks hold the rm: models, loaded with it
+    on_workers = workers.backend == "ray" and (any(model_uris.values()) or bool(scorers))
+    reward = None if scorers else load_rewards(cfg, device=device)  # loaded (and checked) here
     inputs = [shards_ref(source)] + [model_ref(u) for u in [*model_uris.values(), *reward_model_folders(cfg)] if u]
     config = {"score": to_dict(cfg), "models": {k: v or "" for k, v in model_uris.items()}}
     manifest = make_manifest("score", config, inputs)
     if (existing := up_to_date(out.uri, manifest, force)) is not None:
         return existing
     manifest.state = {**manifest.state, "workers": to_dict(workers)}
-    if workers.backend == "ray" and any(model_uris.values()):
+    if on_workers:
         from rlctl.workers import worker_group
 
-        with worker_group(workers, policy=policy, ref=ref, critic=critic, temperature=float(sampling_of(source.table).get("temperature", 1.0))) as group:
+        temperature = float(sampling_of(source.table).get("temperature", 1.0))
+        with worker_group(workers, policy=policy, ref=ref, critic=critic, temperature=temperature, scorers=scorers) as group:
+            reward = reward or load_rewards(cfg, device=device, reward_models=group.reward_model)
             models = ScoringModels(ref=group.ref, policy=group.policy, critic=group.critic)
             if out.uri != "-":
                 return score_parts_on_workers(group, source.table, reward, models, cfg, out, manifest)
@@ -159,8 +165,9 @@ def with_model_columns(
 
 
 def score_parts_on_workers(group, table: pa.Table, reward: RewardSet, models: ScoringModels, cfg: ScoreConfig, out: OutputSpec, manifest: Manifest) -> Manifest:
-    """Rewards here (the reward's child process is the controller's); each rank adds its
-    slice's model columns and writes its own part. A reference in a pool of its own
+    """Rewards here (the reward's child process is the controller's; an `rm:` model the ranks
+    hold scores each rank's share there); each rank adds its slice's model columns and writes
+    its own part. A reference in a pool of its own
     (`workers.placement = "split"`) and a critic in one score there first; their log-probs
     and values go with the rows."""
     scores = scored_rewards(table, reward, models, cfg)

@@ -174,12 +174,14 @@ class RayWorkers:
 
     def __init__(
         self, cfg: Config, *, policy_source: str | None, critic_source: str | None, train: bool = True, temperature: float | None = None,
-        log_dir: Path | None = None, reward_model: dict | None = None,
+        log_dir: Path | None = None, reward_model: dict | None = None, scorers: dict[str, dict] | None = None,
     ) -> None:
         """`train=False` builds a group that only generates or scores (no FSDP copy, no optimizer);
         `policy_source=None` a group of only the reference and/or the critic; `reward_model`
         ({"path", "settings": RewardModelConfig}, no other model) a group that trains a reward
-        model (rlctl reward-model: rlctl.reward_model.trainable_scorer on each rank, FSDP2-sharded)."""
+        model (rlctl reward-model: rlctl.reward_model.trainable_scorer on each rank, FSDP2-sharded);
+        `scorers` ({folder: {"batch_size", "dtype"}}) the `rm:` reward models every rank holds a
+        replica of, to score its share of the samples (`reward_model(folder)`)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -188,7 +190,8 @@ class RayWorkers:
         from rlctl.backends.hf import check_model_dir, quiet_transformers
 
         quiet_transformers()
-        for source in (policy_source, cfg.model.ref, critic_source, (reward_model or {}).get("path")):
+        scorers = dict(scorers or {})
+        for source in (policy_source, cfg.model.ref, critic_source, (reward_model or {}).get("path"), *scorers):
             if source:
                 check_model_dir(source)  # bad input is exit 2 here, before Ray starts
         from dataclasses import replace
@@ -240,12 +243,14 @@ class RayWorkers:
         setup = {
             "config": asdict(cfg), "policy": policy_source, "critic": critic_source, "master": master, "port": port,
             "train": train and (policy_source is not None or critic_source is not None), "temperature": cfg.rollout.temperature if temperature is None else temperature,
-            "reward_model": reward_model,
+            "reward_model": reward_model, "scorers": scorers,
         }
         self.pad_id, self.vocab_size, self.context_length = self._all("setup", setup, per_rank=lambda rank: {"rank": rank, "world": self.size})[0]
         scorer = (reward_model or {}).get("path")
         self.loads += [f"{role}:{source}" for role, source in (("policy", policy_source), ("ref", cfg.model.ref), ("critic", critic_source), ("reward_model", scorer)) if source]
-        self.tokenizer = AutoTokenizer.from_pretrained(policy_source or cfg.model.ref or critic_source or scorer, padding_side="left", trust_remote_code=False)
+        self.loads += [f"rm:{folder}" for folder in scorers]
+        first_folder = policy_source or cfg.model.ref or critic_source or scorer or next(iter(scorers), None)
+        self.tokenizer = AutoTokenizer.from_pretrained(first_folder, padding_side="left", trust_remote_code=False)
         self.trainer = _TrainerProxy(self) if setup["train"] else None
         if self.trainer is not None:
             self.trainer.step = self._call([self.actors[0].step.remote()])[0]
@@ -262,6 +267,10 @@ class RayWorkers:
         self.compute_state = agreed_settings(ranks)  # what a stage's manifest records of the ranks (pipeline)
 
     # -- the methods the controller calls -------------------------------------------------
+
+    def reward_model(self, folder: str) -> _RewardModelProxy:
+        """The `rm:` reward of `folder`, which every rank holds (`scorers`)."""
+        return _RewardModelProxy(self, folder)
 
     def hand_over_weights(self) -> dict:
         """Gather the trained full parameters into every rank's rollout engine (in memory),
@@ -455,6 +464,21 @@ class _PolicyProxy:
         return self._workers._split("logprobs", [list(prompt_ids), list(response_ids)], self._which, temperature, batch_size, compute_dtype, batch_tokens)
 
 
+class _RewardModelProxy:
+    """An `rm:` reward model held by every rank: the samples split over the ranks, each scoring
+    its slice with its replica (as `rlctl.rewards.RewardModel` scores in one process), the
+    rewards back in sample order."""
+
+    runs_on_workers = True  # called directly by rlctl.rewards: a rank's failure is the group's error, no reward alarm around Ray calls
+
+    def __init__(self, workers: RayWorkers, folder: str) -> None:
+        self.workers, self.folder = workers, folder
+
+    def __call__(self, *, prompts: list[str], responses: list[str], messages: list | None = None) -> list[float]:
+        chats = messages or [None] * len(responses)
+        return self.workers._split("reward_model_scores", [list(prompts), list(responses), list(chats)], self.folder)
+
+
 class _CriticProxy:
     def __init__(self, workers: RayWorkers) -> None:
         self._workers, self.vocab_size = workers, workers.vocab_size
@@ -557,7 +581,13 @@ class RankWorker:
             if world > 1:
                 _sharded(self.reward_model, init_device_mesh(device.type, (world,)))
             return self.reward_model_tokenizer.pad_token_id, self.reward_model.config.vocab_size, context_length_of(self.reward_model)
+        from rlctl.rewards import RewardModel
+
+        self.scorers = {folder: RewardModel(folder, device=str(device), **options) for folder, options in (spec.get("scorers") or {}).items()}
         first = self.engine or self.ref or self.ref_shards
+        if first is None and self.critic_engine is None and self.scorers:  # a group that only scores with reward models
+            scorer = next(iter(self.scorers.values()))
+            return scorer.tokenizer.pad_token_id, scorer.model.config.vocab_size, scorer.context
         if first is None:
             return 0, self.critic_engine.vocab_size, None
         return first.pad_id, first.vocab_size, first.context_length
@@ -618,6 +648,11 @@ class RankWorker:
             yield HFPolicy(model, self.ref_shards.tokenizer, self.ref_shards.device, bf16_copy=False)
         finally:
             del model
+
+    def reward_model_scores(self, rows: list, start: int, folder: str) -> list[float]:
+        """This rank's slice of the samples scored by its replica of the `rm:` model at `folder`."""
+        prompts, responses, chats = rows
+        return self.scorers[folder](prompts=prompts, responses=responses, messages=chats)
 
     def values(self, rows: list, start: int, pad_id: int, batch_size: int, compute_dtype: str, batch_tokens: int = 0) -> list:
         prompt_ids, response_ids = rows

@@ -230,6 +230,70 @@ def test_stage_commands_on_two_workers_write_what_one_process_writes(ray_session
     assert shards.read_manifest(str(runs["ray"] / "c"))[0].state["workers"]["num_workers"] == 2
 
 
+def a_reward_model(tiny_model: str, folder: Path) -> str:
+    """A sequence-classification model with a seeded head, as `rm:` loads one."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tiny_model, num_labels=1)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    model.config.pad_token_id = config.pad_token_id
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(folder)
+    return str(folder)
+
+
+def test_an_rm_reward_on_two_workers_is_scored_by_the_ranks_as_one_process_scores_it(ray_session, cli, tmp_path, tiny_model, prompts_file, monkeypatch):
+    """`rm:` with --workers 2: every rank holds a replica of the reward model and scores its
+    share of the samples (the controller loads none), alone or beside a reference the ranks
+    hold; the rewards are one process's, and each rank writes its part."""
+    from rlctl import rewards
+
+    rm = a_reward_model(tiny_model, tmp_path / "rm")
+    assert cli("rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", tmp_path / "r", "--n", "3", "--max-new-tokens", "5").exit_code == 0
+    assert cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "local", "--reward", f"rm:{rm}").exit_code == 0
+    want = shards.read(str(tmp_path / "local")).table.column("reward").to_pylist()
+
+    def not_here(self, *args, **kwargs):
+        raise AssertionError("the controller loaded the reward model: the ranks hold it")
+
+    monkeypatch.setattr(rewards.RewardModel, "__init__", not_here)
+    for name, extra in (("alone", []), ("beside_ref", ["--ref", tiny_model])):
+        result = cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / name, "--reward", f"rm:{rm}", "--workers-backend", "ray", "--workers", "2", *extra)
+        assert result.exit_code == 0, (name, result.stderr)
+        got = shards.read(str(tmp_path / name)).table.column("reward").to_pylist()
+        assert len(got) == 9 and max(abs(a - b) for a, b in zip(got, want)) < 1e-5, name
+        assert [f.rows for f in shards.read_manifest(str(tmp_path / name))[0].files] == [5, 4]  # each rank wrote its part
+        assert rm in [i.uri for i in shards.read_manifest(str(tmp_path / name))[0].inputs]
+    again = cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "alone", "--reward", f"rm:{rm}", "--workers-backend", "ray", "--workers", "2")
+    assert again.exit_code == 0 and "skipped" in again.stderr
+
+
+@pytest.mark.slow
+def test_a_pipeline_on_two_workers_scores_its_rm_reward_on_the_ranks_and_replays_it_identical(ray_session, cli, tmp_path, tiny_model, monkeypatch):
+    """The pipeline's ranks hold the `rm:` model beside the policy (the controller loads none):
+    its score and validation stages are scored there, and replay scores them there again,
+    bit for bit."""
+    from rlctl import rewards
+    from tests.e2e.test_pipeline import write_config
+
+    rm = a_reward_model(tiny_model, tmp_path / "rm")
+    config_file = write_config(tmp_path, tiny_model, score={"reward": f"rm:{rm}"}, pipeline={"iterations": 1, "val_every": 1})
+
+    def not_here(self, *args, **kwargs):
+        raise AssertionError("the controller loaded the reward model: the ranks hold it")
+
+    monkeypatch.setattr(rewards.RewardModel, "__init__", not_here)
+    run = tmp_path / "run"
+    result = cli("pipeline", config_file, "--run-dir", run, "--quiet", "--set", "workers.backend=ray", "--set", "workers.num_workers=2")
+    assert result.exit_code == 0, result.stderr
+    scored = shards.read(str(run / "iter-0001" / "score")).table.column("reward").to_pylist()
+    assert len(scored) == 6 and len(set(scored)) > 1  # a model's scores, not a constant
+    for stage in ("score", "val"):
+        replayed = cli("replay", run / "iter-0001" / stage, "--check")
+        assert replayed.exit_code == 0 and replayed.stdout.strip() == "identical", (stage, replayed.stdout, replayed.stderr)
+
+
 def test_a_sharded_reference_scores_what_a_replicated_one_does(ray_session, cli, tmp_path, tiny_model, prompts_file):
     """1/N of the reference per rank at rest, gathered for the call: the same log-probs; a rank
     with no rows (one row over two ranks) still takes part in the gather."""
