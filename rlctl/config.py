@@ -444,6 +444,8 @@ class DpoConfig:
     against its own starting weights as the reference, without a reward model or sampling
     (TRL's DPOTrainer, OpenRLHF's train_dpo)."""
 
+    data: str = ""  # in a pipeline: preference pairs to train the policy on before iteration 1, after sft.data's warm start (RUN/dpo, the run's initial policy; "" = none)
+    val_data: str = ""  # in a pipeline: held-out pairs, their loss and accuracy before and after each epoch
     beta: float = 0.1  # strength of the pull towards the reference: the implicit reward is beta × (log π − log π_ref) of a response
     loss: str = "sigmoid"  # sigmoid (DPO) | robust (rDPO: unbiased under label noise) | ipo (squared, per-token log-ratios) | hinge (SLiC)
     label_smoothing: float = 0.0  # the assumed share of pairs labelled the wrong way round (sigmoid: conservative DPO; robust); 0 = none

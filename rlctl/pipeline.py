@@ -85,13 +85,14 @@ def resolve_pass_tokens(cfg: Config, recorded: Config | None) -> Config:
 
 
 SFT_DIR = "sft"  # RUN/sft: the warm start's checkpoint (sft.data), the run's initial policy
+DPO_DIR = "dpo"  # RUN/dpo: the policy trained on dpo.data (from RUN/sft where there is one), then the run's initial policy
 REWARD_MODEL_DIR = "reward_model"  # RUN/reward_model: the reward model trained on reward_model.data
 TRAINED_RM = "rm:trained"  # a reward spec meaning "the reward model this run trains" (RUN/reward_model)
 
 
 def resolve_model_paths(cfg: Config, run_dir: Path) -> Config:
     """Fill in the run's model folder and the `policy` shorthands: the initial policy's weights,
-    which with a warm start (sft.data) are RUN/sft's, not model.path's."""
+    which with a warm start (sft.data, dpo.data) are RUN/sft's or RUN/dpo's, not model.path's."""
     model = cfg.model
     path = model.path or str(run_dir / "model")
     start = initial_policy(replace(cfg, model=replace(model, path=path)), run_dir)
@@ -122,7 +123,13 @@ def resolve_trained_reward(cfg: Config, run_dir: Path) -> Config:
 
 
 def initial_policy(cfg: Config, run_dir: Path) -> str:
-    """The weights iteration 1 starts from: model.path, or its fine-tuned copy RUN/sft."""
+    """The weights iteration 1 starts from: model.path, or its copy trained by the warm starts:
+    RUN/dpo (dpo.data), else RUN/sft (sft.data)."""
+    return str(run_dir / DPO_DIR) if cfg.dpo.data else sft_policy(cfg, run_dir)
+
+
+def sft_policy(cfg: Config, run_dir: Path) -> str:
+    """The weights after the SFT warm start (the ones DPO's starts from): RUN/sft, or model.path without one."""
     return str(run_dir / SFT_DIR) if cfg.sft.data else cfg.model.path
 
 
@@ -149,8 +156,11 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
     if cfg.pipeline.keep_best.startswith("val/") and not (cfg.data.val_prompts and cfg.pipeline.val_every):
         raise ConfigError(f"pipeline.keep_best = {cfg.pipeline.keep_best!r} is measured by validation: set data.val_prompts and pipeline.val_every")
     check_loggers(cfg.pipeline.loggers)
-    if cfg.sft.data and cfg.sft.lora.r:
-        raise ConfigError("sft.data: the pipeline's warm start trains every weight (sft.lora.r = 0): for LoRA, run `rlctl sft` and `rlctl reshard --merge-lora` first")
+    for section, warm in (("sft", cfg.sft), ("dpo", cfg.dpo)):
+        if warm.data and warm.lora.r:
+            raise ConfigError(
+                f"{section}.data: the pipeline's warm start trains every weight ({section}.lora.r = 0): for LoRA, run `rlctl {section}` and `rlctl reshard --merge-lora` first"
+            )
     if cfg.score.old_logprobs == "update" and not one_step_on_policy(cfg):
         raise ConfigError("score.old_logprobs = \"update\" needs one optimizer step per batch (update.epochs = 1, one mini-batch)")
     if cfg.score.old_logprobs == "update" and kl_in_reward(cfg):
@@ -315,7 +325,7 @@ class Pipeline:
             if not self.cfg.model.init_preset:
                 raise InputError(f"model {self.cfg.model.path!r} does not exist (set model.init_preset to create it)")
             init_model(self.cfg.model.path, self.cfg.model.init_preset, self.cfg.model.init_seed)
-        if self.cfg.sft.data and not self._warm_started:
+        if (self.cfg.sft.data or self.cfg.dpo.data) and not self._warm_started:
             self._warm_start()
             self._warm_started = True
 
@@ -336,17 +346,27 @@ class Pipeline:
         )
 
     def _warm_start(self) -> None:
-        """Fine-tune model.path on sft.data into RUN/sft before iteration 1 (`rlctl sft`); a
-        committed RUN/sft with the same inputs and settings is kept (resume)."""
-        from rlctl import sft
+        """Before iteration 1: fine-tune model.path on sft.data into RUN/sft (`rlctl sft`), then
+        train that (or model.path) on dpo.data's pairs into RUN/dpo (`rlctl dpo`); a committed
+        folder with the same inputs and settings is kept (resume)."""
+        from rlctl import dpo, sft
         from rlctl.supervised import describe_epoch
 
-        def report(row: dict) -> None:
-            if self.view is not None:
-                self.view.message(describe_epoch(row))
+        def reporter(command: str) -> Callable[[dict], None]:
+            def report(row: dict) -> None:
+                if self.view is not None:
+                    self.view.message(describe_epoch(row, command))
+
+            return report
 
         cfg = self.cfg
-        sft.run(data=cfg.sft.data, val_data=cfg.sft.val_data or None, model=cfg.model.path, out=str(self.run_dir / SFT_DIR), cfg=cfg, device=cfg.model.device, report=report)
+        if cfg.sft.data:
+            sft.run(data=cfg.sft.data, val_data=cfg.sft.val_data or None, model=cfg.model.path, out=str(self.run_dir / SFT_DIR), cfg=cfg, device=cfg.model.device, report=reporter("sft"))
+        if cfg.dpo.data:
+            dpo.run(
+                data=cfg.dpo.data, val_data=cfg.dpo.val_data or None, model=sft_policy(cfg, self.run_dir), out=str(self.run_dir / DPO_DIR), cfg=cfg,
+                device=cfg.model.device, report=reporter("dpo"),
+            )
 
     # -- running ---------------------------------------------------------------------
 
@@ -572,7 +592,10 @@ class Pipeline:
             f"stages        {' → '.join(self._stages_to_run())} → hand-over ({describe_handover(cfg)})",
             f"policy        {cfg.model.path}{' (created: ' + cfg.model.init_preset + ')' if not Path(cfg.model.path, 'config.json').exists() else ''}",
             *([f"warm start    {self.run_dir / SFT_DIR}: fine-tuned on {cfg.sft.data}, {cfg.sft.epochs} epoch(s) at lr {cfg.sft.lr:g}, "
-               "before iteration 1 (the initial policy: model.ref/critic = \"policy\" mean it)"] if cfg.sft.data else []),
+               "before iteration 1" + ("" if cfg.dpo.data else " (the initial policy: model.ref/critic = \"policy\" mean it)")] if cfg.sft.data else []),
+            *([f"warm start    {self.run_dir / DPO_DIR}: {sft_policy(cfg, self.run_dir)} trained on the pairs {cfg.dpo.data} (DPO, {cfg.dpo.loss} loss, "
+               f"beta {cfg.dpo.beta:g}), {cfg.dpo.epochs} epoch(s) at lr {cfg.dpo.lr:g}, before iteration 1 (the initial policy: model.ref/critic = \"policy\" mean it)"]
+              if cfg.dpo.data else []),
             *([f"training      LoRA adapters r={cfg.update.lora.r}, alpha={cfg.update.lora.alpha:g} on {', '.join(cfg.update.lora.target_modules)}; "
                "checkpoints hold the adapter (reshard --merge-lora)"] if cfg.update.lora.r else []),
             f"reference     {cfg.model.ref or '-'}{' (the policy base with its adapters disabled, if it is that folder)' if cfg.update.lora.r and cfg.model.ref else ''}",
@@ -1077,6 +1100,7 @@ def _resolve_relative(cfg: Config, base_dir: Path | None) -> Config:
     model = replace(cfg.model, path=fix(cfg.model.path), ref=fix(cfg.model.ref), critic=fix(cfg.model.critic))
     data = replace(cfg.data, prompts=fix(cfg.data.prompts), val_prompts=fix(cfg.data.val_prompts))
     sft = replace(cfg.sft, data=fix(cfg.sft.data), val_data=fix(cfg.sft.val_data))
+    dpo = replace(cfg.dpo, data=fix(cfg.dpo.data), val_data=fix(cfg.dpo.val_data))
     rm = cfg.reward_model
     reward_model = replace(rm, data=fix(rm.data), val_data=fix(rm.val_data), base=fix(rm.base))
 
@@ -1088,7 +1112,7 @@ def _resolve_relative(cfg: Config, base_dir: Path | None) -> Config:
 
     terms = tuple(replace(term, fn=fix_reward(term.fn)) for term in cfg.score.rewards)
     return replace(
-        cfg, model=model, data=data, sft=sft, reward_model=reward_model, rollout=replace(cfg.rollout, tool=fix_reward(cfg.rollout.tool)),
+        cfg, model=model, data=data, sft=sft, dpo=dpo, reward_model=reward_model, rollout=replace(cfg.rollout, tool=fix_reward(cfg.rollout.tool)),
         score=replace(cfg.score, reward=fix_reward(cfg.score.reward), rewards=terms),
     )
 

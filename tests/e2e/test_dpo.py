@@ -59,3 +59,48 @@ def test_bad_input_is_one_line_and_nothing_written(cli, tmp_path, tiny_model, ro
 def test_dpo_into_its_own_model_folder_is_refused(cli, tmp_path, tiny_model, pairs):
     result = cli("dpo", "--data", pairs, "--model", tiny_model, "--out", tiny_model)
     assert result.exit_code == 2 and "is the --model folder" in one_line_error(result)
+
+
+def test_a_pipeline_with_sft_and_dpo_data_warm_starts_sft_then_dpo_once_and_starts_rl_from_dpos_weights(cli, tmp_path, tiny_model, pairs):
+    """The RLHF order: SFT, then DPO from SFT's weights, then RL from DPO's (its reference
+    too, with model.ref = "policy"); each trained once, kept on resume, and the first
+    iteration replays."""
+    from tests.e2e.test_pipeline import write_config
+    from tests.e2e.test_sft import EXAMPLES
+
+    examples = tmp_path / "sft.jsonl"
+    examples.write_text("".join(json.dumps(r) + "\n" for r in EXAMPLES))
+    config = write_config(
+        tmp_path, tiny_model, model={"critic": "", "ref": "policy"}, advantage={"estimator": "grpo", "kl_coef": 0.0},
+        sft={"data": str(examples), "epochs": 1, "lr": 1e-3, "batch_size": 4},
+        dpo={"data": str(pairs), "val_data": str(pairs), "epochs": 2, "lr": 1e-3, "batch_size": 4, "loss": "ipo", "beta": 0.5},
+        update={"use_kl_loss": True}, pipeline={"iterations": 1, "val_every": 0},
+    )
+    run = tmp_path / "run"
+    plan = cli("pipeline", config, "--run-dir", run, "--dry-run")
+    assert plan.exit_code == 0, plan.stderr
+    assert f"warm start    {run / 'sft'}" in plan.stdout and f"warm start    {run / 'dpo'}: {run / 'sft'} trained on the pairs" in plan.stdout
+    assert f"reference     {run / 'dpo'}" in plan.stdout
+    first = cli("pipeline", config, "--run-dir", run, "--quiet")
+    assert first.exit_code == 0, first.stderr
+    dpo_manifest = (run / "dpo" / "_manifest.json").read_bytes()
+    trained = json.loads(dpo_manifest)
+    assert trained["stage"] == "dpo" and trained["config"]["dpo"]["loss"] == "ipo" and trained["state"]["optimizer_steps"] == 4
+    assert str(run / "sft") in [i["uri"] for i in trained["inputs"]]  # DPO started from SFT's weights
+    assert trained["state"]["epochs"][-1]["val_loss"] < trained["state"]["epochs"][0]["val_loss"] == pytest.approx(1.0, abs=1e-6)  # IPO: 1/(4β²) at the start
+    rollout = json.loads((run / "iter-0001" / "rollout" / "_manifest.json").read_text())
+    assert rollout["state"]["weights_source"] == str(run / "dpo")
+    replayed = cli("replay", run / "iter-0001" / "rollout", "--check")
+    assert replayed.exit_code == 0 and "identical" in replayed.stdout, (replayed.stdout, replayed.stderr)
+    more = cli("pipeline", config, "--run-dir", run, "--quiet", "--iterations", "2")
+    assert more.exit_code == 0, more.stderr
+    assert (run / "dpo" / "_manifest.json").read_bytes() == dpo_manifest  # resumed: no second DPO
+
+
+def test_a_pipeline_dpo_warm_start_with_lora_is_refused_before_any_work(cli, tmp_path, tiny_model, pairs):
+    from tests.e2e.test_pipeline import write_config
+
+    config = write_config(tmp_path, tiny_model, dpo={"data": str(pairs)})
+    result = cli("pipeline", config, "--run-dir", tmp_path / "run", "--set", "dpo.lora.r=4")
+    assert result.exit_code == 2 and "dpo.data: the pipeline's warm start trains every weight" in one_line_error(result)
+    assert not (tmp_path / "run").exists()
