@@ -43,7 +43,7 @@ _rlctl() {
         "advantage --std-scope") values="group batch" ;;
         "advantage --kl-controller") values="fixed adaptive" ;;
         "advantage --format") values="arrow parquet" ;;
-        "dpo --loss") values="sigmoid robust ipo hinge" ;;
+        "dpo --loss") values="sigmoid robust ipo hinge simpo" ;;
         "model init --preset") values="tiny small medium" ;;
         "pipeline --from") values="rollout score advantage update" ;;
         "pipeline --until") values="rollout score advantage update" ;;

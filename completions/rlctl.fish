@@ -35,7 +35,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l epochs
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l force
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l json
-complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l loss -xa 'sigmoid robust ipo hinge'
+complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l loss -xa 'sigmoid robust ipo hinge simpo'
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l lr
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l model
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l out

@@ -447,8 +447,9 @@ class DpoConfig:
     data: str = ""  # in a pipeline: preference pairs to train the policy on before iteration 1, after sft.data's warm start (RUN/dpo, the run's initial policy; "" = none)
     val_data: str = ""  # in a pipeline: held-out pairs, their loss and accuracy before and after each epoch
     beta: float = 0.1  # strength of the pull towards the reference: the implicit reward is beta × (log π − log π_ref) of a response
-    loss: str = "sigmoid"  # sigmoid (DPO) | robust (rDPO: unbiased under label noise) | ipo (squared, per-token log-ratios) | hinge (SLiC)
-    label_smoothing: float = 0.0  # the assumed share of pairs labelled the wrong way round (sigmoid: conservative DPO; robust); 0 = none
+    loss: str = "sigmoid"  # sigmoid (DPO) | robust (rDPO: unbiased under label noise) | ipo (squared, per-token log-ratios) | hinge (SLiC) | simpo (no reference: per-token log-probs, margin simpo_gamma)
+    label_smoothing: float = 0.0  # the assumed share of pairs labelled the wrong way round (sigmoid: conservative DPO; robust; simpo); 0 = none
+    simpo_gamma: float = 0.5  # SimPO's target reward margin (dpo.loss = "simpo"; the paper's beta is 2-2.5)
     lr: float = 1e-6  # learning rate (AdamW)
     epochs: int = 1  # passes over the pairs
     batch_size: int = 16  # pairs per optimizer step
@@ -472,15 +473,15 @@ class DpoConfig:
         if isinstance(self.micro_batch_tokens, int) and not isinstance(self.micro_batch_tokens, bool):
             object.__setattr__(self, "micro_batch_tokens", str(self.micro_batch_tokens))
         check_ranges(self, "dpo", {
-            "beta": above(0.0), "loss": one_of(*DPO_LOSSES), "label_smoothing": lambda v: None if 0.0 <= v < 0.5 else "must be at least 0 and below 0.5",
+            "beta": above(0.0), "loss": one_of(*DPO_LOSSES), "simpo_gamma": at_least(0.0), "label_smoothing": lambda v: None if 0.0 <= v < 0.5 else "must be at least 0 and below 0.5",
             "lr": above(0.0), "epochs": at_least(1), "batch_size": at_least(1),
             "micro_batch_size": at_least(1), "max_tokens": at_least(0), "truncate": one_of("error", "right"), "max_grad_norm": at_least(0.0),
             "weight_decay": at_least(0.0), "warmup_steps": at_least(0), "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0),
             "bf16": one_of(*AUTOCAST_CHOICES),
             "micro_batch_tokens": lambda v: None if v == "auto" or (isinstance(v, str) and v.isascii() and v.isdigit()) else "must be auto, 0 (no cap) or a number of tokens",
         })
-        if self.label_smoothing and self.loss not in ("sigmoid", "robust"):
-            raise ConfigError(f"dpo.label_smoothing applies to the sigmoid and robust losses, not dpo.loss = {self.loss!r}: set it to 0")
+        if self.label_smoothing and self.loss not in ("sigmoid", "robust", "simpo"):
+            raise ConfigError(f"dpo.label_smoothing applies to the sigmoid, robust and simpo losses, not dpo.loss = {self.loss!r}: set it to 0")
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,14 @@ a pair's loss is, by `dpo.loss` (β = `dpo.beta`, ε = `dpo.label_smoothing`):
     robust   (−(1 − ε) log σ(β·h) + ε log σ(−β·h)) / (1 − 2ε)   rDPO, unbiased under labels flipped at rate ε
     ipo      (h' − 1/(2β))², h' as h with per-token log-ratios  IPO
     hinge    max(0, 1 − β·h)                                    SLiC's hinge
+    simpo    −(1 − ε) log σ(β·s) − ε log σ(−β·s)              SimPO: no reference,
+             s = log π(y_c)/|y_c| − log π(y_r)/|y_r| − γ/β      per-token log-probs, γ = `dpo.simpo_gamma`
 
 the mean over each optimizer step's pairs. β·(log π − log π_ref) is a response's implicit
-reward: `accuracy` is the share of pairs whose chosen response has the larger one, `margin` the
-mean difference. The reference's log-probabilities are computed once, before the first step,
-with the starting weights (LoRA adapters start at B = 0, so the same function): no second
-model is held.
+reward (SimPO's: β·log π/|y|): `accuracy` is the share of pairs whose chosen response has the
+larger one, `margin` the mean difference. The reference's log-probabilities are computed once,
+before the first step, with the starting weights (LoRA adapters start at B = 0, so the same
+function): no second model is held, and SimPO computes none.
 
 It trains in this process or on a Ray group of FSDP2 ranks (`workers.backend = "ray"`), each
 rank on its share of every step's pairs, as `rlctl sft` does. The output is a checkpoint folder
@@ -95,22 +97,29 @@ def encode_dpo_pairs(table: pa.Table, tokenizer, data: DataConfig, cfg: DpoConfi
 
 def dpo_losses(
     chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, *, beta: float, loss: str = "sigmoid",
-    label_smoothing: float = 0.0, chosen_tokens: torch.Tensor | None = None, rejected_tokens: torch.Tensor | None = None,
+    label_smoothing: float = 0.0, chosen_tokens: torch.Tensor | None = None, rejected_tokens: torch.Tensor | None = None, simpo_gamma: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(each pair's loss, the chosen response's implicit reward, the rejected one's) from the
-    responses' summed log-probabilities under the policy and the reference [P]; "ipo" also
-    needs each side's trained tokens, since it compares per-token log-ratios."""
+    responses' summed log-probabilities under the policy and the reference [P] (SimPO ignores
+    the reference); "ipo" and "simpo" also need each side's trained tokens, since they compare
+    per-token values."""
     from torch.nn.functional import logsigmoid, relu
 
+    if loss in ("ipo", "simpo") and (chosen_tokens is None or rejected_tokens is None):
+        raise ValueError(f"the {loss} loss needs each side's trained tokens")
+    eps = label_smoothing
+    if loss == "simpo":  # Meng et al.: length-normalized log-probs, a target margin, no reference (TRL's CPOTrainer, loss_type "simpo")
+        chosen_mean, rejected_mean = chosen / chosen_tokens.clamp(min=1), rejected / rejected_tokens.clamp(min=1)
+        s = chosen_mean - rejected_mean - simpo_gamma / beta
+        losses = -(1 - eps) * logsigmoid(beta * s) - eps * logsigmoid(-beta * s)
+        return losses, (beta * chosen_mean).detach(), (beta * rejected_mean).detach()
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
-    h, eps = chosen_ratio - rejected_ratio, label_smoothing
+    h = chosen_ratio - rejected_ratio
     if loss == "sigmoid":  # Rafailov et al.; with eps, conservative DPO (Mitchell)
         losses = -(1 - eps) * logsigmoid(beta * h) - eps * logsigmoid(-beta * h)
     elif loss == "robust":  # Chowdhury et al.: unbiased for labels flipped with probability eps
         losses = (-(1 - eps) * logsigmoid(beta * h) + eps * logsigmoid(-beta * h)) / (1 - 2 * eps)
     elif loss == "ipo":  # Azar et al., eq. 17, beta as their tau; log-ratios per trained token, as the IPO authors and TRL compute them
-        if chosen_tokens is None or rejected_tokens is None:
-            raise ValueError("the ipo loss needs each side's trained tokens")
         per_token = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
         losses = (per_token - 1 / (2 * beta)) ** 2
     elif loss == "hinge":  # SLiC (Zhao et al.) on the log-ratios, as TRL's "hinge"
@@ -161,10 +170,14 @@ class DpoTrainer(SupervisedSteps):
     @torch.no_grad()
     def with_reference(self, pairs: DpoPairs) -> DpoPairs:
         """`pairs` with the current weights' log-probabilities as the reference's (before training),
-        each rank computing its share, every rank getting all of them."""
+        each rank computing its share, every rank getting all of them; zeros for a loss without
+        a reference (no forward)."""
         from rlctl.backends.hf import casts_kept
+        from rlctl.choices import REFERENCE_FREE_LOSSES
 
         values = torch.zeros(2, len(pairs), dtype=torch.float64)
+        if self.cfg.loss in REFERENCE_FREE_LOSSES:
+            return replace(pairs, ref_chosen=values[0].tolist(), ref_rejected=values[1].tolist())
         with casts_kept(self.policy.device, self.bf16 and self.weights_whole):  # each weight cast to bf16 once for all the passes
             for micro, weight in self._passes_of(pairs, list(range(len(pairs)))):
                 chosen, rejected = self._logps(pairs, micro)
@@ -207,7 +220,7 @@ class DpoTrainer(SupervisedSteps):
                 chosen_tokens, rejected_tokens = (torch.tensor([side.trained_tokens(i) for i in micro], device=chosen.device) for side in (pairs.chosen, pairs.rejected))
                 losses, chosen_reward, rejected_reward = dpo_losses(
                     chosen, rejected, ref_chosen, ref_rejected, beta=cfg.beta, loss=cfg.loss, label_smoothing=cfg.label_smoothing,
-                    chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens,
+                    chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens, simpo_gamma=cfg.simpo_gamma,
                 )
                 summed = losses.sum()
                 if backward is not None:

@@ -44,7 +44,7 @@ def test_dpo_writes_a_checkpoint_with_its_epochs_and_a_rerun_is_skipped(cli, tmp
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--set", "dpo.label_smoothing=0.5"], "dpo.label_smoothing must be at least 0 and below 0.5"),
         ([{"prompt": "a", "chosen": "", "rejected": "c"}], [], "the chosen response of pair '0' has an empty response"),
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "kto"], "dpo.loss must be one of"),
-        ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "ipo", "--set", "dpo.label_smoothing=0.1"], "dpo.label_smoothing applies to the sigmoid and robust losses"),
+        ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "ipo", "--set", "dpo.label_smoothing=0.1"], "dpo.label_smoothing applies to the sigmoid, robust and simpo losses"),
     ],
 )
 def test_bad_input_is_one_line_and_nothing_written(cli, tmp_path, tiny_model, rows, args, fragment):

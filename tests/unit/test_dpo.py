@@ -82,21 +82,27 @@ EXPECTED = {  # each loss as its paper writes it; h = 1.0, -1.5 above, the per-t
     "robust": lambda h, hp, b, e: (-(1 - e) * torch.log(sigma(b * h)) + e * torch.log(sigma(-b * h))) / (1 - 2 * e),
     "ipo": lambda h, hp, b, e: (hp - 1 / (2 * b)) ** 2,
     "hinge": lambda h, hp, b, e: torch.clamp(1 - b * h, min=0),
+    # no reference: per-token log-probs -3/2 - (-4/5), -5/4 - (-2/1), less gamma / beta = 0.3 / 0.5
+    "simpo": lambda h, hp, b, e: -(1 - e) * torch.log(sigma(b * (torch.tensor([-0.7, 0.75]) - 0.6))) - e * torch.log(sigma(-b * (torch.tensor([-0.7, 0.75]) - 0.6))),
 }
 
 
 @pytest.mark.parametrize("loss", DPO_LOSSES)
 def test_every_loss_is_its_papers_formula_with_dpos_implicit_rewards(loss):
     assert set(EXPECTED) == set(DPO_LOSSES)
-    eps = 0.2 if loss in ("sigmoid", "robust") else 0.0
+    eps = 0.2 if loss in ("sigmoid", "robust", "simpo") else 0.0
     losses, chosen_reward, rejected_reward = dpo_losses(
         CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.5, loss=loss, label_smoothing=eps, chosen_tokens=CHOSEN_TOKENS, rejected_tokens=REJECTED_TOKENS,
+        simpo_gamma=0.3,
     )
     h = (CHOSEN - REF_CHOSEN) - (REJECTED - REF_REJECTED)
     per_token = (CHOSEN - REF_CHOSEN) / CHOSEN_TOKENS - (REJECTED - REF_REJECTED) / REJECTED_TOKENS
     assert torch.allclose(per_token, torch.tensor([0.35, -0.75]))
     assert torch.allclose(losses, EXPECTED[loss](h, per_token, 0.5, eps))
-    assert torch.allclose(chosen_reward, 0.5 * (CHOSEN - REF_CHOSEN)) and torch.allclose(rejected_reward, 0.5 * (REJECTED - REF_REJECTED))
+    if loss == "simpo":  # SimPO's implicit reward: beta times the per-token log-prob
+        assert torch.allclose(chosen_reward, 0.5 * CHOSEN / CHOSEN_TOKENS) and torch.allclose(rejected_reward, 0.5 * REJECTED / REJECTED_TOKENS)
+    else:
+        assert torch.allclose(chosen_reward, 0.5 * (CHOSEN - REF_CHOSEN)) and torch.allclose(rejected_reward, 0.5 * (REJECTED - REF_REJECTED))
 
 
 def test_robust_dpo_is_unbiased_under_flipped_labels():
@@ -173,7 +179,19 @@ def test_dpo_learns_to_prefer_the_chosen_responses_and_writes_a_checkpoint(tiny_
     assert again.state.get("skipped")
 
 
-@pytest.mark.parametrize(("loss", "settings"), [("robust", ["dpo.label_smoothing=0.1"]), ("ipo", ["dpo.beta=0.5"]), ("hinge", [])])
+def test_simpo_computes_no_reference(policy, tmp_path, monkeypatch):
+    pairs = encode(policy, table_of(tmp_path, number_pairs(3)))
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("a reference forward for a reference-free loss")
+
+    trainer = DpoTrainer(policy, DpoConfig(micro_batch_tokens="0", bf16="false", loss="simpo"), total_steps=1)
+    monkeypatch.setattr(policy, "forward", no_forward)
+    referenced = trainer.with_reference(pairs)
+    assert referenced.ref_chosen == referenced.ref_rejected == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize(("loss", "settings"), [("robust", ["dpo.label_smoothing=0.1"]), ("ipo", ["dpo.beta=0.5"]), ("hinge", []), ("simpo", ["dpo.beta=2.0"])])
 def test_every_loss_learns_to_prefer_the_chosen_responses(tiny_model, tmp_path, loss, settings):
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in number_pairs(16)))
     cfg = load_config(None, ["dpo.epochs=3", "dpo.lr=1e-3", "dpo.batch_size=4", "dpo.bf16=false", f"dpo.loss={loss}", *settings])
