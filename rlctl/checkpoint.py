@@ -36,16 +36,22 @@ def local_checkpoint_dir(uri: str) -> Path:
     return Path(path)
 
 
-def save_checkpoint(uri: str, *, policy, trainer_state: dict | None, manifest: Manifest, critic=None, critic_files: dict[str, bytes] | None = None) -> Manifest:
-    """Write the policy (and critic) weights and the trainer state, then the manifest.
-    `critic_files`: the critic's folder as another process saved it (a critic pool of its own)."""
+def save_checkpoint(
+    uri: str, *, policy, trainer_state: dict | None, manifest: Manifest, critic=None, critic_files: dict[str, bytes] | None = None,
+    state_dir: str = STATE_DIR, files: dict[str, bytes] | None = None,
+) -> Manifest:
+    """Write the policy (and critic) weights and the trainer state (into `state_dir`), then the
+    manifest. `critic_files`: the critic's folder as another process saved it (a critic pool of
+    its own); `files`: more files by name, listed in the manifest as the rest."""
     out = local_checkpoint_dir(uri)
     fs, path = filesystem(str(out))
     with OutputWrite(fs, path, uri, what="checkpoint", fixed_names=True) as writing:
         policy.model.save_pretrained(out)
         policy.tokenizer.save_pretrained(out)
         if trainer_state is not None:  # None: weights to start from, not a run to resume (rlctl sft)
-            save_trainer_state(out / STATE_DIR, trainer_state)
+            save_trainer_state(out / state_dir, trainer_state)
+        for name, data in (files or {}).items():
+            (out / name).write_bytes(data)
         if critic is not None:
             critic.save(out / CRITIC_DIR)
         for name, data in (critic_files or {}).items():

@@ -175,6 +175,8 @@ class DpoTrainer(SupervisedSteps):
         from rlctl.backends.hf import casts_kept
         from rlctl.choices import REFERENCE_FREE_LOSSES
 
+        if pairs.ref_chosen:  # computed already: a resumed run's, from its epoch checkpoint
+            return pairs
         values = torch.zeros(2, len(pairs), dtype=torch.float64)
         if self.cfg.loss in REFERENCE_FREE_LOSSES:
             return replace(pairs, ref_chosen=values[0].tolist(), ref_rejected=values[1].tolist())
@@ -256,12 +258,31 @@ class DpoTrainer(SupervisedSteps):
 # --- where it trains: this process, or a Ray group of FSDP2 ranks ------------------------------
 
 
+def reference_tensors(pairs: DpoPairs, held_out: DpoPairs | None) -> dict[str, torch.Tensor]:
+    """The reference's log-probabilities as an epoch checkpoint keeps them: [2, pairs] each."""
+    kept = {"train": torch.tensor([pairs.ref_chosen, pairs.ref_rejected], dtype=torch.float64)}
+    if held_out is not None:
+        kept["held_out"] = torch.tensor([held_out.ref_chosen, held_out.ref_rejected], dtype=torch.float64)
+    return kept
+
+
+def with_kept_reference(pairs: DpoPairs, values: torch.Tensor | None) -> DpoPairs:
+    """`pairs` with the reference's log-probabilities an epoch checkpoint kept (a resumed run:
+    its weights are no longer the reference)."""
+    if values is None or values.shape != (2, len(pairs)):
+        raise InputError("the epoch checkpoint's reference log-probabilities do not match the pairs")
+    return replace(pairs, ref_chosen=values[0].tolist(), ref_rejected=values[1].tolist())
+
+
 class LocalDpo(LocalPolicy):
-    def start(self, pairs: DpoPairs, held_out: DpoPairs | None, total_steps: int) -> None:
-        """The trainer made, and the reference's log-probabilities of every pair computed."""
+    def start(self, pairs: DpoPairs, held_out: DpoPairs | None, total_steps: int, progress=None) -> tuple[DpoPairs, DpoPairs | None]:
+        """The trainer made, and the reference's log-probabilities of every pair computed (or
+        kept: a resumed run's); the pairs with them."""
         self.trainer = DpoTrainer(self.policy, self.cfg, total_steps=total_steps)
         self.pairs = self.trainer.with_reference(pairs)
         self.held_out = self.trainer.with_reference(held_out) if held_out is not None else None
+        self.resume(progress)
+        return self.pairs, self.held_out
 
     def epoch(self, epoch: int) -> EpochRow:
         return self.trainer.train_epoch(self.pairs, epoch)
@@ -271,11 +292,13 @@ class LocalDpo(LocalPolicy):
 
 
 class RayDpo(RayPolicy):
-    def start(self, pairs: DpoPairs, held_out: DpoPairs | None, total_steps: int) -> None:
+    def start(self, pairs: DpoPairs, held_out: DpoPairs | None, total_steps: int, progress=None) -> tuple[DpoPairs, DpoPairs | None]:
         import ray
 
         shared = ray.put((pairs, held_out))  # one copy, read by every rank
-        self.group.call_ranks("dpo_start", lambda rank: (shared, self.cfg, total_steps))
+        referenced = self.group.call_ranks("dpo_start", lambda rank: (shared, self.cfg, total_steps))[0]
+        self.resume(progress)
+        return referenced
 
     def epoch(self, epoch: int) -> EpochRow:
         return self.group.call_ranks("dpo_epoch", lambda rank: (epoch,))[0]
@@ -295,9 +318,12 @@ def run(
     `cfg.data` makes them, in this process or on `cfg.workers`' Ray group) and commit the
     checkpoint at `out`; `report(row)` after each epoch (epoch 0: the held-out pairs before
     training)."""
+    from safetensors.torch import save as save_tensors
+
     from rlctl.backends.hf import check_model_dir
     from rlctl.checkpoint import local_checkpoint_dir, same_folder
     from rlctl.dtypes import decided_bf16, models_device
+    from rlctl.epoch_checkpoints import KEPT_FILE, clear, resume_point, run_epochs
     from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
     from rlctl.passes import ModelShape, decided_micro_batch_tokens, ranks_at_once
     from rlctl.shards import read
@@ -319,30 +345,35 @@ def run(
         return existing
     if train_source.table.num_rows == 0:
         raise InputError(f"{data}: no preference pairs")
-    where = RayDpo(model, dpo, cfg.workers, device) if cfg.workers.backend == "ray" else LocalDpo(model, dpo, device)
+    progress = resume_point(out, manifest, force)  # an epoch checkpoint of this run: its weights to go on from
+    start = progress.folder if progress is not None else model
+    where = RayDpo(start, dpo, cfg.workers, device) if cfg.workers.backend == "ray" else LocalDpo(start, dpo, device)
     try:
         def encoded(source) -> DpoPairs:
             return encode_dpo_pairs(source.table, where.tokenizer, cfg.data, dpo, end_ids=where.end_ids, context_length=where.context_length, source=source.uri)
 
         pairs = encoded(train_source)
         held_out = encoded(val_source) if val_source and val_source.table.num_rows else None
-        where.start(pairs, held_out, dpo.epochs * -(-len(pairs) // dpo.batch_size))
-        rows = []
+        if progress is not None:  # the reference is the starting weights, not the epoch checkpoint's
+            pairs = with_kept_reference(pairs, progress.kept.get("train"))
+            held_out = with_kept_reference(held_out, progress.kept.get("held_out")) if held_out is not None else None
+        pairs, held_out = where.start(pairs, held_out, dpo.epochs * -(-len(pairs) // dpo.batch_size), progress)
+        kept = {KEPT_FILE: save_tensors(reference_tensors(pairs, held_out))}
 
-        def record(row: EpochRow) -> None:
+        def measured(row: EpochRow) -> dict:
             if held_out is not None:
                 row.val_loss, row.val_accuracy = where.evaluate()
-            rows.append(row.as_dict())
-            if report is not None:
-                report(rows[-1])
+            return row.as_dict()
 
-        if held_out is not None:
-            record(EpochRow(0))
-        for epoch in range(1, dpo.epochs + 1):
-            record(where.epoch(epoch))
+        rows = run_epochs(
+            out, manifest, epochs=dpo.epochs, progress=progress, before=(lambda: measured(EpochRow(0))) if held_out is not None else None,
+            epoch=lambda n: measured(where.epoch(n)), save=lambda folder, progress_manifest: where.save_progress(folder, progress_manifest, kept), report=report,
+        )
         steps = sum(row.get("steps", 0) for row in rows)
         manifest.state = {"pairs": len(pairs), "optimizer_steps": steps, "epochs": rows}
         manifest.metrics = {k: v for k, v in rows[-1].items() if k in ("loss", "accuracy", "margin", "val_loss", "val_accuracy")}
-        return where.save(out, manifest)
+        saved = where.save(out, manifest)
     finally:
         where.close()
+    clear(out)
+    return saved

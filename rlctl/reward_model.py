@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
+from pathlib import Path
 from types import SimpleNamespace
 
 import pyarrow as pa
@@ -102,12 +103,18 @@ def load_scorer(uri: str, device: torch.device, *, new_head_seed: int | None = N
     return cpu_linear.install(model.to(device).eval()), tokenizer
 
 
-def trainable_scorer(uri: str, device: torch.device, cfg: RewardModelConfig):
+def trainable_scorer(uri: str, device: torch.device, cfg: RewardModelConfig, resume_from: str | None = None):
     """(model, tokenizer) to train: `load_scorer` with a new head seeded from `cfg.seed` where
-    the folder has none, and with `cfg.lora.r` LoRA adapters, the head trained whole."""
-    from rlctl.lora import add_adapter
+    the folder has none, and with `cfg.lora.r` LoRA adapters, the head trained whole.
+    `resume_from`: an epoch checkpoint of this training, whose weights (a LoRA run's adapters
+    and head, over `uri`) it goes on from."""
+    from rlctl.lora import add_adapter, load_adapter
 
+    if resume_from is not None and not cfg.lora.r:
+        return load_scorer(resume_from, device, new_head_seed=cfg.seed)
     model, tokenizer = load_scorer(uri, device, new_head_seed=cfg.seed)
+    if cfg.lora.r and resume_from is not None:
+        return load_adapter(model, resume_from), tokenizer
     if cfg.lora.r:
         model = add_adapter(model, cfg.lora, base_path=uri, trained_whole=LORA_TRAINED_WHOLE, setting="reward_model.lora")
     return model, tokenizer
@@ -359,18 +366,28 @@ def pair_sums(
 
 
 class LocalRewardModel:
-    """The reward model loaded in this process (on `device`)."""
+    """The reward model loaded in this process (on `device`); `resume_from`: an epoch checkpoint's weights."""
 
-    def __init__(self, model: str, cfg: RewardModelConfig, device: str) -> None:
+    def __init__(self, model: str, cfg: RewardModelConfig, device: str, resume_from: str | None = None) -> None:
         from rlctl.backends.hf import context_length_of, resolve_device
 
         self.device = resolve_device(device)
-        self.scorer, self.tokenizer = trainable_scorer(model, self.device, cfg)
+        self.scorer, self.tokenizer = trainable_scorer(model, self.device, cfg, resume_from)
         self.cfg, self.context_length = cfg, context_length_of(self.scorer)
 
-    def start(self, pairs: Pairs, total_steps: int) -> None:
+    def start(self, pairs: Pairs, total_steps: int, progress=None) -> None:
         self.pairs = pairs
         self.trainer = RewardModelTrainer(self.scorer, self.tokenizer.pad_token_id, self.cfg, device=self.device, total_steps=total_steps)
+        if progress is not None:
+            self.trainer.load_state_dict(progress.state)
+
+    def save_progress(self, folder: Path, manifest: Manifest) -> Manifest:
+        """The epoch checkpoint: the weights as trained (a LoRA model's adapters and head, not merged) and the optimizer's state."""
+        from rlctl.checkpoint import save_checkpoint
+        from rlctl.epoch_checkpoints import STATE_DIR
+
+        held = SimpleNamespace(model=self.scorer, tokenizer=self.tokenizer)
+        return save_checkpoint(str(folder), policy=held, trainer_state=self.trainer.state_dict(), manifest=manifest, state_dir=STATE_DIR)
 
     def epoch(self, epoch: int) -> EpochRow:
         return self.trainer.train_epoch(self.pairs, epoch)
@@ -391,19 +408,27 @@ class RayRewardModel:
     """A Ray worker group (`workers.*`): FSDP2 ranks each train on their share of every step's
     pairs; rank 0 writes the gathered weights. The controller holds the tokenizer only."""
 
-    def __init__(self, model: str, cfg: RewardModelConfig, workers, device: str) -> None:
+    def __init__(self, model: str, cfg: RewardModelConfig, workers, device: str, resume_from: str | None = None) -> None:
         from rlctl.config import Config, ModelConfig
         from rlctl.workers.ray import RayWorkers
 
         self.group = RayWorkers(
-            Config(model=ModelConfig(device=device), workers=workers), policy_source=None, critic_source=None, reward_model={"path": model, "settings": cfg},
+            Config(model=ModelConfig(device=device), workers=workers), policy_source=None, critic_source=None,
+            reward_model={"path": model, "settings": cfg, "resume_from": resume_from},
         )
         self.tokenizer, self.context_length = scorer_tokenizer(model), self.group.context_length
 
-    def start(self, pairs: Pairs, total_steps: int) -> None:
+    def start(self, pairs: Pairs, total_steps: int, progress=None) -> None:
         import ray
 
         self.pairs, self.total_steps = ray.put(pairs), total_steps  # one copy, read by every rank
+        self.group.call_ranks("reward_model_start", lambda rank: (total_steps,))
+        if progress is not None:
+            self.group.call_ranks("load_progress", lambda rank: (progress.folder,))
+
+    def save_progress(self, folder: Path, manifest: Manifest) -> Manifest:
+        """The epoch checkpoint: the ranks gather the weights and the optimizer's state, rank 0 writes it."""
+        return Manifest.from_json(self.group.call_ranks("save_progress", lambda rank: (str(folder), manifest.to_json(), None))[0])
 
     def epoch(self, epoch: int) -> EpochRow:
         return self.group.call_ranks("reward_model_epoch", lambda rank: (self.pairs, self.total_steps, epoch))[0]
@@ -480,6 +505,7 @@ def run(
     from rlctl.backends.hf import check_model_dir
     from rlctl.checkpoint import local_checkpoint_dir, same_folder
     from rlctl.dtypes import decided_bf16, models_device
+    from rlctl.epoch_checkpoints import clear, resume_point, run_epochs
     from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
     from rlctl.shards import read
 
@@ -498,7 +524,12 @@ def run(
         return existing
     if train_source.table.num_rows == 0:
         raise InputError(f"{data}: no preference pairs")
-    where = RayRewardModel(model, rm_cfg, cfg.workers, device) if cfg.workers.backend == "ray" else LocalRewardModel(model, rm_cfg, device)
+    progress = resume_point(out, manifest, force)  # an epoch checkpoint of this run: its weights to go on from
+    resume_from = progress.folder if progress is not None else None
+    if cfg.workers.backend == "ray":
+        where = RayRewardModel(model, rm_cfg, cfg.workers, device, resume_from)
+    else:
+        where = LocalRewardModel(model, rm_cfg, device, resume_from)
     try:
         def encoded(source) -> Pairs:
             return encode_pairs(source.table, where.tokenizer, rm_cfg, context_length=where.context_length, source=source.uri)
@@ -507,23 +538,23 @@ def run(
         held_out = encoded(val_source) if val_source and val_source.table.num_rows else None
         if not len(pairs):
             raise InputError(f"{data}: every pair is over {rm_cfg.max_tokens or where.context_length} tokens (reward_model.too_long = drop left them all out)")
-        where.start(pairs, rm_cfg.epochs * -(-len(pairs) // rm_cfg.batch_size))
-        rows = []
+        where.start(pairs, rm_cfg.epochs * -(-len(pairs) // rm_cfg.batch_size), progress)
+        evaluated = held_out is not None and len(held_out)
 
-        def record(row: EpochRow) -> None:
-            if held_out is not None and len(held_out):
+        def measured(row: EpochRow) -> dict:
+            if evaluated:
                 row.val_loss, row.val_accuracy = where.evaluate(held_out)
-            rows.append(row.as_dict())
-            if report is not None:
-                report(rows[-1])
+            return row.as_dict()
 
-        if held_out is not None and len(held_out):
-            record(EpochRow(0))
-        for epoch in range(1, rm_cfg.epochs + 1):
-            record(where.epoch(epoch))
+        rows = run_epochs(
+            out, manifest, epochs=rm_cfg.epochs, progress=progress, before=(lambda: measured(EpochRow(0))) if evaluated else None,
+            epoch=lambda n: measured(where.epoch(n)), save=where.save_progress, report=report,
+        )
         steps = sum(row.get("steps", 0) for row in rows)
         manifest.state = {"pairs": len(pairs), "dropped": pairs.dropped + (held_out.dropped if held_out else 0), "optimizer_steps": steps, "epochs": rows}
         manifest.metrics = {k: v for k, v in rows[-1].items() if k in ("loss", "accuracy", "val_loss", "val_accuracy")}
-        return where.save(out, manifest)
+        saved = where.save(out, manifest)
     finally:
         where.close()
+    clear(out)
+    return saved

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
+from pathlib import Path
 
 import pyarrow as pa
 import torch
@@ -303,6 +304,18 @@ class LocalPolicy:
 
         return save_checkpoint(out, policy=self.policy, trainer_state=None, manifest=manifest)
 
+    def save_progress(self, folder: Path, manifest: Manifest, files: dict[str, bytes] | None = None) -> Manifest:
+        """The epoch checkpoint (rlctl.epoch_checkpoints): weights, the optimizer's state, `files`."""
+        from rlctl.checkpoint import save_checkpoint
+        from rlctl.epoch_checkpoints import STATE_DIR
+
+        return save_checkpoint(str(folder), policy=self.policy, trainer_state=self.trainer.state_dict(), manifest=manifest, state_dir=STATE_DIR, files=files)
+
+    def resume(self, progress) -> None:
+        """The optimizer's state of the epoch checkpoint the weights were loaded from (None: a fresh start)."""
+        if progress is not None:
+            self.trainer.load_state_dict(progress.state)
+
     def close(self) -> None:
         """Nothing held beyond this object."""
 
@@ -327,13 +340,23 @@ class RayPolicy:
         manifest.state = {**manifest.state, "workers": to_dict(self.group.cfg.workers)}
         return self.group.save(out, manifest, None, trainer_state=False)
 
+    def save_progress(self, folder: Path, manifest: Manifest, files: dict[str, bytes] | None = None) -> Manifest:
+        """The epoch checkpoint: the ranks gather the weights and the optimizer's state, rank 0 writes it."""
+        return Manifest.from_json(self.group.call_ranks("save_progress", lambda rank: (str(folder), manifest.to_json(), files))[0])
+
+    def resume(self, progress) -> None:
+        """Each rank loads the optimizer's state of the epoch checkpoint (None: a fresh start)."""
+        if progress is not None:
+            self.group.call_ranks("load_progress", lambda rank: (progress.folder,))
+
     def close(self) -> None:
         self.group.close()
 
 
 class LocalSft(LocalPolicy):
-    def start(self, examples: Examples, total_steps: int) -> None:
+    def start(self, examples: Examples, total_steps: int, progress=None) -> None:
         self.examples, self.trainer = examples, SftTrainer(self.policy, self.cfg, total_steps=total_steps)
+        self.resume(progress)
 
     def epoch(self, epoch: int) -> EpochRow:
         return self.trainer.train_epoch(self.examples, epoch)
@@ -343,10 +366,12 @@ class LocalSft(LocalPolicy):
 
 
 class RaySft(RayPolicy):
-    def start(self, examples: Examples, total_steps: int) -> None:
+    def start(self, examples: Examples, total_steps: int, progress=None) -> None:
         import ray
 
         self.examples, self.total_steps = ray.put(examples), total_steps  # one copy, read by every rank
+        self.group.call_ranks("sft_start", lambda rank: (self.cfg, total_steps))
+        self.resume(progress)
 
     def epoch(self, epoch: int) -> EpochRow:
         return self.group.call_ranks("sft_epoch", lambda rank: (self.examples, self.cfg, self.total_steps, epoch))[0]
@@ -368,6 +393,7 @@ def run(
     from rlctl.backends.hf import check_model_dir
     from rlctl.checkpoint import local_checkpoint_dir, same_folder
     from rlctl.dtypes import decided_bf16, models_device
+    from rlctl.epoch_checkpoints import clear, resume_point, run_epochs
     from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
     from rlctl.passes import ModelShape, decided_micro_batch_tokens, ranks_at_once
     from rlctl.shards import read
@@ -389,29 +415,30 @@ def run(
         return existing
     if train_source.table.num_rows == 0:
         raise InputError(f"{data}: no examples")
-    where = RaySft(model, sft, cfg.workers, device) if cfg.workers.backend == "ray" else LocalSft(model, sft, device)
+    progress = resume_point(out, manifest, force)  # an epoch checkpoint of this run: its weights to go on from
+    start = progress.folder if progress is not None else model
+    where = RaySft(start, sft, cfg.workers, device) if cfg.workers.backend == "ray" else LocalSft(start, sft, device)
     try:
         def encoded(source) -> Examples:
             return encode_examples(source.table, where.tokenizer, cfg.data, sft, end_ids=where.end_ids, context_length=where.context_length, source=source.uri)
 
         examples, held_out = encoded(train_source), encoded(val_source) if val_source and val_source.table.num_rows else None
-        where.start(examples, sft.epochs * -(-len(examples) // sft.batch_size))
-        rows = []
+        where.start(examples, sft.epochs * -(-len(examples) // sft.batch_size), progress)
 
-        def record(row: EpochRow) -> None:
+        def measured(row: EpochRow) -> dict:
             if held_out is not None:
                 row.val_loss = where.loss(held_out)
-            rows.append(row.as_dict())
-            if report is not None:
-                report(rows[-1])
+            return row.as_dict()
 
-        if held_out is not None:
-            record(EpochRow(0))
-        for epoch in range(1, sft.epochs + 1):
-            record(where.epoch(epoch))
+        rows = run_epochs(
+            out, manifest, epochs=sft.epochs, progress=progress, before=(lambda: measured(EpochRow(0))) if held_out is not None else None,
+            epoch=lambda n: measured(where.epoch(n)), save=where.save_progress, report=report,
+        )
         steps = sum(row.get("steps", 0) for row in rows)
         manifest.state = {"examples": len(examples), "response_tokens": examples.response_tokens, "optimizer_steps": steps, "epochs": rows}
         manifest.metrics = {k: v for k, v in rows[-1].items() if k in ("loss", "val_loss")}
-        return where.save(out, manifest)
+        saved = where.save(out, manifest)
     finally:
         where.close()
+    clear(out)
+    return saved

@@ -79,6 +79,24 @@ class SupervisedSteps:
         done.grad_norm, done.seconds = norms / max(done.steps, 1), time.perf_counter() - started
         return done
 
+    def state_dict(self) -> dict:
+        """The optimizer's step and whole state (on FSDP2 ranks gathered: every rank calls it)."""
+        from rlctl.workers.gather import full_optimizer_state
+
+        return {"step": self.step, "optimizer": self.optimizer.state_dict() if self.weights_whole else full_optimizer_state(self.model, self.optimizer)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """`state_dict()`'s (read back by rlctl.trainer_state), so training goes on where it stopped."""
+        from rlctl.workers.gather import set_full_optimizer_state
+
+        self.step = int(state["step"])
+        if self.weights_whole:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            set_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        if state.get("rng") is not None:
+            torch.set_rng_state(state["rng"])
+
     def apply(self, lower: str) -> tuple[float, float]:
         """Clip the accumulated gradient and take the optimizer step at the schedule's rate:
         (the norm before clipping, the rate). `lower` names the setting to lower when the norm

@@ -68,6 +68,7 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
     from rlctl.trainer import trainable
 
+    sharded_registered(model)
     trained = trainable(model)
     index = {id(p): i for i, p in enumerate(trained)}
     state = {}
@@ -77,3 +78,30 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
             state[index[id(param)]] = {name: full_tensor(v) if isinstance(v, torch.Tensor) else v for name, v in values.items()}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
     return {"state": state, "param_groups": groups}
+
+
+def set_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict | None) -> None:
+    """Load `full_optimizer_state`'s layout into the optimizer of an FSDP2-sharded `model`
+    (each rank keeps its shards of the moments)."""
+    if not state:
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    sharded_registered(model)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]  # a single-process AdamW numbers its state in this order
+    keyed = {
+        "state": {names[i]: values for i, values in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+    set_optimizer_state_dict(model, optimizer, keyed, options=StateDictOptions(full_state_dict=True))
+
+
+def sharded_registered(model: torch.nn.Module) -> None:
+    """The sharded parameters (the optimizer's) registered on `model` again: after a forward
+    without a backward (a held-out evaluation) FSDP2's root module keeps the unsharded ones
+    registered in their place until the next backward, so the optimizer's parameters would not
+    be found by name or identity."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.reshard()

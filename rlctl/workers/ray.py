@@ -51,7 +51,7 @@ from rlctl.config import Config, WorkersConfig
 from rlctl.dispatch import gather, row_slices
 from rlctl.errors import InputError, RlctlError
 from rlctl.manifest import Manifest
-from rlctl.workers.gather import full_model_state, full_optimizer_state
+from rlctl.workers.gather import full_model_state, full_optimizer_state, set_full_optimizer_state
 
 CONNECT_TIMEOUT = 5.0
 # run in every worker process of our Ray job before anything of ours: MKL's kernels are chosen
@@ -550,7 +550,8 @@ class RankWorker:
             self.ref_shards, self.ref = HFPolicy(_sharded(self.ref.model, mesh), self.ref.tokenizer, device), None
         self.critic_engine = ValueModel.load(spec["critic"], device) if spec["critic"] else None
         self.trainer = self.train_policy = self.train_critic = None
-        self.sft_trainer = None  # made by the first sft_epoch (rlctl sft on this group)
+        self.sft_trainer = None  # made by sft_start (rlctl sft on this group)
+        self.supervised = None  # the supervised command's trainer (sft, dpo, reward-model) whose epoch checkpoints this rank takes part in
         self.shared = world == 1  # one rank: nothing to shard; the engine is the trained module
         if spec["train"] and self.shared:
             self.train_policy, self.train_critic = self.engine, self.critic_engine
@@ -576,7 +577,9 @@ class RankWorker:
             from rlctl.backends.hf import context_length_of
             from rlctl.reward_model import trainable_scorer
 
-            self.reward_model, self.reward_model_tokenizer = trainable_scorer(spec["reward_model"]["path"], device, spec["reward_model"]["settings"])
+            self.reward_model, self.reward_model_tokenizer = trainable_scorer(
+                spec["reward_model"]["path"], device, spec["reward_model"]["settings"], spec["reward_model"].get("resume_from"),
+            )
             self.reward_model_device, self.reward_model_path, self.reward_model_settings = device, spec["reward_model"]["path"], spec["reward_model"]["settings"]
             if world > 1:
                 _sharded(self.reward_model, init_device_mesh(device.type, (world,)))
@@ -704,6 +707,10 @@ class RankWorker:
 
     # -- supervised fine-tuning (rlctl sft) ---------------------------------------------------
 
+    def sft_start(self, cfg, total_steps: int) -> None:
+        """The sft trainer made (before a resumed run loads its optimizer's state into it)."""
+        self._sft_trainer(cfg, total_steps)
+
     def sft_epoch(self, examples, cfg, total_steps: int, epoch: int):
         """One epoch of `rlctl sft` on this rank's share of every step (rlctl.sft.SftTrainer)."""
         return self._sft_trainer(cfg, total_steps).train_epoch(examples, epoch)
@@ -717,21 +724,49 @@ class RankWorker:
         from rlctl.trainer import RankGroup
 
         if self.sft_trainer is None:
-            self.sft_trainer = SftTrainer(self.train_policy, cfg, total_steps=total_steps, ranks=RankGroup(self.rank, self.world))
+            self.sft_trainer = self.supervised = SftTrainer(self.train_policy, cfg, total_steps=total_steps, ranks=RankGroup(self.rank, self.world))
         return self.sft_trainer
+
+    # -- a supervised command's epoch checkpoints (rlctl.epoch_checkpoints) ---------------------
+
+    def save_progress(self, directory: str, manifest_json: str, files: dict | None) -> str:
+        """Gather the trained weights and the supervised trainer's optimizer state (all ranks);
+        rank 0 writes the epoch checkpoint."""
+        from rlctl.checkpoint import save_checkpoint
+        from rlctl.epoch_checkpoints import STATE_DIR
+
+        state = self.supervised.state_dict()
+        if self.reward_model is not None:  # rlctl reward-model: the model as trained (a LoRA model's adapters and head, not merged)
+            held = self._gathered_reward_model()
+        else:
+            self._gather()
+            held = self.engine
+        if self.rank != 0:
+            return manifest_json
+        manifest = save_checkpoint(directory, policy=held, trainer_state=state, manifest=Manifest.from_json(manifest_json), state_dir=STATE_DIR, files=files)
+        return manifest.to_json()
+
+    def load_progress(self, directory: str) -> None:
+        """The supervised trainer's optimizer state from the epoch checkpoint this rank's weights came from."""
+        from rlctl import trainer_state
+        from rlctl.epoch_checkpoints import STATE_DIR
+
+        self.supervised.load_state_dict(trainer_state.load(Path(directory) / STATE_DIR))
 
     # -- direct preference optimization (rlctl dpo) ------------------------------------------
 
-    def dpo_start(self, shared, cfg, total_steps: int) -> None:
+    def dpo_start(self, shared, cfg, total_steps: int):
         """The trainer made, and the reference's log-probabilities of the (training, held-out)
-        pairs in `shared` computed with the starting weights, kept on this rank."""
+        pairs in `shared` computed with the starting weights (unless they carry them: a resumed
+        run's), kept on this rank and returned."""
         from rlctl.dpo import DpoTrainer
         from rlctl.trainer import RankGroup
 
         pairs, held_out = shared
-        self.dpo_trainer = DpoTrainer(self.train_policy, cfg, total_steps=total_steps, ranks=RankGroup(self.rank, self.world))
+        self.dpo_trainer = self.supervised = DpoTrainer(self.train_policy, cfg, total_steps=total_steps, ranks=RankGroup(self.rank, self.world))
         self.dpo_pairs = self.dpo_trainer.with_reference(pairs)
         self.dpo_held_out = self.dpo_trainer.with_reference(held_out) if held_out is not None else None
+        return self.dpo_pairs, self.dpo_held_out
 
     def dpo_epoch(self, epoch: int):
         """One epoch of `rlctl dpo` on this rank's share of every step's pairs."""
@@ -742,6 +777,10 @@ class RankWorker:
         return self.dpo_trainer.evaluate(self.dpo_held_out)
 
     # -- reward-model training (rlctl reward-model) ------------------------------------------
+
+    def reward_model_start(self, total_steps: int) -> None:
+        """The reward model's trainer made (before a resumed run loads its optimizer's state into it)."""
+        self._reward_model_trainer(total_steps)
 
     def reward_model_epoch(self, pairs, total_steps: int, epoch: int):
         """One epoch of `rlctl reward-model` on this rank's share of every step's pairs."""
@@ -764,29 +803,38 @@ class RankWorker:
         from rlctl.trainer import RankGroup
 
         if self.reward_model_trainer is None:
-            self.reward_model_trainer = RewardModelTrainer(
+            self.reward_model_trainer = self.supervised = RewardModelTrainer(
                 self.reward_model, self.reward_model_tokenizer.pad_token_id, self.reward_model_settings, device=self.reward_model_device, total_steps=total_steps,
                 ranks=RankGroup(self.rank, self.world),
             )
         return self.reward_model_trainer
 
-    def save_reward_model(self, directory: str, manifest_json: str) -> str:
-        """Gather the trained reward model (all ranks); rank 0 writes it, weights and tokenizer."""
+    def _gathered_reward_model(self):
+        """The trained reward model whole (a collective), with its tokenizer, on rank 0 (None elsewhere)."""
         from types import SimpleNamespace
 
         from transformers import AutoModelForSequenceClassification
-
-        from rlctl.checkpoint import save_checkpoint
-        from rlctl.reward_model import as_saved
 
         model = self.reward_model
         if self.world > 1:
             state = full_model_state(model)
             if self.rank != 0:
-                return manifest_json
+                return None
             model = _plain_copy(model, state, AutoModelForSequenceClassification, adapted=self._reward_model_adapter)
+        return SimpleNamespace(model=model, tokenizer=self.reward_model_tokenizer)
+
+    def save_reward_model(self, directory: str, manifest_json: str) -> str:
+        """Gather the trained reward model (all ranks); rank 0 writes it, weights and tokenizer."""
+        from types import SimpleNamespace
+
+        from rlctl.checkpoint import save_checkpoint
+        from rlctl.reward_model import as_saved
+
+        held = self._gathered_reward_model()
+        if self.rank != 0:
+            return manifest_json
         manifest = save_checkpoint(
-            directory, policy=SimpleNamespace(model=as_saved(model), tokenizer=self.reward_model_tokenizer), trainer_state=None,
+            directory, policy=SimpleNamespace(model=as_saved(held.model), tokenizer=held.tokenizer), trainer_state=None,
             manifest=Manifest.from_json(manifest_json),
         )
         return manifest.to_json()
@@ -878,9 +926,9 @@ class RankWorker:
         else:
             self.trainer.step = int(state["step"])
             if self.train_policy is not None:
-                _set_full_optimizer_state(self.train_policy.model, self.trainer.optimizer, state.get("optimizer"))
+                set_full_optimizer_state(self.train_policy.model, self.trainer.optimizer, state.get("optimizer"))
             if self.train_critic is not None:
-                _set_full_optimizer_state(self.train_critic, self.trainer.critic_optimizer, state.get("critic_optimizer"))
+                set_full_optimizer_state(self.train_critic, self.trainer.critic_optimizer, state.get("critic_optimizer"))
         if state.get("rng") is not None:
             torch.set_rng_state(state["rng"])
 
@@ -938,22 +986,3 @@ def _sharded_critic(critic, mesh):
         fully_shard(layer, mesh=mesh)
     fully_shard(critic, mesh=mesh)
     return critic
-
-
-def _set_full_optimizer_state(model, optimizer, state: dict | None) -> None:
-    if not state:
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    names = _trained_names(model)
-    keyed = {
-        "state": {names[i]: values for i, values in state["state"].items()},
-        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
-    }
-    set_optimizer_state_dict(model, optimizer, keyed, options=StateDictOptions(full_state_dict=True))
-
-
-def _trained_names(model) -> list[str]:
-    """The optimizer's parameters in order (every parameter, or a LoRA run's adapters): a
-    single-process AdamW numbers its state by this order."""
-    return [name for name, p in model.named_parameters() if p.requires_grad]

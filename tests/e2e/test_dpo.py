@@ -104,3 +104,19 @@ def test_a_pipeline_dpo_warm_start_with_lora_is_refused_before_any_work(cli, tmp
     result = cli("pipeline", config, "--run-dir", tmp_path / "run", "--set", "dpo.lora.r=4")
     assert result.exit_code == 2 and "dpo.data: the pipeline's warm start trains every weight" in one_line_error(result)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_dpo_killed_after_an_epoch_resumes_with_the_starting_weights_reference_to_the_uninterrupted_result(tmp_path, tiny_model, pairs):
+    """The epoch checkpoint keeps the reference's log-probabilities: the weights it holds are
+    no longer the reference."""
+    from tests.e2e.test_pipeline import rlctl
+    from tests.e2e.test_sft import comparable
+
+    args = ["dpo", "--data", pairs, "--val-data", pairs, "--model", tiny_model, "--epochs", "3", "--lr", "1e-3", "--batch-size", "4"]
+    rlctl(*args, "--out", tmp_path / "whole")
+    assert rlctl(*args, "--out", tmp_path / "dpo", env={"RLCTL_FAULT_KILL_AT": "dpo:epoch-1-saved"}, check=False).returncode == -9
+    resumed = rlctl(*args, "--out", tmp_path / "dpo")
+    assert "resuming dpo after epoch 1" in resumed.stderr and not (tmp_path / "dpo.progress").exists()
+    assert (tmp_path / "dpo" / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
+    got, want = (json.loads((tmp_path / name / "_manifest.json").read_text())["state"]["epochs"] for name in ("dpo", "whole"))
+    assert comparable(got) == comparable(want) and len(got) == 4

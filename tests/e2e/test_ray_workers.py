@@ -230,6 +230,15 @@ def test_stage_commands_on_two_workers_write_what_one_process_writes(ray_session
     assert shards.read_manifest(str(runs["ray"] / "c"))[0].state["workers"]["num_workers"] == 2
 
 
+class Stopped(Exception):
+    """A run stopped from its report callback, as a crash would stop it."""
+
+
+def stop_in_epoch_2(row: dict) -> None:
+    if row["epoch"] == 2:
+        raise Stopped
+
+
 def a_reward_model(tiny_model: str, folder: Path) -> str:
     """A sequence-classification model with a seeded head, as `rm:` loads one."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
@@ -445,9 +454,9 @@ def test_two_workers_fine_tune_as_one_process_does(ray_session, tiny_model, tmp_
 @pytest.mark.parametrize("lora", [0, 4])
 def test_two_workers_train_a_reward_model_as_one_process_does(ray_session, tiny_model, tmp_path, lora):
     """`rlctl reward-model` on two FSDP2 ranks: each takes its share of every step's pairs (an
-    odd count: one rank runs an empty pass), loss, accuracy and margin are the group's sums, and
-    rank 0 writes the gathered weights with the new head (a LoRA model's adapters merged),
-    which `rm:` scores with."""
+    odd count: one rank runs an empty pass), loss, accuracy and margin are the group's sums;
+    stopped after an epoch it resumes from its epoch checkpoint; rank 0 writes the gathered
+    weights with the new head (a LoRA model's adapters merged), which `rm:` scores with."""
     from rlctl import reward_model
     from rlctl.rewards import RewardModel
 
@@ -464,7 +473,11 @@ def test_two_workers_train_a_reward_model_as_one_process_does(ray_session, tiny_
     finally:
         torch.set_num_threads(threads)
     ray_cfg = load_config(None, [*settings, 'workers.backend="ray"', "workers.num_workers=2"])
+    with pytest.raises(Stopped):  # after epoch 1's checkpoint (a LoRA model's adapters and head as trained): the run resumes there
+        reward_model.run(data=str(data), val_data=str(data), model=tiny_model, out=str(tmp_path / "ray"), cfg=ray_cfg, device="cpu", report=stop_in_epoch_2)
+    assert shards.read_manifest(str(tmp_path / "ray.progress"))[0].state["epoch"] == 1
     on_ranks = reward_model.run(data=str(data), val_data=str(data), model=tiny_model, out=str(tmp_path / "ray"), cfg=ray_cfg, device="cpu")
+    assert not (tmp_path / "ray.progress").exists()
     assert len(on_ranks.state["epochs"]) == len(local.state["epochs"]) == 3  # before training, then 2 epochs
     for ours, theirs in zip(on_ranks.state["epochs"], local.state["epochs"]):
         assert ours["epoch"] == theirs["epoch"] and ours.get("steps") == theirs.get("steps") and ours.get("pairs") == theirs.get("pairs")
@@ -483,7 +496,9 @@ def test_two_workers_train_a_reward_model_as_one_process_does(ray_session, tiny_
 def test_two_workers_train_dpo_as_one_process_does(ray_session, tiny_model, tmp_path):
     """`rlctl dpo` on two FSDP2 ranks: the reference's log-probabilities computed once, each rank
     its share and every rank all of them; each takes its share of every step's pairs (an odd
-    count: one rank runs an empty pass); rank 0 writes the weights without a trainer state."""
+    count: one rank runs an empty pass); stopped after an epoch it resumes from its epoch
+    checkpoint (gathered weights and optimizer state); rank 0 writes the weights without a
+    trainer state."""
     from rlctl import dpo
 
     data = tmp_path / "pairs.jsonl"
@@ -496,7 +511,11 @@ def test_two_workers_train_dpo_as_one_process_does(ray_session, tiny_model, tmp_
     finally:
         torch.set_num_threads(threads)
     ray_cfg = load_config(None, [*settings, 'workers.backend="ray"', "workers.num_workers=2"])
+    with pytest.raises(Stopped):  # after epoch 1's checkpoint: the run resumes there
+        dpo.run(data=str(data), val_data=str(data), model=tiny_model, out=str(tmp_path / "ray"), cfg=ray_cfg, device="cpu", report=stop_in_epoch_2)
+    assert shards.read_manifest(str(tmp_path / "ray.progress"))[0].state["epoch"] == 1
     on_ranks = dpo.run(data=str(data), val_data=str(data), model=tiny_model, out=str(tmp_path / "ray"), cfg=ray_cfg, device="cpu")
+    assert not (tmp_path / "ray.progress").exists()  # resumed: the ranks loaded the weights, the optimizer state and the kept reference
     assert len(on_ranks.state["epochs"]) == len(local.state["epochs"]) == 3
     for ours, theirs in zip(on_ranks.state["epochs"], local.state["epochs"]):
         assert ours["epoch"] == theirs["epoch"] and ours.get("steps") == theirs.get("steps")

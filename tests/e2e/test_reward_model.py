@@ -168,3 +168,21 @@ def test_an_rm_path_in_a_config_file_is_relative_to_the_file(tmp_path):
     assert cfg.score.reward == f"rm:{tmp_path / 'models' / 'rm'}"
     kept = _resolve_relative(load_config(None, ["score.reward=rm:trained"]), tmp_path)
     assert kept.score.reward == "rm:trained"
+
+
+@pytest.mark.parametrize("lora", [0, pytest.param(4, marks=pytest.mark.slow)])
+def test_a_reward_model_killed_after_an_epoch_resumes_from_its_epoch_checkpoint_to_the_uninterrupted_result(tmp_path, tiny_model, pairs, lora):
+    """A LoRA reward model's epoch checkpoint holds its adapters and head as trained (the output
+    holds them merged): the run goes on training them."""
+    from tests.e2e.test_pipeline import rlctl
+    from tests.e2e.test_sft import comparable
+
+    args = ["reward-model", "--data", pairs, "--val-data", pairs, "--model", tiny_model, "--epochs", "3", "--lr", "1e-3", "--batch-size", "4", "--set", f"reward_model.lora.r={lora}"]
+    rlctl(*args, "--out", tmp_path / "whole")
+    assert rlctl(*args, "--out", tmp_path / "rm", env={"RLCTL_FAULT_KILL_AT": "rm:epoch-1-saved"}, check=False).returncode == -9
+    assert (tmp_path / "rm.progress" / ("adapter_model.safetensors" if lora else "model.safetensors")).exists()
+    resumed = rlctl(*args, "--out", tmp_path / "rm")
+    assert "resuming reward-model after epoch 1" in resumed.stderr and not (tmp_path / "rm.progress").exists()
+    assert (tmp_path / "rm" / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
+    got, want = (json.loads((tmp_path / name / "_manifest.json").read_text())["state"]["epochs"] for name in ("rm", "whole"))
+    assert comparable(got) == comparable(want) and len(got) == 4

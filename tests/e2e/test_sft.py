@@ -116,3 +116,36 @@ def test_a_pipeline_on_ray_workers_warm_starts_on_them_then_trains(cli, tmp_path
     manifest = json.loads((tmp_path / "run" / "sft" / "_manifest.json").read_text())
     assert manifest["state"]["workers"]["num_workers"] == 2 and manifest["state"]["optimizer_steps"] == 4
     assert json.loads((tmp_path / "run" / "iter-0001" / "rollout" / "_manifest.json").read_text())["state"]["weights_source"] == str(tmp_path / "run" / "sft")
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    """An epoch's figures without its clock."""
+    return [{k: v for k, v in row.items() if k not in ("seconds", "tokens_per_s", "pairs_per_s")} for row in rows]
+
+
+@pytest.mark.parametrize("lora", [0, pytest.param(4, marks=pytest.mark.slow)])
+def test_an_sft_killed_after_an_epoch_resumes_from_its_epoch_checkpoint_to_the_uninterrupted_result(tmp_path, tiny_model, examples, lora):
+    from tests.e2e.test_pipeline import rlctl
+
+    args = ["sft", "--data", examples, "--val-data", examples, "--model", tiny_model, "--epochs", "3", "--lr", "1e-3", "--batch-size", "4", "--set", f"sft.lora.r={lora}"]
+    rlctl(*args, "--out", tmp_path / "whole")
+    killed = rlctl(*args, "--out", tmp_path / "sft", env={"RLCTL_FAULT_KILL_AT": "sft:epoch-2-saved"}, check=False)
+    assert killed.returncode == -9 and not (tmp_path / "sft" / "_manifest.json").exists()
+    assert is_intact(str(tmp_path / "sft.progress")) is None  # the weights and optimizer state after epoch 2
+    resumed = rlctl(*args, "--out", tmp_path / "sft")
+    assert f"resuming sft after epoch 2 from {tmp_path / 'sft.progress'}" in resumed.stderr
+    assert [line.split("  ")[0] for line in resumed.stderr.splitlines() if line.startswith("sft: epoch")] == ["sft: epoch 3"]  # only the last epoch ran
+    assert not (tmp_path / "sft.progress").exists() and is_intact(str(tmp_path / "sft")) is None
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
+    assert (tmp_path / "sft" / weights).read_bytes() == (tmp_path / "whole" / weights).read_bytes()  # bit for bit
+    got, want = (json.loads((tmp_path / name / "_manifest.json").read_text())["state"] for name in ("sft", "whole"))
+    assert comparable(got["epochs"]) == comparable(want["epochs"]) and got["optimizer_steps"] == want["optimizer_steps"] == 6
+
+
+def test_an_epoch_checkpoint_of_other_settings_is_not_resumed_from(cli, tmp_path, tiny_model, examples):
+    args = ["sft", "--data", examples, "--model", tiny_model, "--out", tmp_path / "sft", "--epochs", "2", "--lr", "1e-3", "--batch-size", "4"]
+    from tests.e2e.test_pipeline import rlctl
+
+    assert rlctl(*args, env={"RLCTL_FAULT_KILL_AT": "sft:epoch-1-saved"}, check=False).returncode == -9
+    other = cli(*args[:-2], "--batch-size", "3")
+    assert other.exit_code == 0 and "resuming" not in other.stderr and not (tmp_path / "sft.progress").exists()
