@@ -106,6 +106,7 @@ def test_a_pipeline_dpo_warm_start_with_lora_is_refused_before_any_work(cli, tmp
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_dpo_killed_after_an_epoch_resumes_with_the_starting_weights_reference_to_the_uninterrupted_result(tmp_path, tiny_model, pairs):
     """The epoch checkpoint keeps the reference's log-probabilities: the weights it holds are
     no longer the reference."""

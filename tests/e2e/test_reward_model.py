@@ -170,7 +170,8 @@ def test_an_rm_path_in_a_config_file_is_relative_to_the_file(tmp_path):
     assert kept.score.reward == "rm:trained"
 
 
-@pytest.mark.parametrize("lora", [0, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [0, 4])
 def test_a_reward_model_killed_after_an_epoch_resumes_from_its_epoch_checkpoint_to_the_uninterrupted_result(tmp_path, tiny_model, pairs, lora):
     """A LoRA reward model's epoch checkpoint holds its adapters and head as trained (the output
     holds them merged): the run goes on training them."""
