@@ -97,15 +97,6 @@ def test_a_pipeline_with_sft_and_dpo_data_warm_starts_sft_then_dpo_once_and_star
     assert (run / "dpo" / "_manifest.json").read_bytes() == dpo_manifest  # resumed: no second DPO
 
 
-def test_a_pipeline_dpo_warm_start_with_lora_is_refused_before_any_work(cli, tmp_path, tiny_model, pairs):
-    from tests.e2e.test_pipeline import write_config
-
-    config = write_config(tmp_path, tiny_model, dpo={"data": str(pairs)})
-    result = cli("pipeline", config, "--run-dir", tmp_path / "run", "--set", "dpo.lora.r=4")
-    assert result.exit_code == 2 and "dpo.data: the pipeline's warm start trains every weight" in one_line_error(result)
-    assert not (tmp_path / "run").exists()
-
-
 @pytest.mark.slow
 def test_a_dpo_killed_after_an_epoch_resumes_with_the_starting_weights_reference_to_the_uninterrupted_result(tmp_path, tiny_model, pairs):
     """The epoch checkpoint keeps the reference's log-probabilities: the weights it holds are

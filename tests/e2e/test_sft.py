@@ -98,10 +98,11 @@ def test_a_pipeline_with_sft_data_warm_starts_once_and_its_first_iteration_repla
     assert (tmp_path / "run" / "sft" / "_manifest.json").read_bytes() == sft_manifest  # resumed from the checkpoint: no second warm start
 
 
-def test_a_pipeline_warm_start_with_lora_is_refused_before_any_work(cli, tmp_path, tiny_model, examples):
-    config = write_config(tmp_path, tiny_model, sft={"data": str(examples)})
-    result = cli("pipeline", config, "--run-dir", tmp_path / "run", "--set", "sft.lora.r=4")
-    assert result.exit_code == 2 and "trains every weight" in one_line_error(result)
+@pytest.mark.parametrize("section", ["sft", "dpo"])
+def test_a_pipeline_warm_start_with_lora_is_refused_before_any_work(cli, tmp_path, tiny_model, examples, section):
+    config = write_config(tmp_path, tiny_model, **{section: {"data": str(examples)}})
+    result = cli("pipeline", config, "--run-dir", tmp_path / "run", "--set", f"{section}.lora.r=4")
+    assert result.exit_code == 2 and f"{section}.data: the pipeline's warm start trains every weight" in one_line_error(result)
     assert not (tmp_path / "run").exists()
 
 
