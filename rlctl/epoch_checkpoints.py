@@ -2,8 +2,9 @@
 pipeline's warm starts), so that a run stopped part-way (a crash, a kill, a lost machine)
 resumes after its last finished epoch instead of from the start.
 
-After every epoch but the last, the command commits `OUT.progress` beside OUT: the weights as
-they are (a LoRA run's adapter), the optimizer's state (`progress_state/`, a trainer_state
+After every epoch but the last, the command commits `OUT.progress/epoch-NNNN` beside OUT (and
+then removes the one before, so a crash while one is written leaves the last one whole): the
+weights as they are (a LoRA run's adapter), the optimizer's state (`progress_state/`, a trainer_state
 folder that nothing else loads), anything the command keeps beside them (DPO's reference
 log-probabilities), and in its manifest the final output's key and the epochs' figures so far.
 A rerun whose manifest has the same key (the same inputs and settings) starts from that folder
@@ -34,9 +35,18 @@ KEPT_FILE = "kept.safetensors"  # tensors the command keeps beside the weights (
 
 
 def progress_dir(out: str) -> Path:
-    """Where the epoch checkpoint of the output `out` is kept: a sibling folder."""
+    """Where the epoch checkpoints of the output `out` are kept: a sibling folder."""
     folder = local_checkpoint_dir(out)
     return folder.parent / (folder.name + SUFFIX)
+
+
+def epoch_dir(out: str, epoch: int) -> Path:
+    return progress_dir(out) / f"epoch-{epoch:04d}"
+
+
+def _latest_committed(out: str) -> Path | None:
+    folders = sorted(progress_dir(out).glob("epoch-*")) if progress_dir(out).is_dir() else []
+    return next((f for f in reversed(folders) if is_committed(str(f))), None)
 
 
 @dataclass(frozen=True)
@@ -59,11 +69,11 @@ def resume_point(out: str, manifest: Manifest, force: bool) -> Progress | None:
 
     from rlctl import trainer_state
 
-    folder = progress_dir(out)
     if force or manifest.key is None or any(i.manifest_sha256 is None for i in manifest.inputs):
         clear(out)
         return None
-    if not is_committed(str(folder)):
+    folder = _latest_committed(out)
+    if folder is None:
         clear(out)
         return None
     recorded, _ = read_manifest(str(folder))
@@ -108,7 +118,10 @@ def run_epochs(
     for n in range((progress.epoch if progress is not None else 0) + 1, epochs + 1):
         add(epoch(n))
         if n < epochs:
-            save(progress_dir(out), progress_manifest(manifest, n, rows))
+            save(epoch_dir(out, n), progress_manifest(manifest, n, rows))
+            for older in progress_dir(out).glob("epoch-*"):  # the one just committed is the run's point to resume from
+                if older.name < epoch_dir(out, n).name:
+                    shutil.rmtree(older, ignore_errors=True)
             faults.point(f"{out}:epoch-{n}-saved")
     return rows
 

@@ -106,9 +106,10 @@ def test_a_dpo_killed_after_an_epoch_resumes_with_the_starting_weights_reference
 
     args = ["dpo", "--data", pairs, "--val-data", pairs, "--model", tiny_model, "--epochs", "3", "--lr", "1e-3", "--batch-size", "4"]
     rlctl(*args, "--out", tmp_path / "whole")
-    assert rlctl(*args, "--out", tmp_path / "dpo", env={"RLCTL_FAULT_KILL_AT": "dpo:epoch-1-saved"}, check=False).returncode == -9
+    assert rlctl(*args, "--out", tmp_path / "dpo", env={"RLCTL_FAULT_KILL_AT": "dpo:epoch-2-saved"}, check=False).returncode == -9
+    assert [f.name for f in (tmp_path / "dpo.progress").iterdir()] == ["epoch-0002"]  # the one before removed once it was committed
     resumed = rlctl(*args, "--out", tmp_path / "dpo")
-    assert "resuming dpo after epoch 1" in resumed.stderr and not (tmp_path / "dpo.progress").exists()
+    assert "resuming dpo after epoch 2" in resumed.stderr and not (tmp_path / "dpo.progress").exists()
     assert (tmp_path / "dpo" / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
     got, want = (json.loads((tmp_path / name / "_manifest.json").read_text())["state"]["epochs"] for name in ("dpo", "whole"))
     assert comparable(got) == comparable(want) and len(got) == 4

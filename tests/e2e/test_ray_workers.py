@@ -475,7 +475,7 @@ def test_two_workers_train_a_reward_model_as_one_process_does(ray_session, tiny_
     ray_cfg = load_config(None, [*settings, 'workers.backend="ray"', "workers.num_workers=2"])
     with pytest.raises(Stopped):  # after epoch 1's checkpoint (a LoRA model's adapters and head as trained): the run resumes there
         reward_model.run(data=str(data), val_data=str(data), model=tiny_model, out=str(tmp_path / "ray"), cfg=ray_cfg, device="cpu", report=stop_in_epoch_2)
-    assert shards.read_manifest(str(tmp_path / "ray.progress"))[0].state["epoch"] == 1
+    assert shards.read_manifest(str(tmp_path / "ray.progress" / "epoch-0001"))[0].state["epoch"] == 1
     on_ranks = reward_model.run(data=str(data), val_data=str(data), model=tiny_model, out=str(tmp_path / "ray"), cfg=ray_cfg, device="cpu")
     assert not (tmp_path / "ray.progress").exists()
     assert len(on_ranks.state["epochs"]) == len(local.state["epochs"]) == 3  # before training, then 2 epochs
@@ -513,7 +513,7 @@ def test_two_workers_train_dpo_as_one_process_does(ray_session, tiny_model, tmp_
     ray_cfg = load_config(None, [*settings, 'workers.backend="ray"', "workers.num_workers=2"])
     with pytest.raises(Stopped):  # after epoch 1's checkpoint: the run resumes there
         dpo.run(data=str(data), val_data=str(data), model=tiny_model, out=str(tmp_path / "ray"), cfg=ray_cfg, device="cpu", report=stop_in_epoch_2)
-    assert shards.read_manifest(str(tmp_path / "ray.progress"))[0].state["epoch"] == 1
+    assert shards.read_manifest(str(tmp_path / "ray.progress" / "epoch-0001"))[0].state["epoch"] == 1
     on_ranks = dpo.run(data=str(data), val_data=str(data), model=tiny_model, out=str(tmp_path / "ray"), cfg=ray_cfg, device="cpu")
     assert not (tmp_path / "ray.progress").exists()  # resumed: the ranks loaded the weights, the optimizer state and the kept reference
     assert len(on_ranks.state["epochs"]) == len(local.state["epochs"]) == 3

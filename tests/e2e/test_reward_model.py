@@ -181,7 +181,7 @@ def test_a_reward_model_killed_after_an_epoch_resumes_from_its_epoch_checkpoint_
     args = ["reward-model", "--data", pairs, "--val-data", pairs, "--model", tiny_model, "--epochs", "3", "--lr", "1e-3", "--batch-size", "4", "--set", f"reward_model.lora.r={lora}"]
     rlctl(*args, "--out", tmp_path / "whole")
     assert rlctl(*args, "--out", tmp_path / "rm", env={"RLCTL_FAULT_KILL_AT": "rm:epoch-1-saved"}, check=False).returncode == -9
-    assert (tmp_path / "rm.progress" / ("adapter_model.safetensors" if lora else "model.safetensors")).exists()
+    assert (tmp_path / "rm.progress" / "epoch-0001" / ("adapter_model.safetensors" if lora else "model.safetensors")).exists()
     resumed = rlctl(*args, "--out", tmp_path / "rm")
     assert "resuming reward-model after epoch 1" in resumed.stderr and not (tmp_path / "rm.progress").exists()
     assert (tmp_path / "rm" / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()

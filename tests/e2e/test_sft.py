@@ -125,17 +125,19 @@ def comparable(rows: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize("lora", [0, pytest.param(4, marks=pytest.mark.slow)])
-def test_an_sft_killed_after_an_epoch_resumes_from_its_epoch_checkpoint_to_the_uninterrupted_result(tmp_path, tiny_model, examples, lora):
+def test_an_sft_killed_mid_run_resumes_from_its_last_whole_epoch_checkpoint_to_the_uninterrupted_result(tmp_path, tiny_model, examples, lora):
     from tests.e2e.test_pipeline import rlctl
 
     args = ["sft", "--data", examples, "--val-data", examples, "--model", tiny_model, "--epochs", "3", "--lr", "1e-3", "--batch-size", "4", "--set", f"sft.lora.r={lora}"]
     rlctl(*args, "--out", tmp_path / "whole")
-    killed = rlctl(*args, "--out", tmp_path / "sft", env={"RLCTL_FAULT_KILL_AT": "sft:epoch-2-saved"}, check=False)
+    # killed while epoch 2's checkpoint is written: epoch 1's is still whole
+    killed = rlctl(*args, "--out", tmp_path / "sft", env={"RLCTL_FAULT_KILL_AT": "sft.progress/epoch-0002:before-commit"}, check=False)
     assert killed.returncode == -9 and not (tmp_path / "sft" / "_manifest.json").exists()
-    assert is_intact(str(tmp_path / "sft.progress")) is None  # the weights and optimizer state after epoch 2
+    assert is_intact(str(tmp_path / "sft.progress" / "epoch-0001")) is None  # the weights and optimizer state after epoch 1
+    assert not (tmp_path / "sft.progress" / "epoch-0002" / "_manifest.json").exists()
     resumed = rlctl(*args, "--out", tmp_path / "sft")
-    assert f"resuming sft after epoch 2 from {tmp_path / 'sft.progress'}" in resumed.stderr
-    assert [line.split("  ")[0] for line in resumed.stderr.splitlines() if line.startswith("sft: epoch")] == ["sft: epoch 3"]  # only the last epoch ran
+    assert f"resuming sft after epoch 1 from {tmp_path / 'sft.progress' / 'epoch-0001'}" in resumed.stderr
+    assert [line.split("  ")[0] for line in resumed.stderr.splitlines() if line.startswith("sft: epoch")] == ["sft: epoch 2", "sft: epoch 3"]
     assert not (tmp_path / "sft.progress").exists() and is_intact(str(tmp_path / "sft")) is None
     weights = "adapter_model.safetensors" if lora else "model.safetensors"
     assert (tmp_path / "sft" / weights).read_bytes() == (tmp_path / "whole" / weights).read_bytes()  # bit for bit
