@@ -22,7 +22,7 @@ _rlctl() {
         "advantage") opts="--config --estimator --force --format --gamma --help --json --kl-coef --kl-controller --kl-estimator --kl-state --lam --no-norm-by-std --norm-by-std --out --rows-per-part --scores --set --std-scope" ;;
         "config diff") opts="--help --json" ;;
         "config show") opts="--help --json --set" ;;
-        "dpo") opts="--batch-size --beta --config --data --device --epochs --force --help --json --loss --lr --model --out --set --val-data" ;;
+        "dpo") opts="--batch-size --beta --config --data --device --epochs --eval --force --help --json --loss --lr --model --out --ref --set --val-data" ;;
         "eval") opts="--config --device --help --json --max-new-tokens --model --n --out --pass-threshold --prompts --reward --set --temperature" ;;
         "model init") opts="--force --help --preset --seed" ;;
         "pipeline") opts="--address --dry-run --from --help --iterations --quiet --resume --resume-with-changes --run-dir --set --until --workers --workers-backend" ;;

@@ -32,6 +32,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l config
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l data
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l device
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l epochs
+complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l eval
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l force
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l json
@@ -39,6 +40,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l loss -xa 'sigmoid robu
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l lr
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l model
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l out
+complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l ref
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l set
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l val-data
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l config

@@ -6,7 +6,7 @@ _rlctl() {
     'advantage:Turn rewards into per-token rewards, advantages and returns (pure math, no model).'
     'config-diff:Print the keys two configs or runs differ in, defaults filled in (values as written).'
     'config-show:Print every config key with its type, default, current value and meaning.'
-    'dpo:Direct preference optimization - train the policy on preference pairs, no reward model.'
+    'dpo:Direct preference optimization - train the policy on preference pairs, no reward model; or,'
     'eval:Evaluate a model on held-out prompts - mean@n, best@n and pass@k per data_source.'
     'model-init:Write a random Qwen2-style model + byte-level BPE tokenizer, fully offline.'
     'pipeline:Run rollout → score → advantage → update → reshard for N iterations, models resident.'
@@ -26,7 +26,7 @@ _rlctl() {
     advantage) _arguments '*:file:_files' '--config' '--estimator:estimator:(gae grpo grpo_passk opo reinforce_pp reinforce_pp_baseline rloo)' '--force' '--format:format:(arrow parquet)' '--gamma' '--help' '--json' '--kl-coef' '--kl-controller:kl-controller:(fixed adaptive)' '--kl-estimator:kl-estimator:(abs abs+ k1 k1+ k2 k2+ k3 k3+ kl kl+ low_var_kl low_var_kl+ mse mse+)' '--kl-state' '--lam' '--no-norm-by-std' '--norm-by-std' '--out' '--rows-per-part' '--scores' '--set' '--std-scope:std-scope:(group batch)' ;;
     config-diff) _arguments '*:file:_files' '--help' '--json' ;;
     config-show) _arguments '*:file:_files' '--help' '--json' '--set' ;;
-    dpo) _arguments '*:file:_files' '--batch-size' '--beta' '--config' '--data' '--device' '--epochs' '--force' '--help' '--json' '--loss:loss:(sigmoid robust ipo hinge simpo)' '--lr' '--model' '--out' '--set' '--val-data' ;;
+    dpo) _arguments '*:file:_files' '--batch-size' '--beta' '--config' '--data' '--device' '--epochs' '--eval' '--force' '--help' '--json' '--loss:loss:(sigmoid robust ipo hinge simpo)' '--lr' '--model' '--out' '--ref' '--set' '--val-data' ;;
     eval) _arguments '*:file:_files' '--config' '--device' '--help' '--json' '--max-new-tokens' '--model' '--n' '--out' '--pass-threshold' '--prompts' '--reward' '--set' '--temperature' ;;
     model-init) _arguments '*:file:_files' '--force' '--help' '--preset:preset:(tiny small medium)' '--seed' ;;
     pipeline) _arguments '*:file:_files' '--address' '--dry-run' '--from:from:(rollout score advantage update)' '--help' '--iterations' '--quiet' '--resume' '--resume-with-changes' '--run-dir' '--set' '--until:until:(rollout score advantage update)' '--workers' '--workers-backend:workers-backend:(local ray)' ;;

@@ -468,8 +468,10 @@ def reward_model(
 def dpo(
     data: Annotated[str, typer.Option("--data", help="Preference pairs: chosen and rejected (text or messages) with prompt or messages, or whole chosen/rejected conversations; .jsonl, .json, .parquet or a shard folder.")],
     model: Annotated[str, typer.Option("--model", help="Policy to train (and the reference it is held to): HF folder or rlctl checkpoint.")],
-    out: Annotated[str, typer.Option("--out", help="Checkpoint folder to write (a pipeline's model.path can start from it).")],
+    out: Annotated[Optional[str], typer.Option("--out", help="Checkpoint folder to write (a pipeline's model.path can start from it).")] = None,
     val_data: Annotated[Optional[str], typer.Option("--val-data", help="Held-out pairs: their loss and accuracy before training and after each epoch.")] = None,
+    evaluate: Annotated[bool, typer.Option("--eval", help="Train nothing: the loss, accuracy, margin and rewards of the policy --model against --ref on the pairs --data, over all and per data_source (no --out).")] = False,
+    ref: Annotated[Optional[str], typer.Option("--ref", help="With --eval: the reference (default: the weights a dpo checkpoint --model started from).")] = None,
     epochs: Annotated[Optional[int], typer.Option("--epochs", help="Passes over the pairs." + _default("dpo.epochs"))] = None,
     lr: Annotated[Optional[float], typer.Option("--lr", help="Learning rate." + _default("dpo.lr"))] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Pairs per optimizer step." + _default("dpo.batch_size"))] = None,
@@ -481,7 +483,8 @@ def dpo(
     as_json: JsonOpt = False,
     force: ForceOpt = False,
 ) -> None:
-    """Direct preference optimization: train the policy on preference pairs, no reward model."""
+    """Direct preference optimization: train the policy on preference pairs, no reward model; or,
+    with --eval, measure a trained one against its reference on held-out pairs."""
     from dataclasses import replace
 
     from rlctl.config import override_section
@@ -490,6 +493,15 @@ def dpo(
 
     cfg = _stage_config(config, set_)
     cfg = replace(cfg, dpo=override_section(cfg.dpo, epochs=epochs, lr=lr, batch_size=batch_size, beta=beta, loss=loss))
+    if evaluate:
+        if out or val_data:
+            raise InputError("dpo --eval trains nothing and writes nothing: give the pairs as --data, without --out or --val-data")
+        _evaluate_dpo(data, model, ref, cfg, device or cfg.model.device, as_json)
+        return
+    if ref:
+        raise InputError("dpo --ref names the reference of --eval; training's reference is --model's starting weights")
+    if not out:
+        raise InputError("dpo needs --out, the folder to write the trained policy to (or --eval to measure --model on --data)")
 
     def report(row: dict) -> None:
         if not as_json:
@@ -501,24 +513,37 @@ def dpo(
 
 def _evaluate_reward_model(data: str, model: str, cfg, device: str, as_json: bool) -> None:
     """`rlctl reward-model --eval`: the table (or JSON) of rlctl.reward_model.evaluate's rows."""
-    import json as json_module
-    from dataclasses import asdict
-
     from rlctl.reward_model import evaluate
 
     rows, dropped = evaluate(data=data, model=model, cfg=cfg, device=device)
+    left_out = f", {dropped} left out as too long" if dropped else ""
+    _pairs_table(rows, f"{model} on {data}: {rows[0].pairs} pairs{left_out}", ("accuracy", "margin", "loss"), as_json, dropped=dropped)
+
+
+def _evaluate_dpo(data: str, model: str, ref: str | None, cfg, device: str, as_json: bool) -> None:
+    """`rlctl dpo --eval`: the table (or JSON) of rlctl.dpo.evaluate's rows."""
+    from rlctl.dpo import evaluate
+
+    rows = evaluate(data=data, model=model, ref=ref, cfg=cfg, device=device)
+    _pairs_table(rows, f"{model} on {data}: {rows[0].pairs} pairs, {cfg.dpo.loss} loss, beta {cfg.dpo.beta:g}", ("accuracy", "margin", "chosen_reward", "rejected_reward", "loss"), as_json)
+
+
+def _pairs_table(rows: list, title: str, columns: tuple[str, ...], as_json: bool, **extra) -> None:
+    """Rows of figures on preference pairs, one per data_source: a table, or JSON (`extra` beside the rows)."""
+    import json as json_module
+    from dataclasses import asdict
+
     if as_json:
-        typer.echo(json_module.dumps({"rows": [asdict(row) for row in rows], "dropped": dropped}))
+        typer.echo(json_module.dumps({"rows": [asdict(row) for row in rows], **extra}))
         return
     from rich.console import Console
     from rich.table import Table
 
-    left_out = f", {dropped} left out as too long" if dropped else ""
-    table = Table(title=f"{model} on {data}: {rows[0].pairs} pairs{left_out}", title_justify="left")
-    for name in ("data_source", "pairs", "accuracy", "margin", "loss"):
+    table = Table(title=title, title_justify="left")
+    for name in ("data_source", "pairs", *columns):
         table.add_column(name, justify="left" if name == "data_source" else "right")
     for row in rows:
-        table.add_row(row.source, str(row.pairs), f"{row.accuracy:.4g}", f"{row.margin:.4g}", f"{row.loss:.4g}")
+        table.add_row(row.source, str(row.pairs), *(f"{getattr(row, name):.4g}" for name in columns))
     Console().print(table)
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from pathlib import Path
 
 import pyarrow as pa
 import torch
@@ -43,6 +44,7 @@ from rlctl.config import Config, DataConfig, DpoConfig, to_dict
 from rlctl.errors import InputError
 from rlctl.manifest import Manifest
 from rlctl.reward_model import EpochRow as PairsEpochRow
+from rlctl.reward_model import PairsRow
 from rlctl.sft import Examples, LocalPolicy, RayPolicy
 from rlctl.supervised import SupervisedSteps
 
@@ -156,16 +158,18 @@ class EpochRow(PairsEpochRow):
 # --- training ---------------------------------------------------------------------------------
 
 
-class DpoTrainer(SupervisedSteps):
-    """AdamW on the policy (or its LoRA adapters), an optimizer step per `batch_size` pairs, in
-    passes of both sides of similar-length pairs. On a group of FSDP2 ranks (`ranks`) each rank
-    takes its share of every step's pairs, and the sums are the group's."""
+class DpoPasses:
+    """The policy's passes over pairs, in passes of both sides of similar-length pairs: the
+    reference's log-probabilities, and the loss, ranking and rewards under `cfg` (training's, or
+    a measurement's). On a group of FSDP2 ranks (`ranks`) each rank takes its share, and the
+    sums are the group's."""
 
-    def __init__(self, policy, cfg: DpoConfig, *, total_steps: int, ranks=None) -> None:
+    def __init__(self, policy, cfg: DpoConfig, *, bf16: bool, ranks=None) -> None:
+        from rlctl.backends.hf import held_whole
         from rlctl.trainer import ALONE
 
-        super().__init__(policy.model, cfg, device_type=policy.device.type, total_steps=total_steps, command="dpo")
-        self.policy, self.ranks = policy, ranks or ALONE
+        self.policy, self.cfg, self.bf16, self.ranks = policy, cfg, bf16, ranks or ALONE
+        self.weights_whole = held_whole(policy.model)
 
     @torch.no_grad()
     def with_reference(self, pairs: DpoPairs) -> DpoPairs:
@@ -187,19 +191,6 @@ class DpoTrainer(SupervisedSteps):
                     values[0, micro], values[1, micro] = chosen.double().cpu(), rejected.double().cpu()
         values = self.ranks.sum_tensor(values)
         return replace(pairs, ref_chosen=values[0].tolist(), ref_rejected=values[1].tolist())
-
-    def train_epoch(self, pairs: DpoPairs, epoch: int) -> EpochRow:
-        sums = DpoSums()
-
-        def passes(rows: list[int]) -> None:
-            sums.add(self.passes(pairs, rows, lambda summed: (summed / len(rows)).backward()))  # the step's mean
-
-        done = self.run_epoch(len(pairs), epoch, passes)
-        row = EpochRow(epoch, grad_norm=done.grad_norm, lr=done.lr, steps=done.steps, pairs=done.rows, seconds=done.seconds)
-        row.loss, row.accuracy = sums.loss / row.pairs, sums.right / row.pairs
-        row.chosen_reward, row.rejected_reward = sums.chosen_reward / row.pairs, sums.rejected_reward / row.pairs
-        row.margin = row.chosen_reward - row.rejected_reward
-        return row
 
     @torch.no_grad()
     def evaluate(self, pairs: DpoPairs) -> tuple[float, float]:
@@ -255,6 +246,30 @@ class DpoTrainer(SupervisedSteps):
         return summed[:count], summed[count:]
 
 
+class DpoTrainer(SupervisedSteps, DpoPasses):
+    """AdamW on the policy (or its LoRA adapters), an optimizer step per `batch_size` pairs,
+    each accumulated over DpoPasses' passes."""
+
+    def __init__(self, policy, cfg: DpoConfig, *, total_steps: int, ranks=None) -> None:
+        from rlctl.trainer import ALONE
+
+        SupervisedSteps.__init__(self, policy.model, cfg, device_type=policy.device.type, total_steps=total_steps, command="dpo")
+        self.policy, self.ranks = policy, ranks or ALONE
+
+    def train_epoch(self, pairs: DpoPairs, epoch: int) -> EpochRow:
+        sums = DpoSums()
+
+        def passes(rows: list[int]) -> None:
+            sums.add(self.passes(pairs, rows, lambda summed: (summed / len(rows)).backward()))  # the step's mean
+
+        done = self.run_epoch(len(pairs), epoch, passes)
+        row = EpochRow(epoch, grad_norm=done.grad_norm, lr=done.lr, steps=done.steps, pairs=done.rows, seconds=done.seconds)
+        row.loss, row.accuracy = sums.loss / row.pairs, sums.right / row.pairs
+        row.chosen_reward, row.rejected_reward = sums.chosen_reward / row.pairs, sums.rejected_reward / row.pairs
+        row.margin = row.chosen_reward - row.rejected_reward
+        return row
+
+
 # --- where it trains: this process, or a Ray group of FSDP2 ranks ------------------------------
 
 
@@ -305,6 +320,70 @@ class RayDpo(RayPolicy):
 
     def evaluate(self) -> tuple[float, float]:
         return self.group.call_ranks("dpo_evaluate", lambda rank: ())[0]
+
+
+# --- measuring a trained policy on held-out pairs ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalRow(PairsRow):
+    """A policy against its reference on a set of pairs (`rlctl dpo --eval`): the loss,
+    accuracy and margin of the implicit rewards, and each side's mean implicit reward."""
+
+    chosen_reward: float = 0.0
+    rejected_reward: float = 0.0
+
+
+def reference_of(model: str) -> str | None:
+    """The reference a `rlctl dpo` checkpoint was trained against (its starting weights), as its manifest records it."""
+    from rlctl.manifest import MANIFEST_NAME
+    from rlctl.shards import read_manifest
+
+    if not (Path(model) / MANIFEST_NAME).exists():
+        return None
+    manifest, _ = read_manifest(model)
+    return manifest.state.get("reference") if manifest.stage == "dpo" else None
+
+
+def evaluate(*, data: str, model: str, cfg: Config, ref: str | None = None, device: str = "auto") -> list[EvalRow]:
+    """The policy at `model` against the reference at `ref` (by default the one a dpo checkpoint
+    was trained against; none for a reference-free loss) on the pairs at `data`, read as training
+    reads them, under `cfg.dpo`'s loss: one row over every pair ("all"), then one per
+    data_source where the pairs name several."""
+    from rlctl.backends.hf import HFPolicy, check_model_dir, resolve_device
+    from rlctl.choices import REFERENCE_FREE_LOSSES
+    from rlctl.dtypes import autocast_bf16, decided_bf16
+    from rlctl.passes import ModelShape, decided_micro_batch_tokens
+    from rlctl.reward_model import source_groups
+    from rlctl.shards import read
+
+    check_model_dir(model)
+    free = cfg.dpo.loss in REFERENCE_FREE_LOSSES
+    ref = None if free else ref or reference_of(model)
+    if not free and not ref:
+        raise InputError(f"dpo --eval: {model} is not a checkpoint rlctl dpo wrote, so its reference is unknown: give it as --ref")
+    if ref:
+        check_model_dir(ref)
+    on = resolve_device(device)
+    tokens = decided_micro_batch_tokens(cfg.dpo.micro_batch_tokens, on.type, ModelShape.of_folder(model), ranks=1)
+    dpo = replace(cfg.dpo, bf16=decided_bf16(cfg.dpo.bf16, on.type), micro_batch_tokens=tokens)
+    source = read(data)
+    if source.table.num_rows == 0:
+        raise InputError(f"{data}: no preference pairs")
+    bf16 = autocast_bf16(dpo.bf16, on.type)
+    policy = HFPolicy.load(model, str(on))
+    pairs = encode_dpo_pairs(source.table, policy.tokenizer, cfg.data, dpo, end_ids=policy.stop_ids, context_length=policy.context_length, source=source.uri)
+    reference = policy if free else HFPolicy.load(ref, str(on))
+    pairs = DpoPasses(reference, dpo, bf16=bf16).with_reference(pairs)
+    del reference
+    measuring = DpoPasses(policy, dpo, bf16=bf16)
+    rows = []
+    with torch.no_grad():
+        for name, members in source_groups(source.table, pairs.ids).items():
+            sums, n = measuring.passes(pairs, members, None), len(members)
+            chosen, rejected = sums.chosen_reward / n, sums.rejected_reward / n
+            rows.append(EvalRow(name, n, sums.loss / n, sums.right / n, chosen - rejected, chosen, rejected))
+    return rows
 
 
 # --- the command ------------------------------------------------------------------------------
@@ -370,7 +449,7 @@ def run(
             epoch=lambda n: measured(where.epoch(n)), save=lambda folder, progress_manifest: where.save_progress(folder, progress_manifest, kept), report=report,
         )
         steps = sum(row.get("steps", 0) for row in rows)
-        manifest.state = {"pairs": len(pairs), "optimizer_steps": steps, "epochs": rows}
+        manifest.state = {"pairs": len(pairs), "optimizer_steps": steps, "epochs": rows, "reference": model}  # what `dpo --eval` measures against
         manifest.metrics = {k: v for k, v in rows[-1].items() if k in ("loss", "accuracy", "margin", "val_loss", "val_accuracy")}
         saved = where.save(out, manifest)
     finally:

@@ -459,6 +459,16 @@ class PairsRow:
     margin: float
 
 
+def source_groups(table: pa.Table, ids: list[str]) -> dict[str, list[int]]:
+    """The encoded pairs' positions (`ids`: the pairs kept, in order) over all ("all"), then by
+    the `data_source` of their rows where the pairs name several."""
+    named = dict(zip(pair_ids(table), table.column("data_source").to_pylist())) if "data_source" in table.column_names else {}
+    groups: dict[str, list[int]] = {"all": list(range(len(ids)))}
+    for row, pair_id in enumerate(ids):
+        groups.setdefault(str(named.get(pair_id) or "unknown"), []).append(row)
+    return {"all": groups["all"]} if len(groups) == 2 else groups  # one data_source: the same row twice
+
+
 def evaluate(*, data: str, model: str, cfg: Config, device: str = "auto") -> tuple[list[PairsRow], int]:
     """(rows, pairs left out as too long) of the reward model at `model` (a trained head) on the
     pairs at `data`, read as training and `rm:` read them: one row over every pair ("all"),
@@ -477,13 +487,7 @@ def evaluate(*, data: str, model: str, cfg: Config, device: str = "auto") -> tup
     pairs = encode_pairs(source.table, tokenizer, rm_cfg, context_length=context_length_of(scorer), source=source.uri)
     if not len(pairs):
         raise InputError(f"{data}: every pair is over {rm_cfg.max_tokens or context_length_of(scorer)} tokens (reward_model.too_long = drop left them all out)")
-    table = source.table
-    named = dict(zip(pair_ids(table), table.column("data_source").to_pylist())) if "data_source" in table.column_names else {}
-    groups: dict[str, list[int]] = {"all": list(range(len(pairs)))}
-    for row, pair_id in enumerate(pairs.ids):
-        groups.setdefault(str(named.get(pair_id) or "unknown"), []).append(row)
-    if len(groups) == 2:  # one data_source: the same row twice
-        groups = {"all": groups["all"]}
+    groups = source_groups(source.table, pairs.ids)
     bf16 = autocast_bf16(rm_cfg.bf16, on.type)
     rows = []
     with torch.no_grad():

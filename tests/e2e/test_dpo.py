@@ -56,6 +56,44 @@ def test_bad_input_is_one_line_and_nothing_written(cli, tmp_path, tiny_model, ro
     assert_not_written(tmp_path / "out")
 
 
+def test_eval_measures_a_trained_policy_against_the_reference_it_started_from_over_all_and_per_data_source(cli, tmp_path, tiny_model, pairs):
+    trained = cli("dpo", "--data", pairs, "--val-data", pairs, "--model", tiny_model, "--out", tmp_path / "dpo", "--epochs", "2", "--lr", "1e-3", "--batch-size", "4")
+    assert trained.exit_code == 0, trained.stderr
+    manifest = json.loads((tmp_path / "dpo" / "_manifest.json").read_text())
+    assert manifest["state"]["reference"] == str(tiny_model)
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({**r, "data_source": "odd" if i % 2 else "even"}) + "\n" for i, r in enumerate(PAIRS)))
+    result = cli("dpo", "--eval", "--data", held, "--model", tmp_path / "dpo", "--json")
+    assert result.exit_code == 0, result.stderr
+    every, *per_source = json.loads(result.stdout)["rows"]
+    # the same pairs against the recorded reference: the trained policy's own held-out figures
+    assert every["source"] == "all" and every["pairs"] == 8 and every["accuracy"] == manifest["metrics"]["val_accuracy"]
+    assert abs(every["loss"] - manifest["metrics"]["val_loss"]) < 1e-5 and abs(every["margin"] - (every["chosen_reward"] - every["rejected_reward"])) < 1e-9
+    assert [(r["source"], r["pairs"]) for r in per_source] == [("even", 4), ("odd", 4)]
+    named = json.loads(cli("dpo", "--eval", "--data", held, "--model", tmp_path / "dpo", "--ref", tiny_model, "--json").stdout)["rows"][0]
+    assert named == every
+    start = json.loads(cli("dpo", "--eval", "--data", held, "--model", tiny_model, "--ref", tiny_model, "--json").stdout)["rows"][0]
+    assert abs(start["loss"] - 0.6931) < 1e-4 and start["accuracy"] == 0.0  # a policy against itself: h = 0
+    simpo = cli("dpo", "--eval", "--data", held, "--model", tiny_model, "--loss", "simpo")  # no reference to name
+    assert simpo.exit_code == 0 and "chosen_reward" in simpo.stdout and "odd" in simpo.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dpo", "held.jsonl", "pairs.jsonl"]  # nothing written
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--eval", "--model", "{tiny_model}"], "is not a checkpoint rlctl dpo wrote, so its reference is unknown: give it as --ref"),
+        (["--eval", "--model", "{tiny_model}", "--ref", "{tiny_model}", "--out", "{tmp_path}/out"], "--eval trains nothing and writes nothing"),
+        (["--model", "{tiny_model}", "--ref", "{tiny_model}", "--out", "{tmp_path}/out"], "dpo --ref names the reference of --eval"),
+        (["--model", "{tiny_model}"], "dpo needs --out"),
+    ],
+)
+def test_eval_without_a_known_reference_or_a_write_asked_of_eval_is_one_line(cli, tmp_path, tiny_model, pairs, args, fragment):
+    result = cli("dpo", "--data", pairs, *(a.format(tiny_model=tiny_model, tmp_path=tmp_path) for a in args))
+    assert result.exit_code == 2 and fragment in one_line_error(result), result.stderr
+    assert_not_written(tmp_path / "out")
+
+
 def test_dpo_into_its_own_model_folder_is_refused(cli, tmp_path, tiny_model, pairs):
     result = cli("dpo", "--data", pairs, "--model", tiny_model, "--out", tiny_model)
     assert result.exit_code == 2 and "is the --model folder" in one_line_error(result)
