@@ -283,6 +283,7 @@ class SftConfig:
     val_data: str = ""  # in a pipeline: held-out demonstrations, their loss before and after each epoch
     lr: float = 1e-5  # learning rate (AdamW)
     epochs: int = 1  # passes over the examples
+    save_steps: int = 0  # a checkpoint also every N optimizer steps within an epoch, to resume from mid-epoch (beside OUT, removed at the end); 0 = at each epoch's end only
     batch_size: int = 16  # examples per optimizer step
     micro_batch_size: int = 4  # examples per forward/backward
     micro_batch_tokens: str = "auto"  # padded tokens per forward/backward at most, as update.micro_batch_tokens
@@ -305,7 +306,7 @@ class SftConfig:
         if isinstance(self.micro_batch_tokens, int) and not isinstance(self.micro_batch_tokens, bool):
             object.__setattr__(self, "micro_batch_tokens", str(self.micro_batch_tokens))
         check_ranges(self, "sft", {
-            "lr": above(0.0), "epochs": at_least(1), "batch_size": at_least(1), "micro_batch_size": at_least(1), "max_tokens": at_least(0),
+            "lr": above(0.0), "epochs": at_least(1), "save_steps": at_least(0), "batch_size": at_least(1), "micro_batch_size": at_least(1), "max_tokens": at_least(0),
             "truncate": one_of("error", "right"), "max_grad_norm": at_least(0.0), "weight_decay": at_least(0.0), "warmup_steps": at_least(0),
             "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0), "bf16": one_of(*AUTOCAST_CHOICES), "assistant_turns": one_of("last", "all"),
             "micro_batch_tokens": lambda v: None if v == "auto" or (isinstance(v, str) and v.isascii() and v.isdigit()) else "must be auto, 0 (no cap) or a number of tokens",
@@ -323,6 +324,7 @@ class RewardModelConfig:
     base: str = "policy"  # in a pipeline: the model the reward model starts from: policy (the run's initial policy: model.path, or RUN/sft after a warm start) or a folder
     lr: float = 1e-5  # learning rate (AdamW)
     epochs: int = 1  # passes over the pairs
+    save_steps: int = 0  # a checkpoint also every N optimizer steps within an epoch, to resume from mid-epoch (beside OUT, removed at the end); 0 = at each epoch's end only
     batch_size: int = 16  # pairs per optimizer step
     micro_batch_size: int = 4  # pairs per forward/backward (each pair is two sequences)
     max_tokens: int = 0  # tokens of a prompt and response at most; 0 = the model's context
@@ -342,7 +344,7 @@ class RewardModelConfig:
         if isinstance(self.bf16, bool):
             object.__setattr__(self, "bf16", "true" if self.bf16 else "false")
         check_ranges(self, "reward_model", {
-            "lr": above(0.0), "epochs": at_least(1), "batch_size": at_least(1), "micro_batch_size": at_least(1), "max_tokens": at_least(0),
+            "lr": above(0.0), "epochs": at_least(1), "save_steps": at_least(0), "batch_size": at_least(1), "micro_batch_size": at_least(1), "max_tokens": at_least(0),
             "too_long": one_of("error", "drop"), "center_coef": at_least(0.0), "max_grad_norm": at_least(0.0), "weight_decay": at_least(0.0),
             "warmup_steps": at_least(0), "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0), "bf16": one_of(*AUTOCAST_CHOICES),
             "base": lambda v: None if v else "must be policy or a model folder",
@@ -452,6 +454,7 @@ class DpoConfig:
     simpo_gamma: float = 0.5  # SimPO's target reward margin (dpo.loss = "simpo"; the paper's beta is 2-2.5)
     lr: float = 1e-6  # learning rate (AdamW)
     epochs: int = 1  # passes over the pairs
+    save_steps: int = 0  # a checkpoint also every N optimizer steps within an epoch, to resume from mid-epoch (beside OUT, removed at the end); 0 = at each epoch's end only
     batch_size: int = 16  # pairs per optimizer step
     micro_batch_size: int = 4  # pairs per forward/backward (each pair is two sequences)
     micro_batch_tokens: str = "auto"  # padded tokens per forward/backward at most, as update.micro_batch_tokens
@@ -474,7 +477,7 @@ class DpoConfig:
             object.__setattr__(self, "micro_batch_tokens", str(self.micro_batch_tokens))
         check_ranges(self, "dpo", {
             "beta": above(0.0), "loss": one_of(*DPO_LOSSES), "simpo_gamma": at_least(0.0), "label_smoothing": lambda v: None if 0.0 <= v < 0.5 else "must be at least 0 and below 0.5",
-            "lr": above(0.0), "epochs": at_least(1), "batch_size": at_least(1),
+            "lr": above(0.0), "epochs": at_least(1), "save_steps": at_least(0), "batch_size": at_least(1),
             "micro_batch_size": at_least(1), "max_tokens": at_least(0), "truncate": one_of("error", "right"), "max_grad_norm": at_least(0.0),
             "weight_decay": at_least(0.0), "warmup_steps": at_least(0), "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0),
             "bf16": one_of(*AUTOCAST_CHOICES),

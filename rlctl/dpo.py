@@ -257,15 +257,24 @@ class DpoTrainer(SupervisedSteps, DpoPasses):
         self.policy, self.ranks = policy, ranks or ALONE
 
     def train_epoch(self, pairs: DpoPairs, epoch: int) -> EpochRow:
+        return self.epoch_row(epoch, self.train_steps(pairs, epoch))
+
+    def train_steps(self, pairs: DpoPairs, epoch: int, first: int = 0, last: int | None = None) -> dict:
+        """Optimizer steps `first` to `last` of an epoch: SupervisedSteps' tally with the pairs' sums."""
         sums = DpoSums()
 
         def passes(rows: list[int]) -> None:
             sums.add(self.passes(pairs, rows, lambda summed: (summed / len(rows)).backward()))  # the step's mean
 
-        done = self.run_epoch(len(pairs), epoch, passes)
-        row = EpochRow(epoch, grad_norm=done.grad_norm, lr=done.lr, steps=done.steps, pairs=done.rows, seconds=done.seconds)
-        row.loss, row.accuracy = sums.loss / row.pairs, sums.right / row.pairs
-        row.chosen_reward, row.rejected_reward = sums.chosen_reward / row.pairs, sums.rejected_reward / row.pairs
+        return {**self.run_steps(len(pairs), epoch, passes, first, last), **vars(sums)}
+
+    @staticmethod
+    def epoch_row(epoch: int, tally: dict) -> EpochRow:
+        """An epoch's row from the tally of all its steps."""
+        n = tally["rows"]
+        row = EpochRow(epoch, grad_norm=tally["norm_sum"] / tally["steps"], lr=tally["lr"], steps=tally["steps"], pairs=n, seconds=tally["seconds"])
+        row.loss, row.accuracy = tally["loss"] / n, tally["right"] / n
+        row.chosen_reward, row.rejected_reward = tally["chosen_reward"] / n, tally["rejected_reward"] / n
         row.margin = row.chosen_reward - row.rejected_reward
         return row
 
@@ -299,8 +308,8 @@ class LocalDpo(LocalPolicy):
         self.resume(progress)
         return self.pairs, self.held_out
 
-    def epoch(self, epoch: int) -> EpochRow:
-        return self.trainer.train_epoch(self.pairs, epoch)
+    def steps(self, epoch: int, first: int, last: int) -> dict:
+        return self.trainer.train_steps(self.pairs, epoch, first, last)
 
     def evaluate(self) -> tuple[float, float]:
         return self.trainer.evaluate(self.held_out)
@@ -315,8 +324,8 @@ class RayDpo(RayPolicy):
         self.resume(progress)
         return referenced
 
-    def epoch(self, epoch: int) -> EpochRow:
-        return self.group.call_ranks("dpo_epoch", lambda rank: (epoch,))[0]
+    def steps(self, epoch: int, first: int, last: int) -> dict:
+        return self.group.call_ranks("dpo_steps", lambda rank: (epoch, first, last))[0]
 
     def evaluate(self) -> tuple[float, float]:
         return self.group.call_ranks("dpo_evaluate", lambda rank: ())[0]
@@ -402,7 +411,7 @@ def run(
     from rlctl.backends.hf import check_model_dir
     from rlctl.checkpoint import local_checkpoint_dir, same_folder
     from rlctl.dtypes import decided_bf16, models_device
-    from rlctl.epoch_checkpoints import KEPT_FILE, clear, resume_point, run_epochs
+    from rlctl.epoch_checkpoints import KEPT_FILE, clear, result_settings, resume_point, run_epochs
     from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
     from rlctl.passes import ModelShape, decided_micro_batch_tokens, ranks_at_once
     from rlctl.shards import read
@@ -419,7 +428,7 @@ def run(
     train_source = read(data)
     val_source = read(val_data) if val_data else None
     inputs = [shards_ref(train_source), model_ref(model)] + ([shards_ref(val_source)] if val_source else [])
-    manifest = make_manifest("dpo", {"dpo": to_dict(dpo), "data": to_dict(cfg.data)}, inputs, seed=dpo.seed)
+    manifest = make_manifest("dpo", {"dpo": result_settings(to_dict(dpo)), "data": to_dict(cfg.data)}, inputs, seed=dpo.seed)
     if (existing := up_to_date(out, manifest, force)) is not None:
         return existing
     if train_source.table.num_rows == 0:
@@ -445,8 +454,10 @@ def run(
             return row.as_dict()
 
         rows = run_epochs(
-            out, manifest, epochs=dpo.epochs, progress=progress, before=(lambda: measured(EpochRow(0))) if held_out is not None else None,
-            epoch=lambda n: measured(where.epoch(n)), save=lambda folder, progress_manifest: where.save_progress(folder, progress_manifest, kept), report=report,
+            out, manifest, epochs=dpo.epochs, steps_per_epoch=-(-len(pairs) // dpo.batch_size), save_steps=dpo.save_steps, progress=progress,
+            before=(lambda: measured(EpochRow(0))) if held_out is not None else None, steps=where.steps,
+            row=lambda n, tally: measured(DpoTrainer.epoch_row(n, tally)), save=lambda folder, progress_manifest: where.save_progress(folder, progress_manifest, kept),
+            report=report,
         )
         steps = sum(row.get("steps", 0) for row in rows)
         manifest.state = {"pairs": len(pairs), "optimizer_steps": steps, "epochs": rows, "reference": model}  # what `dpo --eval` measures against

@@ -1,16 +1,18 @@
 """Epoch checkpoints of the supervised commands (`rlctl sft`, `dpo`, `reward-model`, and a
 pipeline's warm starts), so that a run stopped part-way (a crash, a kill, a lost machine)
-resumes after its last finished epoch instead of from the start.
+resumes where it stopped instead of from the start.
 
-After every epoch but the last, the command commits `OUT.progress/epoch-NNNN` beside OUT (and
-then removes the one before, so a crash while one is written leaves the last one whole): the
-weights as they are (a LoRA run's adapter), the optimizer's state (`progress_state/`, a trainer_state
-folder that nothing else loads), anything the command keeps beside them (DPO's reference
-log-probabilities), and in its manifest the final output's key and the epochs' figures so far.
-A rerun whose manifest has the same key (the same inputs and settings) starts from that folder
-at the next epoch; the epochs' order is seeded by their number and the learning rate follows
-the optimizer's step, so it ends at the weights an uninterrupted run ends at. Once OUT is
-committed the folder is removed; `--force` starts over.
+After every epoch but the last, and every `save_steps` optimizer steps within an epoch, the
+command commits a checkpoint in `OUT.progress/` beside OUT (`epoch-NNNN` after epoch N,
+`epoch-NNNN-step-SSSSSS` S steps into the next; the one before is removed once it is whole, so a
+crash while one is written leaves the last one): the weights as they are (a LoRA run's
+adapter), the optimizer's state (`progress_state/`, a trainer_state folder that nothing else
+loads), anything the command keeps beside them (DPO's reference log-probabilities), and in its
+manifest the final output's key, the epochs' rows so far and the sums of the unfinished epoch's
+steps. A rerun whose manifest has the same key (the same inputs and settings) starts from the
+last one; an epoch's order is seeded by its number and the learning rate follows the
+optimizer's step, so it ends at the weights an uninterrupted run ends at. Once OUT is committed
+the folder is removed; `--force` starts over.
 """
 
 from __future__ import annotations
@@ -40,8 +42,15 @@ def progress_dir(out: str) -> Path:
     return folder.parent / (folder.name + SUFFIX)
 
 
-def epoch_dir(out: str, epoch: int) -> Path:
-    return progress_dir(out) / f"epoch-{epoch:04d}"
+def result_settings(settings: dict) -> dict:
+    """A command's settings as its output's key takes them: without `save_steps`, which changes
+    how often the run is saved, not what it computes (a rerun saving more or less often resumes)."""
+    return {k: v for k, v in settings.items() if k != "save_steps"}
+
+
+def checkpoint_dir(out: str, epoch: int, step: int = 0) -> Path:
+    """The checkpoint after `epoch` epochs and `step` steps of the next (names sort in run order)."""
+    return progress_dir(out) / (f"epoch-{epoch:04d}" + (f"-step-{step:06d}" if step else ""))
 
 
 def _latest_committed(out: str) -> Path | None:
@@ -56,7 +65,9 @@ class Progress:
     and the tensors kept beside them."""
 
     folder: str
-    epoch: int
+    epoch: int  # epochs finished
+    step: int  # optimizer steps of the next epoch done
+    tally: dict  # their sums (rlctl.supervised.Tally)
     rows: list[dict]
     state: dict = field(repr=False)
     kept: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
@@ -88,24 +99,31 @@ def resume_point(out: str, manifest: Manifest, force: bool) -> Progress | None:
         print(f"rlctl: {folder} cannot be resumed from ({exc}); starting over", file=sys.stderr, flush=True)
         clear(out)
         return None
-    epoch = int(recorded.state["epoch"])
-    print(f"rlctl: resuming {manifest.stage} after epoch {epoch} from {folder}", file=sys.stderr, flush=True)
-    return Progress(str(folder), epoch, list(recorded.state["epochs"]), state, kept)
+    epoch, step = int(recorded.state["epoch"]), int(recorded.state.get("step", 0))
+    where = f"after epoch {epoch}" if not step else f"{step} steps into epoch {epoch + 1}"
+    print(f"rlctl: resuming {manifest.stage} {where} from {folder}", file=sys.stderr, flush=True)
+    return Progress(str(folder), epoch, step, dict(recorded.state.get("tally") or {}), list(recorded.state["epochs"]), state, kept)
 
 
-def progress_manifest(manifest: Manifest, epoch: int, rows: list[dict]) -> Manifest:
-    """The epoch checkpoint's manifest: the final output's key, the epochs done and their rows."""
+def progress_manifest(manifest: Manifest, epoch: int, rows: list[dict], step: int = 0, tally: dict | None = None) -> Manifest:
+    """A checkpoint's manifest: the final output's key, the epochs done and their rows, the
+    steps of the next one done and their sums."""
     return Manifest(stage=f"{manifest.stage}-progress", config=manifest.config, inputs=manifest.inputs, seed=manifest.seed, key=manifest.key,
-                    state={"epoch": epoch, "epochs": list(rows)})
+                    state={"epoch": epoch, "step": step, "tally": dict(tally or {}), "epochs": list(rows)})
 
 
 def run_epochs(
-    out: str, manifest: Manifest, *, epochs: int, progress: Progress | None, before: Callable[[], dict] | None, epoch: Callable[[int], dict],
-    save: Callable[[Path, Manifest], object], report: Callable[[dict], None] | None = None,
+    out: str, manifest: Manifest, *, epochs: int, steps_per_epoch: int, save_steps: int, progress: Progress | None, before: Callable[[], dict] | None,
+    steps: Callable[[int, int, int], dict], row: Callable[[int, dict], dict], save: Callable[[Path, Manifest], object],
+    report: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Every epoch's row: `before()` (the held-out figures before training, not on a resume),
-    then `epoch(n)` for each epoch after the resumed one; after each but the last,
-    `save(folder, manifest)` commits the epoch checkpoint. `report(row)` as each row comes."""
+    then for each epoch after the resumed point `steps(epoch, first, last)` over its optimizer
+    steps (in runs of `save_steps`, 0: all at once) and `row(epoch, tally)`; a checkpoint is
+    committed (`save(folder, manifest)`) after each run of steps that does not end the training.
+    `report(row)` as each row comes."""
+    from rlctl.supervised import merged
+
     rows = list(progress.rows) if progress is not None else []
 
     def add(row: dict) -> None:
@@ -113,16 +131,27 @@ def run_epochs(
         if report is not None:
             report(row)
 
+    def commit(epoch: int, step: int, tally: dict) -> None:
+        folder = checkpoint_dir(out, epoch, step)
+        save(folder, progress_manifest(manifest, epoch, rows, step, tally))
+        for older in progress_dir(out).glob("epoch-*"):  # the one just committed is the run's point to resume from
+            if older.name < folder.name:
+                shutil.rmtree(older, ignore_errors=True)
+        faults.point(f"{out}:epoch-{epoch + 1 if step else epoch}{f'-step-{step}' if step else ''}-saved")
+
     if progress is None and before is not None:
         add(before())
-    for n in range((progress.epoch if progress is not None else 0) + 1, epochs + 1):
-        add(epoch(n))
+    start = progress.epoch + 1 if progress is not None else 1
+    for n in range(start, epochs + 1):
+        first, tally = (progress.step, dict(progress.tally)) if progress is not None and n == start else (0, {})
+        while first < steps_per_epoch:
+            last = min(first + save_steps, steps_per_epoch) if save_steps else steps_per_epoch
+            tally, first = merged(tally, steps(n, first, last)), last
+            if first < steps_per_epoch:
+                commit(n - 1, first, tally)
+        add(row(n, tally))
         if n < epochs:
-            save(epoch_dir(out, n), progress_manifest(manifest, n, rows))
-            for older in progress_dir(out).glob("epoch-*"):  # the one just committed is the run's point to resume from
-                if older.name < epoch_dir(out, n).name:
-                    shutil.rmtree(older, ignore_errors=True)
-            faults.point(f"{out}:epoch-{n}-saved")
+            commit(n, 0, {})
     return rows
 
 

@@ -313,15 +313,24 @@ class RewardModelTrainer(SupervisedSteps):
         self.pad_id, self.device, self.ranks = pad_id, device, ranks or ALONE
 
     def train_epoch(self, pairs: Pairs, epoch: int) -> EpochRow:
+        return self.epoch_row(epoch, self.train_steps(pairs, epoch))
+
+    def train_steps(self, pairs: Pairs, epoch: int, first: int = 0, last: int | None = None) -> dict:
+        """Optimizer steps `first` to `last` of an epoch: SupervisedSteps' tally with the pairs' sums."""
         sums = PairSums()
 
         def passes(rows: list[int]) -> None:
             sums.add(self.passes(pairs, rows, lambda summed: (summed / len(rows)).backward()))  # the step's mean
 
-        done = self.run_epoch(len(pairs), epoch, passes)
+        return {**self.run_steps(len(pairs), epoch, passes, first, last), **vars(sums)}
+
+    @staticmethod
+    def epoch_row(epoch: int, tally: dict) -> EpochRow:
+        """An epoch's row from the tally of all its steps."""
+        n = tally["rows"]
         return EpochRow(
-            epoch, loss=sums.loss / done.rows, accuracy=sums.right / done.rows, margin=sums.margin / done.rows,
-            grad_norm=done.grad_norm, lr=done.lr, steps=done.steps, pairs=done.rows, seconds=done.seconds,
+            epoch, loss=tally["loss"] / n, accuracy=tally["right"] / n, margin=tally["margin"] / n,
+            grad_norm=tally["norm_sum"] / tally["steps"], lr=tally["lr"], steps=tally["steps"], pairs=n, seconds=tally["seconds"],
         )
 
     @torch.no_grad()
@@ -389,8 +398,8 @@ class LocalRewardModel:
         held = SimpleNamespace(model=self.scorer, tokenizer=self.tokenizer)
         return save_checkpoint(str(folder), policy=held, trainer_state=self.trainer.state_dict(), manifest=manifest, state_dir=STATE_DIR)
 
-    def epoch(self, epoch: int) -> EpochRow:
-        return self.trainer.train_epoch(self.pairs, epoch)
+    def steps(self, epoch: int, first: int, last: int) -> dict:
+        return self.trainer.train_steps(self.pairs, epoch, first, last)
 
     def evaluate(self, pairs: Pairs) -> tuple[float, float]:
         return self.trainer.evaluate(pairs)
@@ -430,8 +439,8 @@ class RayRewardModel:
         """The epoch checkpoint: the ranks gather the weights and the optimizer's state, rank 0 writes it."""
         return Manifest.from_json(self.group.call_ranks("save_progress", lambda rank: (str(folder), manifest.to_json(), None))[0])
 
-    def epoch(self, epoch: int) -> EpochRow:
-        return self.group.call_ranks("reward_model_epoch", lambda rank: (self.pairs, self.total_steps, epoch))[0]
+    def steps(self, epoch: int, first: int, last: int) -> dict:
+        return self.group.call_ranks("reward_model_steps", lambda rank: (self.pairs, self.total_steps, epoch, first, last))[0]
 
     def evaluate(self, pairs: Pairs) -> tuple[float, float]:
         return self.group.call_ranks("reward_model_evaluate", lambda rank: (pairs, self.total_steps))[0]
@@ -509,7 +518,7 @@ def run(
     from rlctl.backends.hf import check_model_dir
     from rlctl.checkpoint import local_checkpoint_dir, same_folder
     from rlctl.dtypes import decided_bf16, models_device
-    from rlctl.epoch_checkpoints import clear, resume_point, run_epochs
+    from rlctl.epoch_checkpoints import clear, result_settings, resume_point, run_epochs
     from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
     from rlctl.shards import read
 
@@ -522,7 +531,7 @@ def run(
     train_source = read(data)
     val_source = read(val_data) if val_data else None
     inputs = [shards_ref(train_source), model_ref(model)] + ([shards_ref(val_source)] if val_source else [])
-    settings = {k: v for k, v in to_dict(rm_cfg).items() if k not in ("data", "val_data", "base")}  # where it reads from is in the inputs
+    settings = {k: v for k, v in result_settings(to_dict(rm_cfg)).items() if k not in ("data", "val_data", "base")}  # where it reads from is in the inputs
     manifest = make_manifest("reward-model", {"reward_model": settings}, inputs, seed=rm_cfg.seed)
     if (existing := up_to_date(out, manifest, force)) is not None:
         return existing
@@ -551,8 +560,9 @@ def run(
             return row.as_dict()
 
         rows = run_epochs(
-            out, manifest, epochs=rm_cfg.epochs, progress=progress, before=(lambda: measured(EpochRow(0))) if evaluated else None,
-            epoch=lambda n: measured(where.epoch(n)), save=where.save_progress, report=report,
+            out, manifest, epochs=rm_cfg.epochs, steps_per_epoch=-(-len(pairs) // rm_cfg.batch_size), save_steps=rm_cfg.save_steps, progress=progress,
+            before=(lambda: measured(EpochRow(0))) if evaluated else None, steps=where.steps,
+            row=lambda n, tally: measured(RewardModelTrainer.epoch_row(n, tally)), save=where.save_progress, report=report,
         )
         steps = sum(row.get("steps", 0) for row in rows)
         manifest.state = {"pairs": len(pairs), "dropped": pairs.dropped + (held_out.dropped if held_out else 0), "optimizer_steps": steps, "epochs": rows}

@@ -237,16 +237,26 @@ class SftTrainer(SupervisedSteps):
         self.policy, self.ranks = policy, ranks or ALONE
 
     def train_epoch(self, examples: Examples, epoch: int) -> EpochRow:
-        nll, tokens = 0.0, 0
+        return self.epoch_row(epoch, self.train_steps(examples, epoch))
+
+    def train_steps(self, examples: Examples, epoch: int, first: int = 0, last: int | None = None) -> dict:
+        """Optimizer steps `first` to `last` of an epoch: SupervisedSteps' tally with the summed NLL and its tokens."""
+        sums = {"nll": 0.0, "tokens": 0}
 
         def passes(rows: list[int]) -> None:
-            nonlocal nll, tokens
             counted = sum(examples.trained_tokens(i) for i in rows)
-            nll += self._passes(examples, rows, lambda summed: (summed / counted).backward())  # the step's mean
-            tokens += counted
+            sums["nll"] += self._passes(examples, rows, lambda summed: (summed / counted).backward())  # the step's mean
+            sums["tokens"] += counted
 
-        done = self.run_epoch(len(examples), epoch, passes)
-        return EpochRow(epoch, loss=nll / tokens, grad_norm=done.grad_norm, lr=done.lr, steps=done.steps, tokens=tokens, seconds=done.seconds)
+        return {**self.run_steps(len(examples), epoch, passes, first, last), **sums}
+
+    @staticmethod
+    def epoch_row(epoch: int, tally: dict) -> EpochRow:
+        """An epoch's row from the tally of all its steps."""
+        return EpochRow(
+            epoch, loss=tally["nll"] / tally["tokens"], grad_norm=tally["norm_sum"] / tally["steps"], lr=tally["lr"], steps=tally["steps"],
+            tokens=tally["tokens"], seconds=tally["seconds"],
+        )
 
     @torch.no_grad()
     def mean_loss(self, examples: Examples) -> float:
@@ -358,8 +368,8 @@ class LocalSft(LocalPolicy):
         self.examples, self.trainer = examples, SftTrainer(self.policy, self.cfg, total_steps=total_steps)
         self.resume(progress)
 
-    def epoch(self, epoch: int) -> EpochRow:
-        return self.trainer.train_epoch(self.examples, epoch)
+    def steps(self, epoch: int, first: int, last: int) -> dict:
+        return self.trainer.train_steps(self.examples, epoch, first, last)
 
     def loss(self, examples: Examples) -> float:
         return self.trainer.mean_loss(examples)
@@ -373,8 +383,8 @@ class RaySft(RayPolicy):
         self.group.call_ranks("sft_start", lambda rank: (self.cfg, total_steps))
         self.resume(progress)
 
-    def epoch(self, epoch: int) -> EpochRow:
-        return self.group.call_ranks("sft_epoch", lambda rank: (self.examples, self.cfg, self.total_steps, epoch))[0]
+    def steps(self, epoch: int, first: int, last: int) -> dict:
+        return self.group.call_ranks("sft_steps", lambda rank: (self.examples, self.cfg, self.total_steps, epoch, first, last))[0]
 
     def loss(self, examples: Examples) -> float:
         return self.group.call_ranks("sft_loss", lambda rank: (examples, self.cfg, self.total_steps))[0]
@@ -393,7 +403,7 @@ def run(
     from rlctl.backends.hf import check_model_dir
     from rlctl.checkpoint import local_checkpoint_dir, same_folder
     from rlctl.dtypes import decided_bf16, models_device
-    from rlctl.epoch_checkpoints import clear, resume_point, run_epochs
+    from rlctl.epoch_checkpoints import clear, result_settings, resume_point, run_epochs
     from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
     from rlctl.passes import ModelShape, decided_micro_batch_tokens, ranks_at_once
     from rlctl.shards import read
@@ -410,7 +420,7 @@ def run(
     train_source = read(data, "prompts")
     val_source = read(val_data, "prompts") if val_data else None
     inputs = [shards_ref(train_source), model_ref(model)] + ([shards_ref(val_source)] if val_source else [])
-    manifest = make_manifest("sft", {"sft": to_dict(sft), "data": to_dict(cfg.data)}, inputs, seed=sft.seed)
+    manifest = make_manifest("sft", {"sft": result_settings(to_dict(sft)), "data": to_dict(cfg.data)}, inputs, seed=sft.seed)
     if (existing := up_to_date(out, manifest, force)) is not None:
         return existing
     if train_source.table.num_rows == 0:
@@ -431,8 +441,9 @@ def run(
             return row.as_dict()
 
         rows = run_epochs(
-            out, manifest, epochs=sft.epochs, progress=progress, before=(lambda: measured(EpochRow(0))) if held_out is not None else None,
-            epoch=lambda n: measured(where.epoch(n)), save=where.save_progress, report=report,
+            out, manifest, epochs=sft.epochs, steps_per_epoch=-(-len(examples) // sft.batch_size), save_steps=sft.save_steps, progress=progress,
+            before=(lambda: measured(EpochRow(0))) if held_out is not None else None, steps=where.steps,
+            row=lambda n, tally: measured(SftTrainer.epoch_row(n, tally)), save=where.save_progress, report=report,
         )
         steps = sum(row.get("steps", 0) for row in rows)
         manifest.state = {"examples": len(examples), "response_tokens": examples.response_tokens, "optimizer_steps": steps, "epochs": rows}

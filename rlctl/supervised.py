@@ -9,23 +9,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 
 from rlctl.errors import TrainingError
 
+Tally = dict  # sums over optimizer steps of an epoch: "steps", "rows", "norm_sum", "lr" (the last step's), "seconds", and a trainer's own
 
-@dataclass
-class EpochSteps:
-    """What an epoch's optimizer steps were: how many, over how many rows, their mean gradient
-    norm before clipping, the last step's learning rate, the seconds they took."""
 
-    steps: int = 0
-    rows: int = 0
-    grad_norm: float | None = None
-    lr: float | None = None
-    seconds: float = 0.0
+def merged(tally: Tally, more: Tally) -> Tally:
+    """Two runs of steps of one epoch as one: sums added, the later learning rate kept."""
+    return {**tally, **{k: v if k == "lr" else tally.get(k, 0) + v for k, v in more.items()}}
 
 
 class SupervisedSteps:
@@ -66,17 +60,23 @@ class SupervisedSteps:
         finally:
             self.model.eval()
 
-    def run_epoch(self, count: int, epoch: int, passes: Callable[[list[int]], None]) -> EpochSteps:
-        """Every optimizer step of an epoch over `count` rows: `passes(rows)` accumulates a
-        step's gradient (and the caller's sums), then the step is taken."""
-        started, done, norms = time.perf_counter(), EpochSteps(), 0.0
-        for rows in self.steps_of_epoch(count, epoch):
+    def run_steps(self, count: int, epoch: int, passes: Callable[[list[int]], None], first: int = 0, last: int | None = None) -> Tally:
+        """Optimizer steps `first` to `last` (None: the end) of an epoch over `count` rows:
+        `passes(rows)` accumulates a step's gradient (and the caller's sums), then the step is
+        taken. How many steps over how many rows, their norms' sum, the last rate, the seconds."""
+        started = time.perf_counter()
+        done: Tally = {"steps": 0, "rows": 0, "norm_sum": 0.0, "lr": None}
+        for index, rows in enumerate(self.steps_of_epoch(count, epoch)):
+            if index < first:
+                continue
+            if last is not None and index >= last:
+                break
             passes(rows)
-            norm, done.lr = self.apply(f"{self.command.replace('-', '_')}.lr")
-            norms += norm
-            done.steps += 1
-            done.rows += len(rows)
-        done.grad_norm, done.seconds = norms / max(done.steps, 1), time.perf_counter() - started
+            norm, done["lr"] = self.apply(f"{self.command.replace('-', '_')}.lr")
+            done["steps"] += 1
+            done["rows"] += len(rows)
+            done["norm_sum"] += norm
+        done["seconds"] = time.perf_counter() - started
         return done
 
     def state_dict(self) -> dict:

@@ -711,9 +711,9 @@ class RankWorker:
         """The sft trainer made (before a resumed run loads its optimizer's state into it)."""
         self._sft_trainer(cfg, total_steps)
 
-    def sft_epoch(self, examples, cfg, total_steps: int, epoch: int):
-        """One epoch of `rlctl sft` on this rank's share of every step (rlctl.sft.SftTrainer)."""
-        return self._sft_trainer(cfg, total_steps).train_epoch(examples, epoch)
+    def sft_steps(self, examples, cfg, total_steps: int, epoch: int, first: int, last: int) -> dict:
+        """Optimizer steps `first` to `last` of an epoch of `rlctl sft`, this rank's share of each (rlctl.sft.SftTrainer)."""
+        return self._sft_trainer(cfg, total_steps).train_steps(examples, epoch, first, last)
 
     def sft_loss(self, examples, cfg, total_steps: int) -> float:
         """The held-out examples' mean NLL per response token, summed over the ranks' shares."""
@@ -768,9 +768,9 @@ class RankWorker:
         self.dpo_held_out = self.dpo_trainer.with_reference(held_out) if held_out is not None else None
         return self.dpo_pairs, self.dpo_held_out
 
-    def dpo_epoch(self, epoch: int):
-        """One epoch of `rlctl dpo` on this rank's share of every step's pairs."""
-        return self.dpo_trainer.train_epoch(self.dpo_pairs, epoch)
+    def dpo_steps(self, epoch: int, first: int, last: int) -> dict:
+        """Optimizer steps `first` to `last` of an epoch of `rlctl dpo`, this rank's share of each step's pairs."""
+        return self.dpo_trainer.train_steps(self.dpo_pairs, epoch, first, last)
 
     def dpo_evaluate(self) -> tuple[float, float]:
         """The held-out pairs' mean loss and accuracy, summed over the ranks' shares."""
@@ -782,9 +782,9 @@ class RankWorker:
         """The reward model's trainer made (before a resumed run loads its optimizer's state into it)."""
         self._reward_model_trainer(total_steps)
 
-    def reward_model_epoch(self, pairs, total_steps: int, epoch: int):
-        """One epoch of `rlctl reward-model` on this rank's share of every step's pairs."""
-        return self._reward_model_trainer(total_steps).train_epoch(pairs, epoch)
+    def reward_model_steps(self, pairs, total_steps: int, epoch: int, first: int, last: int) -> dict:
+        """Optimizer steps `first` to `last` of an epoch of `rlctl reward-model`, this rank's share of each step's pairs."""
+        return self._reward_model_trainer(total_steps).train_steps(pairs, epoch, first, last)
 
     def reward_model_evaluate(self, pairs, total_steps: int) -> tuple[float, float]:
         """The held-out pairs' mean loss and accuracy, summed over the ranks' shares."""

@@ -510,10 +510,11 @@ def test_two_workers_train_dpo_as_one_process_does(ray_session, tiny_model, tmp_
         local = dpo.run(data=str(data), val_data=str(data), model=tiny_model, out=str(tmp_path / "local"), cfg=load_config(None, settings), device="cpu")
     finally:
         torch.set_num_threads(threads)
-    ray_cfg = load_config(None, [*settings, 'workers.backend="ray"', "workers.num_workers=2"])
-    with pytest.raises(Stopped):  # after epoch 1's checkpoint: the run resumes there
+    ray_cfg = load_config(None, [*settings, 'workers.backend="ray"', "workers.num_workers=2", "dpo.save_steps=1"])  # 2 steps an epoch: a checkpoint mid-epoch too
+    with pytest.raises(Stopped):  # in epoch 2's report, after its mid-epoch checkpoint: the run resumes there
         dpo.run(data=str(data), val_data=str(data), model=tiny_model, out=str(tmp_path / "ray"), cfg=ray_cfg, device="cpu", report=stop_in_epoch_2)
-    assert shards.read_manifest(str(tmp_path / "ray.progress" / "epoch-0001"))[0].state["epoch"] == 1
+    progress = shards.read_manifest(str(tmp_path / "ray.progress" / "epoch-0001-step-000001"))[0].state  # the last one: a step into epoch 2
+    assert (progress["epoch"], progress["step"], progress["tally"]["steps"]) == (1, 1, 1)
     on_ranks = dpo.run(data=str(data), val_data=str(data), model=tiny_model, out=str(tmp_path / "ray"), cfg=ray_cfg, device="cpu")
     assert not (tmp_path / "ray.progress").exists()  # resumed: the ranks loaded the weights, the optimizer state and the kept reference
     assert len(on_ranks.state["epochs"]) == len(local.state["epochs"]) == 3

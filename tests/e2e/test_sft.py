@@ -152,3 +152,21 @@ def test_an_epoch_checkpoint_of_other_settings_is_not_resumed_from(cli, tmp_path
     assert rlctl(*args, env={"RLCTL_FAULT_KILL_AT": "sft:epoch-1-saved"}, check=False).returncode == -9
     other = cli(*args[:-2], "--batch-size", "3")
     assert other.exit_code == 0 and "resuming" not in other.stderr and not (tmp_path / "sft.progress").exists()
+
+
+def test_an_sft_killed_mid_epoch_resumes_from_its_step_checkpoint_to_the_uninterrupted_result(tmp_path, tiny_model, examples):
+    """sft.save_steps: a checkpoint every N optimizer steps within an epoch too, the sums of
+    the epoch's steps so far in its manifest; saving more or less often is not a change of
+    the run (a rerun without the setting resumes from it)."""
+    from tests.e2e.test_pipeline import rlctl
+
+    args = ["sft", "--data", examples, "--val-data", examples, "--model", tiny_model, "--epochs", "2", "--lr", "1e-3", "--batch-size", "2"]  # 3 steps an epoch
+    rlctl(*args, "--out", tmp_path / "whole")
+    killed = rlctl(*args, "--out", tmp_path / "sft", "--set", "sft.save_steps=2", env={"RLCTL_FAULT_KILL_AT": "sft:epoch-2-step-2-saved"}, check=False)
+    assert killed.returncode == -9
+    assert [f.name for f in (tmp_path / "sft.progress").iterdir()] == ["epoch-0001-step-000002"]
+    resumed = rlctl(*args, "--out", tmp_path / "sft")
+    assert "resuming sft 2 steps into epoch 2" in resumed.stderr
+    assert (tmp_path / "sft" / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
+    got, want = (json.loads((tmp_path / name / "_manifest.json").read_text())["state"] for name in ("sft", "whole"))
+    assert comparable(got["epochs"]) == comparable(want["epochs"]) and got["optimizer_steps"] == want["optimizer_steps"] == 6
