@@ -252,6 +252,7 @@ def a_reward_model(tiny_model: str, folder: Path) -> str:
     return str(folder)
 
 
+@pytest.mark.slow
 def test_an_rm_reward_on_two_workers_is_scored_by_the_ranks_as_one_process_scores_it(ray_session, cli, tmp_path, tiny_model, prompts_file, monkeypatch):
     """`rm:` with --workers 2: every rank holds a replica of the reward model and scores its
     share of the samples (the controller loads none), alone or beside a reference the ranks
