@@ -261,12 +261,7 @@ class DpoTrainer(SupervisedSteps, DpoPasses):
 
     def train_steps(self, pairs: DpoPairs, epoch: int, first: int = 0, last: int | None = None) -> dict:
         """Optimizer steps `first` to `last` of an epoch: SupervisedSteps' tally with the pairs' sums."""
-        sums = DpoSums()
-
-        def passes(rows: list[int]) -> None:
-            sums.add(self.passes(pairs, rows, lambda summed: (summed / len(rows)).backward()))  # the step's mean
-
-        return {**self.run_steps(len(pairs), epoch, passes, first, last), **vars(sums)}
+        return self.pair_steps(pairs, epoch, DpoSums(), first, last)
 
     @staticmethod
     def epoch_row(epoch: int, tally: dict) -> EpochRow:

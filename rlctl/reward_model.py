@@ -317,12 +317,7 @@ class RewardModelTrainer(SupervisedSteps):
 
     def train_steps(self, pairs: Pairs, epoch: int, first: int = 0, last: int | None = None) -> dict:
         """Optimizer steps `first` to `last` of an epoch: SupervisedSteps' tally with the pairs' sums."""
-        sums = PairSums()
-
-        def passes(rows: list[int]) -> None:
-            sums.add(self.passes(pairs, rows, lambda summed: (summed / len(rows)).backward()))  # the step's mean
-
-        return {**self.run_steps(len(pairs), epoch, passes, first, last), **vars(sums)}
+        return self.pair_steps(pairs, epoch, PairSums(), first, last)
 
     @staticmethod
     def epoch_row(epoch: int, tally: dict) -> EpochRow:

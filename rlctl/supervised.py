@@ -79,6 +79,15 @@ class SupervisedSteps:
         done["seconds"] = time.perf_counter() - started
         return done
 
+    def pair_steps(self, pairs, epoch: int, sums, first: int = 0, last: int | None = None) -> Tally:
+        """Optimizer steps `first` to `last` of an epoch over preference pairs, each the mean of
+        its pairs' losses as the trainer's `passes` computes them, their sums added to `sums`:
+        the tally with them (reward-model, dpo)."""
+        def passes(rows: list[int]) -> None:
+            sums.add(self.passes(pairs, rows, lambda summed: (summed / len(rows)).backward()))  # the step's mean
+
+        return {**self.run_steps(len(pairs), epoch, passes, first, last), **vars(sums)}
+
     def state_dict(self) -> dict:
         """The optimizer's step and whole state (on FSDP2 ranks gathered: every rank calls it)."""
         from rlctl.workers.gather import full_optimizer_state
