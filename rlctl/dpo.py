@@ -18,12 +18,15 @@ a pair's loss is, by `dpo.loss` (β = `dpo.beta`, ε = `dpo.label_smoothing`):
     hinge    max(0, 1 − β·h)                                    SLiC's hinge
     simpo    −(1 − ε) log σ(β·s) − ε log σ(−β·s)              SimPO: no reference,
              s = log π(y_c)/|y_c| − log π(y_r)/|y_r| − γ/β      per-token log-probs, γ = `dpo.simpo_gamma`
+    orpo     −log π(y_c)/|y_c| − β log σ(o),                   ORPO: no reference, the chosen response's
+             o = log odds(y_c) − log odds(y_r)                  NLL beside an odds-ratio term; odds(y) =
+                                                                p/(1 − p), p = exp(log π(y)/|y|)
 
 the mean over each optimizer step's pairs. β·(log π − log π_ref) is a response's implicit
-reward (SimPO's: β·log π/|y|): `accuracy` is the share of pairs whose chosen response has the
+reward (SimPO's and ORPO's: β·log π/|y|): `accuracy` is the share of pairs whose chosen response has the
 larger one, `margin` the mean difference. The reference's log-probabilities are computed once,
 before the first step, with the starting weights (LoRA adapters start at B = 0, so the same
-function): no second model is held, and SimPO computes none.
+function): no second model is held, and SimPO and ORPO compute none.
 
 It trains in this process or on a Ray group of FSDP2 ranks (`workers.backend = "ray"`), each
 rank on its share of every step's pairs, as `rlctl sft` does. The output is a checkpoint folder
@@ -107,13 +110,18 @@ def dpo_losses(
     per-token values."""
     from torch.nn.functional import logsigmoid, relu
 
-    if loss in ("ipo", "simpo") and (chosen_tokens is None or rejected_tokens is None):
+    if loss in ("ipo", "simpo", "orpo") and (chosen_tokens is None or rejected_tokens is None):
         raise ValueError(f"the {loss} loss needs each side's trained tokens")
     eps = label_smoothing
     if loss == "simpo":  # Meng et al.: length-normalized log-probs, a target margin, no reference (TRL's CPOTrainer, loss_type "simpo")
         chosen_mean, rejected_mean = chosen / chosen_tokens.clamp(min=1), rejected / rejected_tokens.clamp(min=1)
         s = chosen_mean - rejected_mean - simpo_gamma / beta
         losses = -(1 - eps) * logsigmoid(beta * s) - eps * logsigmoid(-beta * s)
+        return losses, (beta * chosen_mean).detach(), (beta * rejected_mean).detach()
+    if loss == "orpo":  # Hong et al.: the chosen response's NLL per token plus beta (their lambda) times the odds ratio's loss (TRL's ORPOTrainer)
+        chosen_mean, rejected_mean = chosen / chosen_tokens.clamp(min=1), rejected / rejected_tokens.clamp(min=1)
+        log_odds = (chosen_mean - rejected_mean) - (log1mexp(chosen_mean) - log1mexp(rejected_mean))
+        losses = -chosen_mean - beta * logsigmoid(log_odds)
         return losses, (beta * chosen_mean).detach(), (beta * rejected_mean).detach()
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     h = chosen_ratio - rejected_ratio
@@ -129,6 +137,13 @@ def dpo_losses(
     else:
         raise ValueError(f"unknown DPO loss {loss!r}")
     return losses, (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 − exp(x)) for x < 0, accurate at both ends (Mächler's two branches); x is kept
+    just below 0, where a response's every token has probability 1."""
+    x = x.clamp(max=-1e-7)
+    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
 @dataclass

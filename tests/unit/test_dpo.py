@@ -12,7 +12,7 @@ import torch
 from rlctl.backends.hf import HFPolicy
 from rlctl.choices import DPO_LOSSES
 from rlctl.config import DataConfig, DpoConfig, load_config
-from rlctl.dpo import DpoPairs, DpoTrainer, dpo_losses, encode_dpo_pairs, run
+from rlctl.dpo import DpoPairs, DpoTrainer, dpo_losses, encode_dpo_pairs, log1mexp, run
 from rlctl.errors import InputError
 from rlctl.sft import encode_examples
 from rlctl.shards import read
@@ -84,7 +84,14 @@ EXPECTED = {  # each loss as its paper writes it; h = 1.0, -1.5 above, the per-t
     "hinge": lambda h, hp, b, e: torch.clamp(1 - b * h, min=0),
     # no reference: per-token log-probs -3/2 - (-4/5), -5/4 - (-2/1), less gamma / beta = 0.3 / 0.5
     "simpo": lambda h, hp, b, e: -(1 - e) * torch.log(sigma(b * (torch.tensor([-0.7, 0.75]) - 0.6))) - e * torch.log(sigma(-b * (torch.tensor([-0.7, 0.75]) - 0.6))),
+    # no reference: the chosen side's NLL per token (3/2, 5/4) plus beta times the odds ratio's loss, odds = p / (1 - p) of p = exp(log-prob per token)
+    "orpo": lambda h, hp, b, e: torch.tensor([1.5, 1.25]) - b * torch.log(sigma(log_odds(torch.tensor([-1.5, -1.25])) - log_odds(torch.tensor([-0.8, -2.0])))),
 }
+
+
+def log_odds(mean_logp: torch.Tensor) -> torch.Tensor:
+    p = torch.exp(mean_logp.double())
+    return torch.log(p / (1 - p)).float()
 
 
 @pytest.mark.parametrize("loss", DPO_LOSSES)
@@ -99,10 +106,17 @@ def test_every_loss_is_its_papers_formula_with_dpos_implicit_rewards(loss):
     per_token = (CHOSEN - REF_CHOSEN) / CHOSEN_TOKENS - (REJECTED - REF_REJECTED) / REJECTED_TOKENS
     assert torch.allclose(per_token, torch.tensor([0.35, -0.75]))
     assert torch.allclose(losses, EXPECTED[loss](h, per_token, 0.5, eps))
-    if loss == "simpo":  # SimPO's implicit reward: beta times the per-token log-prob
+    if loss in ("simpo", "orpo"):  # their implicit reward: beta times the per-token log-prob
         assert torch.allclose(chosen_reward, 0.5 * CHOSEN / CHOSEN_TOKENS) and torch.allclose(rejected_reward, 0.5 * REJECTED / REJECTED_TOKENS)
     else:
         assert torch.allclose(chosen_reward, 0.5 * (CHOSEN - REF_CHOSEN)) and torch.allclose(rejected_reward, 0.5 * (REJECTED - REF_REJECTED))
+
+
+def test_orpos_log_odds_are_accurate_where_a_response_is_near_certain_or_near_impossible():
+    mean_logp = torch.tensor([-1e-6, -1e-3, -0.5, -0.7, -5.0, -40.0])
+    want = torch.log(-torch.expm1(mean_logp.double()))  # log(1 - p) in double precision
+    assert torch.allclose(log1mexp(mean_logp).double(), want, rtol=1e-6)
+    assert torch.isfinite(log1mexp(torch.tensor([0.0]))).all()  # every token certain: a finite loss, not inf
 
 
 def test_robust_dpo_is_unbiased_under_flipped_labels():
@@ -135,7 +149,7 @@ def test_the_reference_is_the_starting_weights_so_the_first_loss_is_the_one_at_h
     assert loss_value == pytest.approx(first, rel=1e-5) and accuracy == 0.0  # no pair's chosen reward above its rejected one's yet
 
 
-@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])  # ipo: per-token log-ratios, each side's own token count in any pass
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "orpo"])  # ipo, orpo: per-token values, each side's own token count in any pass
 def test_passes_of_any_size_give_the_gradient_of_the_batchs_mean_loss(tiny_model, tmp_path, loss):
     gradients = []
     for micro, cap in ((1, "0"), (5, "0"), (4, "40")):
@@ -179,23 +193,25 @@ def test_dpo_learns_to_prefer_the_chosen_responses_and_writes_a_checkpoint(tiny_
     assert again.state.get("skipped")
 
 
-def test_simpo_computes_no_reference(policy, tmp_path, monkeypatch):
+@pytest.mark.parametrize("loss", ["simpo", "orpo"])
+def test_a_reference_free_loss_computes_no_reference(policy, tmp_path, monkeypatch, loss):
     pairs = encode(policy, table_of(tmp_path, number_pairs(3)))
 
     def no_forward(*args, **kwargs):
         raise AssertionError("a reference forward for a reference-free loss")
 
-    trainer = DpoTrainer(policy, DpoConfig(micro_batch_tokens="0", bf16="false", loss="simpo"), total_steps=1)
+    trainer = DpoTrainer(policy, DpoConfig(micro_batch_tokens="0", bf16="false", loss=loss), total_steps=1)
     monkeypatch.setattr(policy, "forward", no_forward)
     referenced = trainer.with_reference(pairs)
     assert referenced.ref_chosen == referenced.ref_rejected == [0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize(("loss", "settings"), [("robust", ["dpo.label_smoothing=0.1"]), ("ipo", ["dpo.beta=0.5"]), ("hinge", []), ("simpo", ["dpo.beta=2.0"])])
+@pytest.mark.parametrize(("loss", "settings"), [("robust", ["dpo.label_smoothing=0.1"]), ("ipo", ["dpo.beta=0.5"]), ("hinge", []), ("simpo", ["dpo.beta=2.0"]), ("orpo", ["dpo.beta=0.5"])])
 def test_every_loss_learns_to_prefer_the_chosen_responses(tiny_model, tmp_path, loss, settings):
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in number_pairs(16)))
     cfg = load_config(None, ["dpo.epochs=3", "dpo.lr=1e-3", "dpo.batch_size=4", "dpo.bf16=false", f"dpo.loss={loss}", *settings])
     reported = []
     manifest = run(data=str(tmp_path / "train.jsonl"), val_data=str(tmp_path / "train.jsonl"), model=tiny_model, out=str(tmp_path / "dpo"), cfg=cfg, device="cpu", report=reported.append)
-    assert reported[-1]["val_loss"] < 0.5 * reported[0]["val_loss"] and reported[-1]["val_accuracy"] == 1.0 and reported[-1]["margin"] > 0
+    fall = 0.6 if loss == "orpo" else 0.5  # ORPO's loss is mostly the chosen responses' NLL per token (6.6 at the start), which falls slower
+    assert reported[-1]["val_loss"] < fall * reported[0]["val_loss"] and reported[-1]["val_accuracy"] == 1.0 and reported[-1]["margin"] > 0
     assert manifest.config["dpo"]["loss"] == loss
