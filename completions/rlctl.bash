@@ -32,7 +32,7 @@ _rlctl() {
         "reward-model") opts="--batch-size --config --data --device --epochs --eval --force --help --json --lr --model --out --set --val-data" ;;
         "rollout") opts="--address --backend --chat-template --config --device --dtype --force --format --help --json --max-new-tokens --max-prompt-tokens --model --n --no-chat-template --out --prompts --rows-per-part --seed --set --stop --temperature --top-k --top-p --truncate --workers --workers-backend" ;;
         "score") opts="--address --batch-size --config --critic --device --dtype --force --format --help --json --out --policy --ref --reward --reward-timeout --rollouts --rows-per-part --set --workers --workers-backend" ;;
-        "sft") opts="--batch-size --config --data --device --epochs --force --help --json --lr --model --out --set --val-data" ;;
+        "sft") opts="--batch-size --config --data --device --epochs --eval --force --help --json --lr --model --out --set --val-data" ;;
         "show") opts="--columns --help --json --layout --rows --sort --where --width" ;;
         "update") opts="--address --batch --bf16 --config --critic --device --epochs --force --help --json --loss-agg-mode --lr --micro-batch-size --mini-batch-size --model --no-bf16 --out --seed --set --workers --workers-backend" ;;
         *) opts="--help" ;;
@@ -43,7 +43,7 @@ _rlctl() {
         "advantage --std-scope") values="group batch" ;;
         "advantage --kl-controller") values="fixed adaptive" ;;
         "advantage --format") values="arrow parquet" ;;
-        "dpo --loss") values="sigmoid robust ipo hinge simpo" ;;
+        "dpo --loss") values="sigmoid robust ipo hinge simpo orpo" ;;
         "model init --preset") values="tiny small medium" ;;
         "pipeline --from") values="rollout score advantage update" ;;
         "pipeline --until") values="rollout score advantage update" ;;

@@ -36,7 +36,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l eval
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l force
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l json
-complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l loss -xa 'sigmoid robust ipo hinge simpo'
+complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l loss -xa 'sigmoid robust ipo hinge simpo orpo'
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l lr
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l model
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l out
@@ -160,6 +160,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l config
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l data
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l device
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l epochs
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l eval
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l force
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l json

@@ -16,7 +16,7 @@ _rlctl() {
     'reward-model:Train a reward model on preference pairs (Bradley-Terry), for scores rm -FOLDER; or, with'
     'rollout:Sample responses from the policy for each prompt (writes the rollouts schema).'
     'score:Score rollouts with a reward; optionally add ref/old log-probs and critic values.'
-    'sft:Supervised fine-tuning on demonstrations - the warm start before RL (loss on responses only).'
+    'sft:Supervised fine-tuning on demonstrations - the warm start before RL (loss on responses'
     'show:Print a shard, a manifest, a checkpoint, a run or one of its iterations as a table.'
     'update:Train the policy (and critic) on a batch with the PPO/GRPO loss; write a checkpoint.'
   )
@@ -26,7 +26,7 @@ _rlctl() {
     advantage) _arguments '*:file:_files' '--config' '--estimator:estimator:(gae grpo grpo_passk opo reinforce_pp reinforce_pp_baseline rloo)' '--force' '--format:format:(arrow parquet)' '--gamma' '--help' '--json' '--kl-coef' '--kl-controller:kl-controller:(fixed adaptive)' '--kl-estimator:kl-estimator:(abs abs+ k1 k1+ k2 k2+ k3 k3+ kl kl+ low_var_kl low_var_kl+ mse mse+)' '--kl-state' '--lam' '--no-norm-by-std' '--norm-by-std' '--out' '--rows-per-part' '--scores' '--set' '--std-scope:std-scope:(group batch)' ;;
     config-diff) _arguments '*:file:_files' '--help' '--json' ;;
     config-show) _arguments '*:file:_files' '--help' '--json' '--set' ;;
-    dpo) _arguments '*:file:_files' '--batch-size' '--beta' '--config' '--data' '--device' '--epochs' '--eval' '--force' '--help' '--json' '--loss:loss:(sigmoid robust ipo hinge simpo)' '--lr' '--model' '--out' '--ref' '--set' '--val-data' ;;
+    dpo) _arguments '*:file:_files' '--batch-size' '--beta' '--config' '--data' '--device' '--epochs' '--eval' '--force' '--help' '--json' '--loss:loss:(sigmoid robust ipo hinge simpo orpo)' '--lr' '--model' '--out' '--ref' '--set' '--val-data' ;;
     eval) _arguments '*:file:_files' '--config' '--device' '--help' '--json' '--max-new-tokens' '--model' '--n' '--out' '--pass-threshold' '--prompts' '--reward' '--set' '--temperature' ;;
     model-init) _arguments '*:file:_files' '--force' '--help' '--preset:preset:(tiny small medium)' '--seed' ;;
     pipeline) _arguments '*:file:_files' '--address' '--dry-run' '--from:from:(rollout score advantage update)' '--help' '--iterations' '--quiet' '--resume' '--resume-with-changes' '--run-dir' '--set' '--until:until:(rollout score advantage update)' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
@@ -36,7 +36,7 @@ _rlctl() {
     reward-model) _arguments '*:file:_files' '--batch-size' '--config' '--data' '--device' '--epochs' '--eval' '--force' '--help' '--json' '--lr' '--model' '--out' '--set' '--val-data' ;;
     rollout) _arguments '*:file:_files' '--address' '--backend:backend:(hf vllm)' '--chat-template' '--config' '--device' '--dtype:dtype:(auto fp32 bf16)' '--force' '--format:format:(arrow parquet)' '--help' '--json' '--max-new-tokens' '--max-prompt-tokens' '--model' '--n' '--no-chat-template' '--out' '--prompts' '--rows-per-part' '--seed' '--set' '--stop' '--temperature' '--top-k' '--top-p' '--truncate:truncate:(error left)' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
     score) _arguments '*:file:_files' '--address' '--batch-size' '--config' '--critic' '--device' '--dtype:dtype:(auto fp32 bf16)' '--force' '--format:format:(arrow parquet)' '--help' '--json' '--out' '--policy' '--ref' '--reward' '--reward-timeout' '--rollouts' '--rows-per-part' '--set' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
-    sft) _arguments '*:file:_files' '--batch-size' '--config' '--data' '--device' '--epochs' '--force' '--help' '--json' '--lr' '--model' '--out' '--set' '--val-data' ;;
+    sft) _arguments '*:file:_files' '--batch-size' '--config' '--data' '--device' '--epochs' '--eval' '--force' '--help' '--json' '--lr' '--model' '--out' '--set' '--val-data' ;;
     show) _arguments '*:file:_files' '--columns' '--help' '--json' '--layout:layout:(auto table records)' '--rows' '--sort' '--where' '--width' ;;
     update) _arguments '*:file:_files' '--address' '--batch' '--bf16' '--config' '--critic' '--device' '--epochs' '--force' '--help' '--json' '--loss-agg-mode:loss-agg-mode:(token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm)' '--lr' '--micro-batch-size' '--mini-batch-size' '--model' '--no-bf16' '--out' '--seed' '--set' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
     *) _describe 'command' commands ;;

@@ -393,8 +393,9 @@ def eval_(
 def sft(
     data: Annotated[str, typer.Option("--data", help="Examples: prompt (or messages) with response (or completion), or messages ending in the assistant's turn; .jsonl, .json, .parquet or a shard folder.")],
     model: Annotated[str, typer.Option("--model", help="Model to fine-tune: HF folder or rlctl checkpoint.")],
-    out: Annotated[str, typer.Option("--out", help="Checkpoint folder to write (a pipeline's model.path can start from it).")],
+    out: Annotated[Optional[str], typer.Option("--out", help="Checkpoint folder to write (a pipeline's model.path can start from it).")] = None,
     val_data: Annotated[Optional[str], typer.Option("--val-data", help="Held-out examples: their loss before training and after each epoch.")] = None,
+    evaluate: Annotated[bool, typer.Option("--eval", help="Train nothing: the loss (NLL per response token) and perplexity of --model on the examples --data, over all and per data_source (no --out).")] = False,
     epochs: Annotated[Optional[int], typer.Option("--epochs", help="Passes over the examples." + _default("sft.epochs"))] = None,
     lr: Annotated[Optional[float], typer.Option("--lr", help="Learning rate." + _default("sft.lr"))] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Examples per optimizer step." + _default("sft.batch_size"))] = None,
@@ -404,7 +405,8 @@ def sft(
     as_json: JsonOpt = False,
     force: ForceOpt = False,
 ) -> None:
-    """Supervised fine-tuning on demonstrations: the warm start before RL (loss on responses only)."""
+    """Supervised fine-tuning on demonstrations: the warm start before RL (loss on responses
+    only); or, with --eval, measure a model on held-out examples."""
     from dataclasses import replace
 
     from rlctl.config import override_section
@@ -413,6 +415,13 @@ def sft(
 
     cfg = _stage_config(config, set_)
     cfg = replace(cfg, sft=override_section(cfg.sft, epochs=epochs, lr=lr, batch_size=batch_size))
+    if evaluate:
+        if out or val_data:
+            raise InputError("sft --eval trains nothing and writes nothing: give the examples as --data, without --out or --val-data")
+        _evaluate_sft(data, model, cfg, device or cfg.model.device, as_json)
+        return
+    if not out:
+        raise InputError("sft needs --out, the folder to write the fine-tuned checkpoint to (or --eval to measure --model on --data)")
 
     def report(row: dict) -> None:
         if not as_json:
@@ -511,13 +520,21 @@ def dpo(
     _report(manifest, as_json)
 
 
+def _evaluate_sft(data: str, model: str, cfg, device: str, as_json: bool) -> None:
+    """`rlctl sft --eval`: the table (or JSON) of rlctl.sft.evaluate's rows."""
+    from rlctl.sft import evaluate
+
+    rows = evaluate(data=data, model=model, cfg=cfg, device=device)
+    _sources_table(rows, f"{model} on {data}: {rows[0].examples} examples, {rows[0].tokens} response tokens", ("examples", "tokens", "loss", "perplexity"), as_json)
+
+
 def _evaluate_reward_model(data: str, model: str, cfg, device: str, as_json: bool) -> None:
     """`rlctl reward-model --eval`: the table (or JSON) of rlctl.reward_model.evaluate's rows."""
     from rlctl.reward_model import evaluate
 
     rows, dropped = evaluate(data=data, model=model, cfg=cfg, device=device)
     left_out = f", {dropped} left out as too long" if dropped else ""
-    _pairs_table(rows, f"{model} on {data}: {rows[0].pairs} pairs{left_out}", ("accuracy", "margin", "loss"), as_json, dropped=dropped)
+    _sources_table(rows, f"{model} on {data}: {rows[0].pairs} pairs{left_out}", ("pairs", "accuracy", "margin", "loss"), as_json, dropped=dropped)
 
 
 def _evaluate_dpo(data: str, model: str, ref: str | None, cfg, device: str, as_json: bool) -> None:
@@ -525,11 +542,12 @@ def _evaluate_dpo(data: str, model: str, ref: str | None, cfg, device: str, as_j
     from rlctl.dpo import evaluate
 
     rows = evaluate(data=data, model=model, ref=ref, cfg=cfg, device=device)
-    _pairs_table(rows, f"{model} on {data}: {rows[0].pairs} pairs, {cfg.dpo.loss} loss, beta {cfg.dpo.beta:g}", ("accuracy", "margin", "chosen_reward", "rejected_reward", "loss"), as_json)
+    columns = ("pairs", "accuracy", "margin", "chosen_reward", "rejected_reward", "loss")
+    _sources_table(rows, f"{model} on {data}: {rows[0].pairs} pairs, {cfg.dpo.loss} loss, beta {cfg.dpo.beta:g}", columns, as_json)
 
 
-def _pairs_table(rows: list, title: str, columns: tuple[str, ...], as_json: bool, **extra) -> None:
-    """Rows of figures on preference pairs, one per data_source: a table, or JSON (`extra` beside the rows)."""
+def _sources_table(rows: list, title: str, columns: tuple[str, ...], as_json: bool, **extra) -> None:
+    """Rows of figures, one over all and one per data_source (`row.source`): a table, or JSON (`extra` beside the rows)."""
     import json as json_module
     from dataclasses import asdict
 
@@ -540,10 +558,10 @@ def _pairs_table(rows: list, title: str, columns: tuple[str, ...], as_json: bool
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
-    for name in ("data_source", "pairs", *columns):
+    for name in ("data_source", *columns):
         table.add_column(name, justify="left" if name == "data_source" else "right")
     for row in rows:
-        table.add_row(row.source, str(row.pairs), *(f"{getattr(row, name):.4g}" for name in columns))
+        table.add_row(row.source, *(str(v) if isinstance(v := getattr(row, name), int) else f"{v:.4g}" for name in columns))
     Console().print(table)
 
 

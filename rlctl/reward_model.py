@@ -464,8 +464,8 @@ class PairsRow:
 
 
 def source_groups(table: pa.Table, ids: list[str]) -> dict[str, list[int]]:
-    """The encoded pairs' positions (`ids`: the pairs kept, in order) over all ("all"), then by
-    the `data_source` of their rows where the pairs name several."""
+    """The encoded rows' positions (`ids`: the pairs or examples kept, in order) over all
+    ("all"), then by the `data_source` of their rows where they name several."""
     named = dict(zip(pair_ids(table), table.column("data_source").to_pylist())) if "data_source" in table.column_names else {}
     groups: dict[str, list[int]] = {"all": list(range(len(ids)))}
     for row, pair_id in enumerate(ids):

@@ -225,48 +225,27 @@ class EpochRow:
         return row
 
 
-class SftTrainer(SupervisedSteps):
-    """AdamW on the policy (or its LoRA adapters), an optimizer step per `batch_size` examples.
-    On a group of FSDP2 ranks (`ranks`) each rank takes its share of every step's examples, as
-    the update's trainer does (`RankGroup.micro_batches`), and the sums are the group's."""
+class SftPasses:
+    """The policy's passes over examples, of similar lengths capped by `micro_batch_size` and
+    `micro_batch_tokens`: the summed NLL of their trained response tokens, for training's
+    steps or a measurement's. On a group of FSDP2 ranks (`ranks`) each rank takes its share,
+    as the update's trainer does (`RankGroup.micro_batches`), and the sums are the group's."""
 
-    def __init__(self, policy, cfg: SftConfig, *, total_steps: int, ranks=None) -> None:
+    def __init__(self, policy, cfg: SftConfig, *, bf16: bool, ranks=None) -> None:
+        from rlctl.backends.hf import held_whole
         from rlctl.trainer import ALONE
 
-        super().__init__(policy.model, cfg, device_type=policy.device.type, total_steps=total_steps, command="sft")
-        self.policy, self.ranks = policy, ranks or ALONE
-
-    def train_epoch(self, examples: Examples, epoch: int) -> EpochRow:
-        return self.epoch_row(epoch, self.train_steps(examples, epoch))
-
-    def train_steps(self, examples: Examples, epoch: int, first: int = 0, last: int | None = None) -> dict:
-        """Optimizer steps `first` to `last` of an epoch: SupervisedSteps' tally with the summed NLL and its tokens."""
-        sums = {"nll": 0.0, "tokens": 0}
-
-        def passes(rows: list[int]) -> None:
-            counted = sum(examples.trained_tokens(i) for i in rows)
-            sums["nll"] += self._passes(examples, rows, lambda summed: (summed / counted).backward())  # the step's mean
-            sums["tokens"] += counted
-
-        return {**self.run_steps(len(examples), epoch, passes, first, last), **sums}
-
-    @staticmethod
-    def epoch_row(epoch: int, tally: dict) -> EpochRow:
-        """An epoch's row from the tally of all its steps."""
-        return EpochRow(
-            epoch, loss=tally["nll"] / tally["tokens"], grad_norm=tally["norm_sum"] / tally["steps"], lr=tally["lr"], steps=tally["steps"],
-            tokens=tally["tokens"], seconds=tally["seconds"],
-        )
+        self.policy, self.cfg, self.bf16, self.ranks = policy, cfg, bf16, ranks or ALONE
+        self.weights_whole = held_whole(policy.model)
 
     @torch.no_grad()
     def mean_loss(self, examples: Examples) -> float:
         """The mean NLL per response token of `examples` under the current weights."""
-        return self._passes(examples, list(range(len(examples))), None) / examples.response_tokens
+        return self.nll(examples, list(range(len(examples))), None) / examples.response_tokens
 
-    def _passes(self, examples: Examples, rows: list[int], backward: Callable[[torch.Tensor], None] | None) -> float:
-        """The summed NLL of `rows`' response tokens (over every rank), in passes of similar
-        lengths capped by `micro_batch_size` and `micro_batch_tokens`; `backward(summed)` after
-        each pass, scaled so that FSDP's average over ranks is the sum."""
+    def nll(self, examples: Examples, rows: list[int], backward: Callable[[torch.Tensor], None] | None) -> float:
+        """The summed NLL of `rows`' trained response tokens (over every rank); `backward(summed)`
+        after each pass, scaled so that FSDP's average over ranks is the sum."""
         from rlctl.backends.hf import casts_kept, pack, training_forward
 
         policy, lengths, ranks = self.policy, examples.lengths, self.ranks
@@ -282,6 +261,39 @@ class SftTrainer(SupervisedSteps):
                     backward(summed * (weight * ranks.grad_scale))
                 total += weight * float(summed.detach())
         return ranks.sum({"nll": total})["nll"]
+
+
+class SftTrainer(SupervisedSteps, SftPasses):
+    """AdamW on the policy (or its LoRA adapters), an optimizer step per `batch_size` examples,
+    each accumulated over SftPasses' passes."""
+
+    def __init__(self, policy, cfg: SftConfig, *, total_steps: int, ranks=None) -> None:
+        from rlctl.trainer import ALONE
+
+        SupervisedSteps.__init__(self, policy.model, cfg, device_type=policy.device.type, total_steps=total_steps, command="sft")
+        self.policy, self.ranks = policy, ranks or ALONE
+
+    def train_epoch(self, examples: Examples, epoch: int) -> EpochRow:
+        return self.epoch_row(epoch, self.train_steps(examples, epoch))
+
+    def train_steps(self, examples: Examples, epoch: int, first: int = 0, last: int | None = None) -> dict:
+        """Optimizer steps `first` to `last` of an epoch: SupervisedSteps' tally with the summed NLL and its tokens."""
+        sums = {"nll": 0.0, "tokens": 0}
+
+        def passes(rows: list[int]) -> None:
+            counted = sum(examples.trained_tokens(i) for i in rows)
+            sums["nll"] += self.nll(examples, rows, lambda summed: (summed / counted).backward())  # the step's mean
+            sums["tokens"] += counted
+
+        return {**self.run_steps(len(examples), epoch, passes, first, last), **sums}
+
+    @staticmethod
+    def epoch_row(epoch: int, tally: dict) -> EpochRow:
+        """An epoch's row from the tally of all its steps."""
+        return EpochRow(
+            epoch, loss=tally["nll"] / tally["tokens"], grad_norm=tally["norm_sum"] / tally["steps"], lr=tally["lr"], steps=tally["steps"],
+            tokens=tally["tokens"], seconds=tally["seconds"],
+        )
 
 
 def trained_mask(response_mask: torch.Tensor, examples: Examples, rows: Sequence[int]) -> torch.Tensor:
@@ -388,6 +400,52 @@ class RaySft(RayPolicy):
 
     def loss(self, examples: Examples) -> float:
         return self.group.call_ranks("sft_loss", lambda rank: (examples, self.cfg, self.total_steps))[0]
+
+
+# --- measuring a model on held-out examples ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalRow:
+    """A model on a set of examples (`rlctl sft --eval`): how many, their trained response
+    tokens, the mean NLL per such token, and its perplexity."""
+
+    source: str  # a data_source, or "all"
+    examples: int
+    tokens: int
+    loss: float
+    perplexity: float
+
+
+def evaluate(*, data: str, model: str, cfg: Config, device: str = "auto") -> list[EvalRow]:
+    """The model at `model` on the examples at `data`, read as training reads them (`cfg.sft`,
+    `cfg.data`): one row over every example ("all"), then one per data_source where the
+    examples name several."""
+    import math
+
+    from rlctl.backends.hf import HFPolicy, check_model_dir, resolve_device
+    from rlctl.dtypes import autocast_bf16, decided_bf16
+    from rlctl.passes import ModelShape, decided_micro_batch_tokens
+    from rlctl.reward_model import source_groups
+    from rlctl.shards import read
+
+    check_model_dir(model)
+    on = resolve_device(device)
+    tokens = decided_micro_batch_tokens(cfg.sft.micro_batch_tokens, on.type, ModelShape.of_folder(model), ranks=1)
+    sft = replace(cfg.sft, bf16=decided_bf16(cfg.sft.bf16, on.type), micro_batch_tokens=tokens)
+    source = read(data, "prompts")
+    if source.table.num_rows == 0:
+        raise InputError(f"{data}: no examples")
+    policy = HFPolicy.load(model, str(on))
+    examples = encode_examples(source.table, policy.tokenizer, cfg.data, sft, end_ids=policy.stop_ids, context_length=policy.context_length, source=source.uri)
+    measuring = SftPasses(policy, sft, bf16=autocast_bf16(sft.bf16, on.type))
+    rows = []
+    with torch.no_grad():
+        for name, members in source_groups(source.table, examples.ids).items():
+            counted = sum(examples.trained_tokens(i) for i in members)
+            loss = measuring.nll(examples, members, None) / counted
+            rows.append(EvalRow(name, len(members), counted, loss, math.exp(min(loss, 700.0))))
+    return rows
 
 
 # --- the command ------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 with LoRA too; rerun is skipped; bad input is one line and nothing written."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -42,12 +43,51 @@ def test_sft_writes_a_checkpoint_that_a_pipeline_starts_from_at_step_0(cli, tmp_
 
 
 def test_lora_sft_writes_an_adapter_over_its_base(cli, tmp_path, tiny_model, examples):
-    result = cli("sft", "--data", examples, "--model", tiny_model, "--out", tmp_path / "sft", "--set", "sft.lora.r=4", "--json")
+    result = cli("sft", "--data", examples, "--val-data", examples, "--model", tiny_model, "--out", tmp_path / "sft", "--set", "sft.lora.r=4", "--lr", "1e-3", "--json")
     assert result.exit_code == 0, result.stderr
-    assert json.loads(result.stdout)["stage"] == "sft"
+    written = json.loads(result.stdout)
+    assert written["stage"] == "sft"
     assert (tmp_path / "sft" / "adapter_config.json").exists() and not (tmp_path / "sft" / "model.safetensors").exists()
+    measured = json.loads(cli("sft", "--eval", "--data", examples, "--model", tmp_path / "sft", "--json").stdout)["rows"][0]
+    assert abs(measured["loss"] - written["metrics"]["val_loss"]) < 1e-5  # the adapter over its base, as training measured it
     merged = cli("reshard", "--checkpoint", tmp_path / "sft", "--out", tmp_path / "merged", "--merge-lora")
     assert merged.exit_code == 0, merged.stderr
+
+
+def test_eval_measures_a_model_on_held_out_examples_over_all_and_per_data_source(cli, tmp_path, tiny_model, examples):
+    trained = cli("sft", "--data", examples, "--val-data", examples, "--model", tiny_model, "--out", tmp_path / "sft", "--epochs", "2", "--lr", "1e-3", "--batch-size", "4")
+    assert trained.exit_code == 0, trained.stderr
+    manifest = json.loads((tmp_path / "sft" / "_manifest.json").read_text())
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({**r, "data_source": "odd" if i % 2 else "even"}) + "\n" for i, r in enumerate(EXAMPLES)))
+    result = cli("sft", "--eval", "--data", held, "--model", tmp_path / "sft", "--json")
+    assert result.exit_code == 0, result.stderr
+    every, *per_source = json.loads(result.stdout)["rows"]
+    # the same examples: the trained model's own held-out loss, per response token; before training, epoch 0's
+    assert every["source"] == "all" and every["examples"] == 6 and abs(every["loss"] - manifest["metrics"]["val_loss"]) < 1e-5
+    assert abs(every["perplexity"] - math.exp(every["loss"])) < 1e-6 * every["perplexity"]
+    assert [(r["source"], r["examples"]) for r in per_source] == [("even", 3), ("odd", 3)]
+    assert sum(r["tokens"] for r in per_source) == every["tokens"]
+    assert abs(sum(r["tokens"] * r["loss"] for r in per_source) / every["tokens"] - every["loss"]) < 1e-6  # a mean per token, not per example
+    start = json.loads(cli("sft", "--eval", "--data", held, "--model", tiny_model, "--json").stdout)["rows"][0]
+    assert abs(start["loss"] - manifest["state"]["epochs"][0]["val_loss"]) < 1e-5 and start["loss"] > every["loss"]
+    table = cli("sft", "--eval", "--data", held, "--model", tmp_path / "sft")
+    assert table.exit_code == 0 and "perplexity" in table.stdout and "odd" in table.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["held.jsonl", "sft", "sft.jsonl"]  # nothing written
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--eval", "--out", "{tmp_path}/out"], "sft --eval trains nothing and writes nothing"),
+        (["--eval", "--val-data", "{examples}"], "sft --eval trains nothing and writes nothing"),
+        ([], "sft needs --out"),
+    ],
+)
+def test_eval_asked_to_write_or_training_without_out_is_one_line(cli, tmp_path, tiny_model, examples, args, fragment):
+    result = cli("sft", "--data", examples, "--model", tiny_model, *(a.format(tmp_path=tmp_path, examples=examples) for a in args))
+    assert result.exit_code == 2 and fragment in one_line_error(result), result.stderr
+    assert_not_written(tmp_path / "out")
 
 
 @pytest.mark.parametrize(
