@@ -421,7 +421,14 @@ def run(
     from rlctl.backends.hf import check_model_dir
     from rlctl.checkpoint import local_checkpoint_dir, same_folder
     from rlctl.dtypes import decided_bf16, models_device
-    from rlctl.epoch_checkpoints import KEPT_FILE, clear, result_settings, resume_point, run_epochs
+    from rlctl.epoch_checkpoints import (
+        KEPT_FILE,
+        clear,
+        clear_finished,
+        result_settings,
+        resume_point,
+        run_epochs,
+    )
     from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
     from rlctl.passes import ModelShape, decided_micro_batch_tokens, ranks_at_once
     from rlctl.shards import read
@@ -440,6 +447,7 @@ def run(
     inputs = [shards_ref(train_source), model_ref(model)] + ([shards_ref(val_source)] if val_source else [])
     manifest = make_manifest("dpo", {"dpo": result_settings(to_dict(dpo)), "data": to_dict(cfg.data)}, inputs, seed=dpo.seed)
     if (existing := up_to_date(out, manifest, force)) is not None:
+        clear_finished(out, manifest)
         return existing
     if train_source.table.num_rows == 0:
         raise InputError(f"{data}: no preference pairs")

@@ -158,3 +158,11 @@ def run_epochs(
 def clear(out: str) -> None:
     """Remove the output's epoch checkpoint (the run finished, or starts over)."""
     shutil.rmtree(progress_dir(out), ignore_errors=True)
+
+
+def clear_finished(out: str, manifest: Manifest) -> None:
+    """Remove the epoch checkpoint of a run whose output is committed already (a crash between
+    the output's commit and the removal left it behind); another run's (other settings) stays."""
+    folder = _latest_committed(out)
+    if folder is not None and read_manifest(str(folder))[0].key == manifest.key:
+        clear(out)

@@ -513,7 +513,13 @@ def run(
     from rlctl.backends.hf import check_model_dir
     from rlctl.checkpoint import local_checkpoint_dir, same_folder
     from rlctl.dtypes import decided_bf16, models_device
-    from rlctl.epoch_checkpoints import clear, result_settings, resume_point, run_epochs
+    from rlctl.epoch_checkpoints import (
+        clear,
+        clear_finished,
+        result_settings,
+        resume_point,
+        run_epochs,
+    )
     from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
     from rlctl.shards import read
 
@@ -529,6 +535,7 @@ def run(
     settings = {k: v for k, v in result_settings(to_dict(rm_cfg)).items() if k not in ("data", "val_data", "base")}  # where it reads from is in the inputs
     manifest = make_manifest("reward-model", {"reward_model": settings}, inputs, seed=rm_cfg.seed)
     if (existing := up_to_date(out, manifest, force)) is not None:
+        clear_finished(out, manifest)
         return existing
     if train_source.table.num_rows == 0:
         raise InputError(f"{data}: no preference pairs")

@@ -461,7 +461,13 @@ def run(
     from rlctl.backends.hf import check_model_dir
     from rlctl.checkpoint import local_checkpoint_dir, same_folder
     from rlctl.dtypes import decided_bf16, models_device
-    from rlctl.epoch_checkpoints import clear, result_settings, resume_point, run_epochs
+    from rlctl.epoch_checkpoints import (
+        clear,
+        clear_finished,
+        result_settings,
+        resume_point,
+        run_epochs,
+    )
     from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
     from rlctl.passes import ModelShape, decided_micro_batch_tokens, ranks_at_once
     from rlctl.shards import read
@@ -480,6 +486,7 @@ def run(
     inputs = [shards_ref(train_source), model_ref(model)] + ([shards_ref(val_source)] if val_source else [])
     manifest = make_manifest("sft", {"sft": result_settings(to_dict(sft)), "data": to_dict(cfg.data)}, inputs, seed=sft.seed)
     if (existing := up_to_date(out, manifest, force)) is not None:
+        clear_finished(out, manifest)
         return existing
     if train_source.table.num_rows == 0:
         raise InputError(f"{data}: no examples")

@@ -195,6 +195,27 @@ def test_an_epoch_checkpoint_of_other_settings_is_not_resumed_from(cli, tmp_path
     assert other.exit_code == 0 and "resuming" not in other.stderr and not (tmp_path / "sft.progress").exists()
 
 
+def test_a_finished_runs_leftover_epoch_checkpoint_goes_at_the_skipped_rerun_and_another_runs_stays(cli, tmp_path, tiny_model, examples, monkeypatch):
+    """A crash between the output's commit and the removal of its epoch checkpoints leaves
+    them beside a committed output: the rerun, skipped, removes them; a checkpoint of another
+    run's settings is not this output's to remove."""
+    import shutil
+
+    from rlctl import epoch_checkpoints
+
+    args = ["sft", "--data", examples, "--model", tiny_model, "--epochs", "2", "--lr", "1e-3"]
+    with monkeypatch.context() as crashed:
+        crashed.setattr(epoch_checkpoints, "clear", lambda out: None)  # as if killed before the removal
+        assert cli(*args, "--batch-size", "4", "--out", tmp_path / "sft").exit_code == 0
+        assert cli(*args, "--batch-size", "3", "--out", tmp_path / "other").exit_code == 0
+    assert (tmp_path / "sft.progress" / "epoch-0001").is_dir()
+    rerun = cli(*args, "--batch-size", "4", "--out", tmp_path / "sft")
+    assert rerun.exit_code == 0 and "skipped" in rerun.stderr and not (tmp_path / "sft.progress").exists()
+    shutil.move(tmp_path / "other.progress", tmp_path / "sft.progress")  # another run's, crashed while training into the same folder
+    assert "skipped" in cli(*args, "--batch-size", "4", "--out", tmp_path / "sft").stderr
+    assert (tmp_path / "sft.progress" / "epoch-0001").is_dir()
+
+
 def test_an_sft_killed_mid_epoch_resumes_from_its_step_checkpoint_to_the_uninterrupted_result(tmp_path, tiny_model, examples):
     """sft.save_steps: a checkpoint every N optimizer steps within an epoch too, the sums of
     the epoch's steps so far in its manifest; saving more or less often is not a change of
