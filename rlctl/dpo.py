@@ -22,7 +22,8 @@ a pair's loss is, by `dpo.loss` (β = `dpo.beta`, ε = `dpo.label_smoothing`):
              o = log odds(y_c) − log odds(y_r)                  NLL beside an odds-ratio term; odds(y) =
                                                                 p/(1 − p), p = exp(log π(y)/|y|)
 
-the mean over each optimizer step's pairs. β·(log π − log π_ref) is a response's implicit
+plus, with `dpo.sft_weight` = α > 0, α·(−log π(y_c)/|y_c|), the chosen response's NLL per token
+(RPO), the mean over each optimizer step's pairs. β·(log π − log π_ref) is a response's implicit
 reward (SimPO's and ORPO's: β·log π/|y|): `accuracy` is the share of pairs whose chosen response has the
 larger one, `margin` the mean difference. The reference's log-probabilities are computed once,
 before the first step, with the starting weights (LoRA adapters start at B = 0, so the same
@@ -103,11 +104,28 @@ def encode_dpo_pairs(table: pa.Table, tokenizer, data: DataConfig, cfg: DpoConfi
 def dpo_losses(
     chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, *, beta: float, loss: str = "sigmoid",
     label_smoothing: float = 0.0, chosen_tokens: torch.Tensor | None = None, rejected_tokens: torch.Tensor | None = None, simpo_gamma: float = 0.0,
+    sft_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(each pair's loss, the chosen response's implicit reward, the rejected one's) from the
-    responses' summed log-probabilities under the policy and the reference [P] (SimPO ignores
-    the reference); "ipo" and "simpo" also need each side's trained tokens, since they compare
-    per-token values."""
+    responses' summed log-probabilities under the policy and the reference [P] (SimPO and ORPO
+    ignore the reference); "ipo", "simpo" and "orpo" also need each side's trained tokens,
+    since they compare per-token values, as does `sft_weight`, the weight of the chosen side's
+    NLL per token added to each pair's loss."""
+    losses, chosen_reward, rejected_reward = _preference_losses(
+        chosen, rejected, ref_chosen, ref_rejected, beta=beta, loss=loss, label_smoothing=label_smoothing, chosen_tokens=chosen_tokens,
+        rejected_tokens=rejected_tokens, simpo_gamma=simpo_gamma,
+    )
+    if sft_weight:  # RPO (Pang et al.): DPO beside the chosen response's NLL
+        if chosen_tokens is None:
+            raise ValueError("an sft_weight needs the chosen side's trained tokens")
+        losses = losses - sft_weight * chosen / chosen_tokens.clamp(min=1)
+    return losses, chosen_reward, rejected_reward
+
+
+def _preference_losses(
+    chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, *, beta: float, loss: str,
+    label_smoothing: float, chosen_tokens: torch.Tensor | None, rejected_tokens: torch.Tensor | None, simpo_gamma: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from torch.nn.functional import logsigmoid, relu
 
     if loss in ("ipo", "simpo", "orpo") and (chosen_tokens is None or rejected_tokens is None):
@@ -228,7 +246,7 @@ class DpoPasses:
                 chosen_tokens, rejected_tokens = (torch.tensor([side.trained_tokens(i) for i in micro], device=chosen.device) for side in (pairs.chosen, pairs.rejected))
                 losses, chosen_reward, rejected_reward = dpo_losses(
                     chosen, rejected, ref_chosen, ref_rejected, beta=cfg.beta, loss=cfg.loss, label_smoothing=cfg.label_smoothing,
-                    chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens, simpo_gamma=cfg.simpo_gamma,
+                    chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens, simpo_gamma=cfg.simpo_gamma, sft_weight=cfg.sft_weight,
                 )
                 summed = losses.sum()
                 if backward is not None:

@@ -45,6 +45,8 @@ def test_dpo_writes_a_checkpoint_with_its_epochs_and_a_rerun_is_skipped(cli, tmp
         ([{"prompt": "a", "chosen": "", "rejected": "c"}], [], "the chosen response of pair '0' has an empty response"),
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "kto"], "dpo.loss must be one of"),
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "ipo", "--set", "dpo.label_smoothing=0.1"], "dpo.label_smoothing applies to the sigmoid, robust and simpo losses"),
+        ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "orpo", "--set", "dpo.sft_weight=1"], "dpo.sft_weight adds the chosen responses' NLL, which dpo.loss = \"orpo\" has already"),
+        ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--set", "dpo.sft_weight=-1"], "dpo.sft_weight must be ≥ 0"),
     ],
 )
 def test_bad_input_is_one_line_and_nothing_written(cli, tmp_path, tiny_model, rows, args, fragment):

@@ -112,6 +112,15 @@ def test_every_loss_is_its_papers_formula_with_dpos_implicit_rewards(loss):
         assert torch.allclose(chosen_reward, 0.5 * (CHOSEN - REF_CHOSEN)) and torch.allclose(rejected_reward, 0.5 * (REJECTED - REF_REJECTED))
 
 
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "simpo"])
+def test_an_sft_weight_adds_the_chosen_responses_nll_per_token_to_any_loss(loss):
+    kwargs = {"beta": 0.5, "loss": loss, "chosen_tokens": CHOSEN_TOKENS, "rejected_tokens": REJECTED_TOKENS}
+    plain, chosen_reward, rejected_reward = dpo_losses(CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, **kwargs)
+    with_nll = dpo_losses(CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, sft_weight=0.2, **kwargs)
+    assert torch.allclose(with_nll[0], plain + 0.2 * torch.tensor([3 / 2, 5 / 4]))  # RPO: alpha times -log pi(y_c) / |y_c|
+    assert torch.equal(with_nll[1], chosen_reward) and torch.equal(with_nll[2], rejected_reward)  # the rewards are the preference loss's
+
+
 def test_orpos_log_odds_are_accurate_where_a_response_is_near_certain_or_near_impossible():
     mean_logp = torch.tensor([-1e-6, -1e-3, -0.5, -0.7, -5.0, -40.0])
     want = torch.log(-torch.expm1(mean_logp.double()))  # log(1 - p) in double precision
@@ -149,12 +158,14 @@ def test_the_reference_is_the_starting_weights_so_the_first_loss_is_the_one_at_h
     assert loss_value == pytest.approx(first, rel=1e-5) and accuracy == 0.0  # no pair's chosen reward above its rejected one's yet
 
 
-@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "orpo"])  # ipo, orpo: per-token values, each side's own token count in any pass
-def test_passes_of_any_size_give_the_gradient_of_the_batchs_mean_loss(tiny_model, tmp_path, loss):
+@pytest.mark.parametrize(("loss", "sft_weight"), [("sigmoid", 0.0), ("ipo", 0.0), ("orpo", 0.0), ("sigmoid", 0.7)])  # per-token values: each side's own token count in any pass
+def test_passes_of_any_size_give_the_gradient_of_the_batchs_mean_loss(tiny_model, tmp_path, loss, sft_weight):
     gradients = []
     for micro, cap in ((1, "0"), (5, "0"), (4, "40")):
         policy = HFPolicy.load(tiny_model, "cpu")
-        cfg = DpoConfig(batch_size=5, micro_batch_size=micro, micro_batch_tokens=cap, bf16="false", lr=1e-9, max_grad_norm=0.0, beta=0.3, loss=loss)
+        cfg = DpoConfig(
+            batch_size=5, micro_batch_size=micro, micro_batch_tokens=cap, bf16="false", lr=1e-9, max_grad_norm=0.0, beta=0.3, loss=loss, sft_weight=sft_weight,
+        )
         trainer = DpoTrainer(policy, cfg, total_steps=1)
         pairs = trainer.with_reference(encode(policy, table_of(tmp_path, number_pairs(5))))
         # a reference other than the weights, so the gradient is not the one at h = 0
@@ -168,7 +179,7 @@ def test_passes_of_any_size_give_the_gradient_of_the_batchs_mean_loss(tiny_model
     tokens = [torch.tensor([len(r) for r in side.response_ids]) for side in (pairs.chosen, pairs.rejected)]
     losses, _, _ = dpo_losses(
         chosen, rejected, torch.tensor(pairs.ref_chosen).double(), torch.tensor(pairs.ref_rejected).double(), beta=0.3, loss=loss,
-        chosen_tokens=tokens[0], rejected_tokens=tokens[1],
+        chosen_tokens=tokens[0], rejected_tokens=tokens[1], sft_weight=sft_weight,
     )
     losses.mean().backward()
     direct = torch.cat([p.grad.reshape(-1) for p in policy.model.parameters() if p.grad is not None]).float()
