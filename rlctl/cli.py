@@ -520,6 +520,40 @@ def dpo(
     _report(manifest, as_json)
 
 
+@app.command()
+def kto(
+    data: Annotated[str, typer.Option("--data", help="Examples: prompt (or messages) with completion (or response) and a boolean label (true: desirable), or preference pairs (chosen/rejected, taken as two examples); .jsonl, .json, .parquet or a shard folder.")],
+    model: Annotated[str, typer.Option("--model", help="Policy to train (and the reference it is held to): HF folder or rlctl checkpoint.")],
+    out: Annotated[str, typer.Option("--out", help="Checkpoint folder to write (a pipeline's model.path can start from it).")],
+    val_data: Annotated[Optional[str], typer.Option("--val-data", help="Held-out examples: their loss and reward margin before training and after each epoch.")] = None,
+    epochs: Annotated[Optional[int], typer.Option("--epochs", help="Passes over the examples." + _default("kto.epochs"))] = None,
+    lr: Annotated[Optional[float], typer.Option("--lr", help="Learning rate." + _default("kto.lr"))] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Examples per optimizer step." + _default("kto.batch_size"))] = None,
+    beta: Annotated[Optional[float], typer.Option("--beta", help="Strength of the pull towards the reference." + _default("kto.beta"))] = None,
+    device: DeviceOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    as_json: JsonOpt = False,
+    force: ForceOpt = False,
+) -> None:
+    """Kahneman-Tversky optimization: train the policy on responses labelled desirable or undesirable, no pairs needed."""
+    from dataclasses import replace
+
+    from rlctl.config import override_section
+    from rlctl.kto import run
+    from rlctl.supervised import describe_epoch
+
+    cfg = _stage_config(config, set_)
+    cfg = replace(cfg, kto=override_section(cfg.kto, epochs=epochs, lr=lr, batch_size=batch_size, beta=beta))
+
+    def report(row: dict) -> None:
+        if not as_json:
+            _err(describe_epoch(row, "kto"))
+
+    manifest = run(data=data, model=model, out=out, cfg=cfg, val_data=val_data, device=device or cfg.model.device, force=force, report=report)
+    _report(manifest, as_json)
+
+
 def _evaluate_sft(data: str, model: str, cfg, device: str, as_json: bool) -> None:
     """`rlctl sft --eval`: the table (or JSON) of rlctl.sft.evaluate's rows."""
     from rlctl.sft import evaluate

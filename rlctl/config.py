@@ -491,6 +491,48 @@ class DpoConfig:
 
 
 @dataclass(frozen=True)
+class KtoConfig:
+    """Kahneman-Tversky optimization (`rlctl kto`): the policy trained on responses labelled
+    desirable or undesirable, no pairs needed, against its own starting weights as the reference
+    (TRL's KTOTrainer, OpenRLHF's train_kto)."""
+
+    beta: float = 0.1  # strength of the pull towards the reference: the implicit reward is beta × (log π − log π_ref) of a response
+    desirable_weight: float = 1.0  # the desirable examples' loss weight (lambda_D; the paper keeps lambda_D × desirable / (lambda_U × undesirable) in [1, 4/3])
+    undesirable_weight: float = 1.0  # the undesirable examples' loss weight (lambda_U)
+    lr: float = 1e-6  # learning rate (AdamW)
+    epochs: int = 1  # passes over the examples
+    save_steps: int = 0  # a checkpoint also every N optimizer steps within an epoch, to resume from mid-epoch (beside OUT, removed at the end); 0 = at each epoch's end only
+    batch_size: int = 16  # examples per optimizer step (the reference point is estimated over them)
+    micro_batch_size: int = 8  # examples per forward/backward
+    micro_batch_tokens: str = "auto"  # padded tokens per forward/backward at most, as update.micro_batch_tokens
+    max_tokens: int = 0  # prompt + response tokens of an example at most; 0 = the model's context
+    truncate: str = "error"  # an example over max_tokens: error | right (its response cut; the cut response has no end token)
+    max_grad_norm: float = 1.0  # gradient clipping by global norm; 0 = off
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
+    lr_schedule: str = "constant"  # constant | linear | cosine, as sft.lr_schedule
+    min_lr_ratio: float = 0.0  # the floor of the decay, as a share of lr
+    bf16: str = "auto"  # bf16 autocast: auto (where the CPU/GPU has native bf16) | true | false
+    gradient_checkpointing: bool = False  # recompute each decoder layer's activations in the backward: less memory for ~30% more compute
+    seed: int = 0  # seed of the example order and of the mismatched pairs
+    lora: LoraConfig = field(default_factory=LoraConfig)  # train LoRA adapters instead of every weight (r > 0)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bf16, bool):
+            object.__setattr__(self, "bf16", "true" if self.bf16 else "false")
+        if isinstance(self.micro_batch_tokens, int) and not isinstance(self.micro_batch_tokens, bool):
+            object.__setattr__(self, "micro_batch_tokens", str(self.micro_batch_tokens))
+        check_ranges(self, "kto", {
+            "beta": above(0.0), "desirable_weight": above(0.0), "undesirable_weight": above(0.0),
+            "lr": above(0.0), "epochs": at_least(1), "save_steps": at_least(0), "batch_size": at_least(2),
+            "micro_batch_size": at_least(1), "max_tokens": at_least(0), "truncate": one_of("error", "right"), "max_grad_norm": at_least(0.0),
+            "weight_decay": at_least(0.0), "warmup_steps": at_least(0), "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0),
+            "bf16": one_of(*AUTOCAST_CHOICES),
+            "micro_batch_tokens": lambda v: None if v == "auto" or (isinstance(v, str) and v.isascii() and v.isdigit()) else "must be auto, 0 (no cap) or a number of tokens",
+        })
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -505,6 +547,7 @@ class Config:
     sft: SftConfig = field(default_factory=SftConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    kto: KtoConfig = field(default_factory=KtoConfig)
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
@@ -618,6 +661,7 @@ def parse_scalar(text: str) -> Any:
 LEGACY_VALUES = {
     "score.old_logprobs": {True: "recompute", False: "rollout"}, "update.bf16": {True: "true", False: "false"}, "sft.bf16": {True: "true", False: "false"},
     "reward_model.bf16": {True: "true", False: "false"}, "dpo.bf16": {True: "true", False: "false"},
+    "kto.bf16": {True: "true", False: "false"},
 }
 
 

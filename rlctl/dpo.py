@@ -68,6 +68,13 @@ class DpoPairs:
     def __len__(self) -> int:
         return len(self.chosen)
 
+    def reference_values(self) -> torch.Tensor:
+        """The reference's log-probabilities [2, pairs]: the chosen responses', the rejected ones'."""
+        return torch.tensor([self.ref_chosen, self.ref_rejected], dtype=torch.float64)
+
+    def with_reference_values(self, values: torch.Tensor) -> DpoPairs:
+        return replace(self, ref_chosen=values[0].tolist(), ref_rejected=values[1].tolist())
+
     @property
     def ids(self) -> list[str]:
         return self.chosen.ids
@@ -310,53 +317,62 @@ class DpoTrainer(SupervisedSteps, DpoPasses):
 # --- where it trains: this process, or a Ray group of FSDP2 ranks ------------------------------
 
 
-def reference_tensors(pairs: DpoPairs, held_out: DpoPairs | None) -> dict[str, torch.Tensor]:
-    """The reference's log-probabilities as an epoch checkpoint keeps them: [2, pairs] each."""
-    kept = {"train": torch.tensor([pairs.ref_chosen, pairs.ref_rejected], dtype=torch.float64)}
+def reference_tensors(rows, held_out) -> dict[str, torch.Tensor]:
+    """The reference's log-probabilities as an epoch checkpoint keeps them: the rows' and the
+    held-out rows' `reference_values()`, [2, rows] each."""
+    kept = {"train": rows.reference_values()}
     if held_out is not None:
-        kept["held_out"] = torch.tensor([held_out.ref_chosen, held_out.ref_rejected], dtype=torch.float64)
+        kept["held_out"] = held_out.reference_values()
     return kept
 
 
-def with_kept_reference(pairs: DpoPairs, values: torch.Tensor | None) -> DpoPairs:
-    """`pairs` with the reference's log-probabilities an epoch checkpoint kept (a resumed run:
+def with_kept_reference(rows, values: torch.Tensor | None):
+    """`rows` with the reference's log-probabilities an epoch checkpoint kept (a resumed run:
     its weights are no longer the reference)."""
-    if values is None or values.shape != (2, len(pairs)):
-        raise InputError("the epoch checkpoint's reference log-probabilities do not match the pairs")
-    return replace(pairs, ref_chosen=values[0].tolist(), ref_rejected=values[1].tolist())
+    if values is None or values.shape != (2, len(rows)):
+        raise InputError("the epoch checkpoint's reference log-probabilities do not match the data")
+    return rows.with_reference_values(values)
 
 
 class LocalDpo(LocalPolicy):
-    def start(self, pairs: DpoPairs, held_out: DpoPairs | None, total_steps: int, progress=None) -> tuple[DpoPairs, DpoPairs | None]:
-        """The trainer made, and the reference's log-probabilities of every pair computed (or
-        kept: a resumed run's); the pairs with them."""
-        self.trainer = DpoTrainer(self.policy, self.cfg, total_steps=total_steps)
-        self.pairs = self.trainer.with_reference(pairs)
+    """A trainer whose reference is its starting weights (`trainer`: dpo's; kto's) in this process."""
+
+    trainer_class: type = DpoTrainer
+
+    def start(self, rows, held_out, total_steps: int, progress=None) -> tuple:
+        """The trainer made, and the reference's log-probabilities of every row computed (or
+        kept: a resumed run's); the rows with them."""
+        self.trainer = self.trainer_class(self.policy, self.cfg, total_steps=total_steps)
+        self.rows = self.trainer.with_reference(rows)
         self.held_out = self.trainer.with_reference(held_out) if held_out is not None else None
         self.resume(progress)
-        return self.pairs, self.held_out
+        return self.rows, self.held_out
 
     def steps(self, epoch: int, first: int, last: int) -> dict:
-        return self.trainer.train_steps(self.pairs, epoch, first, last)
+        return self.trainer.train_steps(self.rows, epoch, first, last)
 
-    def evaluate(self) -> tuple[float, float]:
+    def evaluate(self) -> tuple:
         return self.trainer.evaluate(self.held_out)
 
 
 class RayDpo(RayPolicy):
-    def start(self, pairs: DpoPairs, held_out: DpoPairs | None, total_steps: int, progress=None) -> tuple[DpoPairs, DpoPairs | None]:
+    """The same on a Ray group of FSDP2 ranks (`command` names the trainer the ranks make)."""
+
+    command = "dpo"
+
+    def start(self, rows, held_out, total_steps: int, progress=None) -> tuple:
         import ray
 
-        shared = ray.put((pairs, held_out))  # one copy, read by every rank
-        referenced = self.group.call_ranks("dpo_start", lambda rank: (shared, self.cfg, total_steps))[0]
+        shared = ray.put((rows, held_out))  # one copy, read by every rank
+        referenced = self.group.call_ranks("referenced_start", lambda rank: (self.command, shared, self.cfg, total_steps))[0]
         self.resume(progress)
         return referenced
 
     def steps(self, epoch: int, first: int, last: int) -> dict:
-        return self.group.call_ranks("dpo_steps", lambda rank: (epoch, first, last))[0]
+        return self.group.call_ranks("referenced_steps", lambda rank: (epoch, first, last))[0]
 
-    def evaluate(self) -> tuple[float, float]:
-        return self.group.call_ranks("dpo_evaluate", lambda rank: ())[0]
+    def evaluate(self) -> tuple:
+        return self.group.call_ranks("referenced_evaluate", lambda rank: ())[0]
 
 
 # --- measuring a trained policy on held-out pairs ----------------------------------------------

@@ -753,28 +753,30 @@ class RankWorker:
 
         self.supervised.load_state_dict(trainer_state.load(Path(directory) / STATE_DIR))
 
-    # -- direct preference optimization (rlctl dpo) ------------------------------------------
+    # -- preference training against the starting weights (rlctl dpo, rlctl kto) -------------
 
-    def dpo_start(self, shared, cfg, total_steps: int):
-        """The trainer made, and the reference's log-probabilities of the (training, held-out)
-        pairs in `shared` computed with the starting weights (unless they carry them: a resumed
-        run's), kept on this rank and returned."""
+    def referenced_start(self, command: str, shared, cfg, total_steps: int):
+        """`command`'s trainer made, and the reference's log-probabilities of the (training,
+        held-out) rows in `shared` computed with the starting weights (unless they carry them:
+        a resumed run's), kept on this rank and returned."""
         from rlctl.dpo import DpoTrainer
+        from rlctl.kto import KtoTrainer
         from rlctl.trainer import RankGroup
 
-        pairs, held_out = shared
-        self.dpo_trainer = self.supervised = DpoTrainer(self.train_policy, cfg, total_steps=total_steps, ranks=RankGroup(self.rank, self.world))
-        self.dpo_pairs = self.dpo_trainer.with_reference(pairs)
-        self.dpo_held_out = self.dpo_trainer.with_reference(held_out) if held_out is not None else None
-        return self.dpo_pairs, self.dpo_held_out
+        rows, held_out = shared
+        trainer = {"dpo": DpoTrainer, "kto": KtoTrainer}[command]
+        self.referenced = self.supervised = trainer(self.train_policy, cfg, total_steps=total_steps, ranks=RankGroup(self.rank, self.world))
+        self.referenced_rows = self.referenced.with_reference(rows)
+        self.referenced_held_out = self.referenced.with_reference(held_out) if held_out is not None else None
+        return self.referenced_rows, self.referenced_held_out
 
-    def dpo_steps(self, epoch: int, first: int, last: int) -> dict:
-        """Optimizer steps `first` to `last` of an epoch of `rlctl dpo`, this rank's share of each step's pairs."""
-        return self.dpo_trainer.train_steps(self.dpo_pairs, epoch, first, last)
+    def referenced_steps(self, epoch: int, first: int, last: int) -> dict:
+        """Optimizer steps `first` to `last` of an epoch, this rank's share of each step's rows."""
+        return self.referenced.train_steps(self.referenced_rows, epoch, first, last)
 
-    def dpo_evaluate(self) -> tuple[float, float]:
-        """The held-out pairs' mean loss and accuracy, summed over the ranks' shares."""
-        return self.dpo_trainer.evaluate(self.dpo_held_out)
+    def referenced_evaluate(self) -> tuple:
+        """The held-out rows' figures (mean loss, and accuracy or margin), summed over the ranks' shares."""
+        return self.referenced.evaluate(self.referenced_held_out)
 
     # -- reward-model training (rlctl reward-model) ------------------------------------------
 

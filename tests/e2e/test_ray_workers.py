@@ -494,6 +494,38 @@ def test_two_workers_train_a_reward_model_as_one_process_does(ray_session, tiny_
     assert abs(scores[0][0] - scores[1][0]) < 1e-4
 
 
+def test_two_workers_train_kto_as_one_process_does(ray_session, tiny_model, tmp_path):
+    """`rlctl kto` on two FSDP2 ranks: the reference's log-probabilities (of the responses and
+    of the mismatched pairs) computed once and shared; each step's reference point is the
+    group's mean, each rank its share of every step's examples (an odd count: one rank runs an
+    empty pass)."""
+    from rlctl import kto
+    from tests.unit.test_kto import number_examples
+
+    data = tmp_path / "kto.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in number_examples(9)))
+    settings = ["kto.epochs=2", "kto.lr=1e-4", "kto.batch_size=4", "kto.micro_batch_size=1", "kto.bf16=false", "kto.beta=0.5", "model.device=\"cpu\""]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each worker (cpus_per_worker = 1)
+    try:
+        local = kto.run(data=str(data), val_data=str(data), model=tiny_model, out=str(tmp_path / "local"), cfg=load_config(None, settings), device="cpu")
+    finally:
+        torch.set_num_threads(threads)
+    ray_cfg = load_config(None, [*settings, 'workers.backend="ray"', "workers.num_workers=2"])
+    on_ranks = kto.run(data=str(data), val_data=str(data), model=tiny_model, out=str(tmp_path / "ray"), cfg=ray_cfg, device="cpu")
+    assert len(on_ranks.state["epochs"]) == len(local.state["epochs"]) == 3
+    for ours, theirs in zip(on_ranks.state["epochs"], local.state["epochs"]):
+        assert ours["epoch"] == theirs["epoch"] and ours.get("steps") == theirs.get("steps")
+        for key in ("loss", "kl", "margin", "desirable_reward", "val_loss", "val_margin"):
+            if key in theirs:
+                assert abs(ours[key] - theirs[key]) < 1e-4, (key, ours, theirs)
+    assert local.state["epochs"][-1]["val_margin"] > local.state["epochs"][0]["val_margin"]
+    assert any(row.get("kl", 0) > 0 for row in local.state["epochs"])  # a reference point above 0: the ranks' shares of it summed
+    got, want = load_file(str(tmp_path / "ray" / "model.safetensors")), load_file(str(tmp_path / "local" / "model.safetensors"))
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) < SPLIT_ROUNDING
+    assert on_ranks.state["workers"]["num_workers"] == 2
+
+
 def test_two_workers_train_dpo_as_one_process_does(ray_session, tiny_model, tmp_path):
     """`rlctl dpo` on two FSDP2 ranks: the reference's log-probabilities computed once, each rank
     its share and every rank all of them; each takes its share of every step's pairs (an odd

@@ -1,0 +1,411 @@
+"""Kahneman-Tversky optimization (`rlctl kto`): the policy trained on responses each labelled
+desirable or undesirable, with no pairs, no reward model and no sampling, against its own
+starting weights as the reference (Ethayarajh et al., 2024; TRL's KTOTrainer, OpenRLHF's
+train_kto).
+
+An example is a prompt with one response and a boolean `label` (true: desirable), read as
+`rlctl sft` reads a prompt and its response; preference pairs (chosen/rejected columns, as
+`rlctl dpo` reads them) are taken as two examples each, the chosen one desirable. With
+r = log π(y|x) − log π_ref(y|x) (sums over the response's trained tokens) and β = `kto.beta`,
+
+    desirable    λ_D · (1 − σ(β·(r − z)))
+    undesirable  λ_U · (1 − σ(β·(z − r)))
+
+the mean over each optimizer step's examples, λ_D, λ_U = `kto.desirable_weight`,
+`kto.undesirable_weight`. z, the reference point, estimates KL(π ‖ π_ref) from mismatched
+pairs: each example's prompt with another example's response (a seeded derangement, fixed for
+the run), z = max(0, mean over the step's examples of log π(y'|x) − log π_ref(y'|x)), computed
+without a gradient before the step's passes (the paper's; TRL estimates it per micro-batch).
+The reference's log-probabilities, of the responses and of the mismatched ones, are computed
+once before the first step with the starting weights: no second model is held. β·r is an
+example's implicit reward; each epoch reports the mean over the desirable examples, over the
+undesirable ones, their difference (`margin`) and z (`kl`).
+
+It trains in this process or on a Ray group of FSDP2 ranks (`workers.backend = "ray"`), as
+`rlctl dpo` does, and resumes from its epoch checkpoints; the output is a checkpoint folder
+like dpo's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+import pyarrow as pa
+import torch
+
+from rlctl.config import Config, DataConfig, KtoConfig, to_dict
+from rlctl.dpo import LocalDpo, RayDpo, reference_tensors, with_kept_reference
+from rlctl.errors import InputError
+from rlctl.manifest import Manifest
+from rlctl.sft import Examples
+from rlctl.supervised import SupervisedSteps
+
+# --- examples ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KtoExamples:
+    """Each example's prompt and response as tokens, whether it is desirable, whose response
+    follows its prompt in its mismatched pair (`partner`), and the reference's log-probabilities
+    of both sequences (empty until computed)."""
+
+    examples: Examples
+    desirable: list[bool]
+    partner: list[int]
+    ref: list[float] = field(default_factory=list)
+    ref_mismatched: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def reference_values(self) -> torch.Tensor:
+        """The reference's log-probabilities [2, examples]: the responses', the mismatched ones'."""
+        return torch.tensor([self.ref, self.ref_mismatched], dtype=torch.float64)
+
+    def with_reference_values(self, values: torch.Tensor) -> KtoExamples:
+        return replace(self, ref=values[0].tolist(), ref_mismatched=values[1].tolist())
+
+    @property
+    def ids(self) -> list[str]:
+        return self.examples.ids
+
+    @cached_property
+    def mismatched(self) -> Examples:
+        """Each example's prompt followed by its partner's response (trained tokens: the partner's)."""
+        ex, partner = self.examples, self.partner
+        return Examples(
+            ex.ids, ex.prompt_ids, [ex.response_ids[j] for j in partner], None if ex.trained is None else [ex.trained[j] for j in partner],
+        )
+
+
+def mismatched_partners(count: int, seed: int) -> list[int]:
+    """A derangement of `count` examples, seeded: example i's prompt meets response partner[i] ≠ i."""
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
+    partner = [0] * count
+    for k, row in enumerate(order):
+        partner[row] = order[(k + 1) % count]
+    return partner
+
+
+def split_labelled(table: pa.Table, source: str) -> tuple[list[str], list[str | None], list[list[dict] | None], list, list[bool]]:
+    """(ids, plain prompts, chat contexts, responses, desirable) of every example: rows with a
+    `label`, or preference pairs taken as a desirable and an undesirable example each."""
+    from rlctl.reward_model import pair_ids, split_pairs
+    from rlctl.sft import split_examples
+
+    names = table.column_names
+    ids = pair_ids(table)
+    if "chosen" in names or "rejected" in names:
+        split = split_pairs(table, source)
+        out: tuple[list, list, list, list, list] = ([], [], [], [], [])
+        for pair_id, (prompt, chat, chosen, rejected) in zip(ids, split):
+            for side, response, good in (("chosen", chosen, True), ("rejected", rejected, False)):
+                for column, value in zip(out, (f"{pair_id}:{side}", prompt, chat, response, good)):
+                    column.append(value)
+        return out
+    if "label" not in names:
+        raise InputError(f"{source}: KTO examples need a 'label' column (true: desirable, false: undesirable), or 'chosen' and 'rejected' columns")
+    labels = table.column("label").to_pylist()
+    for example, label in zip(ids, labels):
+        if not isinstance(label, bool):
+            raise InputError(f"{source}: example {example!r} has label {label!r}: it must be true (desirable) or false (undesirable)")
+    if "id" not in names:
+        table = table.append_column("id", pa.array(ids, pa.string()))
+    prompts, contexts, responses = split_examples(table, source)
+    return ids, prompts, contexts, responses, labels
+
+
+def encode_kto_examples(
+    table: pa.Table, tokenizer, data: DataConfig, cfg: KtoConfig, *, end_ids: Sequence[int], context_length: int | None, source: str,
+) -> KtoExamples:
+    """Every example as tokens (as `rlctl sft` reads them; one empty or too long is one error
+    naming it), its label, and its partner in the mismatched pairs."""
+    from rlctl.sft import examples_of
+
+    ids, prompts, contexts, responses, desirable = split_labelled(table, source)
+    if len(ids) < 2:
+        raise InputError(f"{source}: KTO needs at least 2 examples (its reference point pairs each prompt with another example's response)")
+    examples = examples_of(
+        ids, prompts, contexts, responses, tokenizer, data, max_tokens=cfg.max_tokens, truncate=cfg.truncate, end_ids=end_ids,
+        context_length=context_length, source=source, setting="kto",
+    )
+    return KtoExamples(examples, desirable, mismatched_partners(len(ids), cfg.seed))
+
+
+# --- the loss ---------------------------------------------------------------------------------
+
+
+def kto_losses(
+    logratio: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor | float, *, beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each example's loss, its implicit reward β·r) from r = log π − log π_ref [N], whether it
+    is desirable [N] and the reference point z."""
+    chosen = desirable_weight * (1 - torch.sigmoid(beta * (logratio - kl)))
+    rejected = undesirable_weight * (1 - torch.sigmoid(beta * (kl - logratio)))
+    return torch.where(desirable, chosen, rejected), (beta * logratio).detach()
+
+
+@dataclass
+class KtoSums:
+    """Sums over examples: the loss, how many of each label, their implicit rewards, and the
+    reference point z weighted by the examples it was estimated for."""
+
+    loss: float = 0.0
+    desirable: float = 0.0
+    undesirable: float = 0.0
+    desirable_reward: float = 0.0
+    undesirable_reward: float = 0.0
+    kl: float = 0.0
+
+    def add(self, other: KtoSums) -> None:
+        for key, value in vars(other).items():
+            setattr(self, key, getattr(self, key) + value)
+
+
+@dataclass
+class EpochRow:
+    """One epoch's figures, as the passes met the examples (the weights moving): the mean loss,
+    the reference point z (`kl`), the mean implicit reward of the desirable and of the
+    undesirable examples and their difference (`margin`); the held-out examples' loss and
+    margin after the epoch."""
+
+    epoch: int
+    loss: float | None = None
+    kl: float | None = None
+    desirable_reward: float | None = None
+    undesirable_reward: float | None = None
+    margin: float | None = None
+    val_loss: float | None = None
+    val_margin: float | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    steps: int = 0
+    examples: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        row = {k: v for k, v in self.__dict__.items() if v is not None and (self.steps or k in ("epoch", "val_loss", "val_margin"))}
+        if self.seconds:
+            row["examples_per_s"] = self.examples / self.seconds
+        return row
+
+    @classmethod
+    def of_sums(cls, epoch: int, sums: dict, **more) -> EpochRow:
+        """A row's figures from sums over its examples."""
+        n = sums["desirable"] + sums["undesirable"]
+        good = sums["desirable_reward"] / sums["desirable"] if sums["desirable"] else None
+        bad = sums["undesirable_reward"] / sums["undesirable"] if sums["undesirable"] else None
+        margin = good - bad if good is not None and bad is not None else None
+        return cls(epoch, loss=sums["loss"] / n, kl=sums["kl"] / n, desirable_reward=good, undesirable_reward=bad, margin=margin, **more)
+
+
+# --- training ---------------------------------------------------------------------------------
+
+
+class KtoPasses:
+    """The policy's passes over examples, of similar lengths capped by `micro_batch_size` and
+    `micro_batch_tokens`: the reference's log-probabilities, the reference point over a set of
+    examples, and the loss and rewards under `cfg`. On a group of FSDP2 ranks (`ranks`) each
+    rank takes its share, and the sums are the group's."""
+
+    def __init__(self, policy, cfg: KtoConfig, *, bf16: bool, ranks=None) -> None:
+        from rlctl.backends.hf import held_whole
+        from rlctl.trainer import ALONE
+
+        self.policy, self.cfg, self.bf16, self.ranks = policy, cfg, bf16, ranks or ALONE
+        self.weights_whole = held_whole(policy.model)
+
+    @torch.no_grad()
+    def with_reference(self, examples: KtoExamples) -> KtoExamples:
+        """`examples` with the current weights' log-probabilities as the reference's, of each
+        response and each mismatched one (before training), every rank getting all of them."""
+        if examples.ref:  # computed already: a resumed run's, from its epoch checkpoint
+            return examples
+        values = torch.zeros(2, len(examples), dtype=torch.float64)
+        everyone = list(range(len(examples)))
+        for side, sequences in enumerate((examples.examples, examples.mismatched)):
+            for micro, weight, logps in self._logps(sequences, everyone):
+                if weight:
+                    values[side, micro] = logps.double().cpu()
+        values = self.ranks.sum_tensor(values)
+        return replace(examples, ref=values[0].tolist(), ref_mismatched=values[1].tolist())
+
+    @torch.no_grad()
+    def reference_point(self, examples: KtoExamples, rows: list[int]) -> float:
+        """z over `rows`: max(0, the mean of log π − log π_ref over their mismatched pairs)."""
+        total = 0.0
+        for micro, weight, logps in self._logps(examples.mismatched, rows):
+            total += weight * float((logps.double().cpu() - torch.tensor([examples.ref_mismatched[i] for i in micro], dtype=torch.float64)).sum())
+        return max(0.0, self.ranks.sum({"kl": total})["kl"] / len(rows))
+
+    @torch.no_grad()
+    def evaluate(self, examples: KtoExamples) -> tuple[float, float | None]:
+        """(mean loss, margin) of `examples` under the current weights."""
+        rows = list(range(len(examples)))
+        row = EpochRow.of_sums(0, vars(self.passes(examples, rows, self.reference_point(examples, rows), None)))
+        return row.loss, row.margin
+
+    def passes(self, examples: KtoExamples, rows: list[int], kl: float, backward: Callable[[torch.Tensor], None] | None) -> KtoSums:
+        """Sums over `rows` (over every rank) at the reference point `kl`; `backward(summed
+        loss)` after each pass, scaled so that FSDP's average over ranks is the sum."""
+        if not examples.ref:
+            raise ValueError("the reference's log-probabilities are not computed yet (with_reference)")
+        sums, cfg = KtoSums(), self.cfg
+        for micro, weight, logps in self._logps(examples.examples, rows, backward is not None):  # weight 0: a rank's empty pass, run to keep FSDP's collectives in step
+            ref = torch.tensor([examples.ref[i] for i in micro], device=logps.device)
+            desirable = torch.tensor([examples.desirable[i] for i in micro], device=logps.device)
+            losses, rewards = kto_losses(
+                logps - ref, desirable, kl, beta=cfg.beta, desirable_weight=cfg.desirable_weight, undesirable_weight=cfg.undesirable_weight,
+            )
+            summed = losses.sum()
+            if backward is not None:
+                backward(summed * (weight * self.ranks.grad_scale))
+            good = desirable.double().cpu()
+            sums.add(KtoSums(
+                weight * float(summed.detach()), weight * float(good.sum()), weight * float((1 - good).sum()),
+                weight * float((rewards.double().cpu() * good).sum()), weight * float((rewards.double().cpu() * (1 - good)).sum()), weight * kl * len(micro),
+            ))
+        return KtoSums(**self.ranks.sum(vars(sums)))
+
+    def _logps(self, sequences: Examples, rows: list[int], grad: bool = False):
+        """(rows, weight, each row's summed log-probability over its trained response tokens [B])
+        of each pass of this rank over `rows` (weight 0: a rank's empty pass, run on one row to
+        keep FSDP's collectives in step)."""
+        from rlctl.backends.hf import casts_kept, pack, training_forward
+        from rlctl.sft import trained_mask
+
+        policy = self.policy
+        passes = self.ranks.micro_batches(torch.tensor(rows), self.cfg.micro_batch_size, sequences.lengths, None, int(self.cfg.micro_batch_tokens))
+        with casts_kept(policy.device, self.bf16 and self.weights_whole), torch.set_grad_enabled(grad):  # each weight cast to bf16 once for all the passes
+            for micro, weight in passes:
+                packed = pack([sequences.prompt_ids[i] for i in micro], [sequences.response_ids[i] for i in micro], policy.pad_id, policy.device)
+                with training_forward(policy.model, policy.device, self.bf16, rows=len(micro), length=packed.input_ids.shape[1]):
+                    logp, _ = policy.forward(packed, temperature=1.0)
+                summed = torch.where(trained_mask(packed.response_mask, sequences, micro), logp.float(), 0).sum(-1)
+                yield micro, weight, summed
+
+
+class KtoTrainer(SupervisedSteps, KtoPasses):
+    """AdamW on the policy (or its LoRA adapters), an optimizer step per `batch_size` examples:
+    the step's reference point first, then its passes."""
+
+    def __init__(self, policy, cfg: KtoConfig, *, total_steps: int, ranks=None) -> None:
+        from rlctl.trainer import ALONE
+
+        SupervisedSteps.__init__(self, policy.model, cfg, device_type=policy.device.type, total_steps=total_steps, command="kto")
+        self.policy, self.ranks = policy, ranks or ALONE
+
+    def train_epoch(self, examples: KtoExamples, epoch: int) -> EpochRow:
+        return self.epoch_row(epoch, self.train_steps(examples, epoch))
+
+    def train_steps(self, examples: KtoExamples, epoch: int, first: int = 0, last: int | None = None) -> dict:
+        """Optimizer steps `first` to `last` of an epoch: SupervisedSteps' tally with the examples' sums."""
+        sums = KtoSums()
+
+        def passes(rows: list[int]) -> None:
+            kl = self.reference_point(examples, rows)
+            sums.add(self.passes(examples, rows, kl, lambda summed: (summed / len(rows)).backward()))  # the step's mean
+
+        return {**self.run_steps(len(examples), epoch, passes, first, last), **vars(sums)}
+
+    @staticmethod
+    def epoch_row(epoch: int, tally: dict) -> EpochRow:
+        """An epoch's row from the tally of all its steps."""
+        return EpochRow.of_sums(epoch, tally, grad_norm=tally["norm_sum"] / tally["steps"], lr=tally["lr"], steps=tally["steps"], examples=tally["rows"], seconds=tally["seconds"])
+
+
+# --- where it trains: this process, or a Ray group of FSDP2 ranks ------------------------------
+
+
+class LocalKto(LocalDpo):
+    trainer_class = KtoTrainer
+
+
+class RayKto(RayDpo):
+    command = "kto"
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def run(
+    *, data: str, model: str, out: str, cfg: Config, val_data: str | None = None, device: str = "auto", force: bool = False,
+    report: Callable[[dict], None] | None = None,
+) -> Manifest:
+    """Train the policy at `model` on the labelled examples at `data` (`cfg.kto`, prompts as
+    `cfg.data` makes them, in this process or on `cfg.workers`' Ray group) and commit the
+    checkpoint at `out`; `report(row)` after each epoch (epoch 0: the held-out examples before
+    training)."""
+    from safetensors.torch import save as save_tensors
+
+    from rlctl.backends.hf import check_model_dir
+    from rlctl.checkpoint import local_checkpoint_dir, same_folder
+    from rlctl.dtypes import decided_bf16, models_device
+    from rlctl.epoch_checkpoints import (
+        KEPT_FILE,
+        clear,
+        clear_finished,
+        result_settings,
+        resume_point,
+        run_epochs,
+    )
+    from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
+    from rlctl.passes import ModelShape, decided_micro_batch_tokens, ranks_at_once
+    from rlctl.shards import read
+
+    check_model_dir(model)
+    local_checkpoint_dir(out)
+    if same_folder(out, model):
+        raise InputError(f"kto --out {out} is the --model folder: write the trained checkpoint elsewhere")
+    on = models_device(device, cfg.workers)
+    kto = replace(
+        cfg.kto, bf16=decided_bf16(cfg.kto.bf16, on),
+        micro_batch_tokens=decided_micro_batch_tokens(cfg.kto.micro_batch_tokens, on, ModelShape.of_folder(model), ranks=ranks_at_once(cfg.workers)),
+    )
+    train_source = read(data)
+    val_source = read(val_data) if val_data else None
+    inputs = [shards_ref(train_source), model_ref(model)] + ([shards_ref(val_source)] if val_source else [])
+    manifest = make_manifest("kto", {"kto": result_settings(to_dict(kto)), "data": to_dict(cfg.data)}, inputs, seed=kto.seed)
+    if (existing := up_to_date(out, manifest, force)) is not None:
+        clear_finished(out, manifest)
+        return existing
+    if train_source.table.num_rows == 0:
+        raise InputError(f"{data}: no examples")
+    progress = resume_point(out, manifest, force)  # an epoch checkpoint of this run: its weights to go on from
+    start = progress.folder if progress is not None else model
+    where = RayKto(start, kto, cfg.workers, device) if cfg.workers.backend == "ray" else LocalKto(start, kto, device)
+    try:
+        def encoded(source) -> KtoExamples:
+            return encode_kto_examples(source.table, where.tokenizer, cfg.data, kto, end_ids=where.end_ids, context_length=where.context_length, source=source.uri)
+
+        examples = encoded(train_source)
+        held_out = encoded(val_source) if val_source and val_source.table.num_rows else None
+        if progress is not None:  # the reference is the starting weights, not the epoch checkpoint's
+            examples = with_kept_reference(examples, progress.kept.get("train"))
+            held_out = with_kept_reference(held_out, progress.kept.get("held_out")) if held_out is not None else None
+        steps_per_epoch = -(-len(examples) // kto.batch_size)
+        examples, held_out = where.start(examples, held_out, kto.epochs * steps_per_epoch, progress)
+        kept = {KEPT_FILE: save_tensors(reference_tensors(examples, held_out))}
+
+        def measured(row: EpochRow) -> dict:
+            if held_out is not None:
+                row.val_loss, row.val_margin = where.evaluate()
+            return row.as_dict()
+
+        rows = run_epochs(
+            out, manifest, epochs=kto.epochs, steps_per_epoch=steps_per_epoch, save_steps=kto.save_steps, progress=progress,
+            before=(lambda: measured(EpochRow(0))) if held_out is not None else None, steps=where.steps,
+            row=lambda n, tally: measured(KtoTrainer.epoch_row(n, tally)), save=lambda folder, progress_manifest: where.save_progress(folder, progress_manifest, kept),
+            report=report,
+        )
+        manifest.state = {
+            "examples": len(examples), "desirable": sum(examples.desirable), "optimizer_steps": sum(row.get("steps", 0) for row in rows), "epochs": rows,
+            "reference": model,
+        }
+        manifest.metrics = {k: v for k, v in rows[-1].items() if k in ("loss", "kl", "margin", "val_loss", "val_margin")}
+        saved = where.save(out, manifest)
+    finally:
+        where.close()
+    clear(out)
+    return saved

@@ -1,0 +1,81 @@
+"""`rlctl kto` from the command line: a committed checkpoint a pipeline starts from, rerun
+skipped, a killed run resumed; bad input is one line and nothing written."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlctl.checkpoint import is_intact
+from tests.conftest import assert_not_written, one_line_error
+from tests.unit.test_kto import number_examples
+
+
+@pytest.fixture
+def examples(tmp_path) -> Path:
+    path = tmp_path / "kto.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in number_examples(8)))
+    return path
+
+
+def test_kto_writes_a_checkpoint_with_its_epochs_that_a_pipeline_starts_from(cli, tmp_path, tiny_model, examples):
+    args = ("kto", "--data", examples, "--val-data", examples, "--model", tiny_model, "--out", tmp_path / "kto", "--epochs", "2", "--lr", "1e-3", "--batch-size", "4", "--beta", "0.5")
+    result = cli(*args)
+    assert result.exit_code == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("kto: epoch 0  val_loss 0.5  val_margin 0") and lines[2].startswith("kto: epoch 2  loss") and "kto: wrote" in lines[-1]
+    assert "kl" in lines[2] and "desirable_reward" in lines[2]
+    assert is_intact(str(tmp_path / "kto")) is None and not (tmp_path / "kto" / "trainer_state").exists()
+    manifest = json.loads((tmp_path / "kto" / "_manifest.json").read_text())
+    assert manifest["stage"] == "kto" and manifest["config"]["kto"]["beta"] == 0.5 and manifest["state"]["optimizer_steps"] == 4
+    assert manifest["metrics"]["val_loss"] < 0.5 and manifest["metrics"]["val_margin"] > 0
+    assert "skipped" in cli(*args).stderr
+    from tests.e2e.test_pipeline import write_config
+
+    config = write_config(tmp_path, str(tmp_path / "kto"), model={"critic": ""}, advantage={"estimator": "grpo", "kl_coef": 0.0}, pipeline={"iterations": 1, "val_every": 0})
+    run = cli("pipeline", config, "--run-dir", tmp_path / "run", "--quiet")
+    assert run.exit_code == 0, run.stderr
+
+
+@pytest.mark.parametrize(
+    ("rows", "args", "fragment"),
+    [
+        ([{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"}], [], "KTO examples need a 'label' column"),
+        ([{"prompt": "a", "completion": "b", "label": True}], [], "KTO needs at least 2 examples"),
+        ([{"prompt": "a", "completion": "", "label": True}, {"prompt": "c", "completion": "d", "label": False}], [], "example '0' has an empty response"),
+        ([{"prompt": "a", "completion": "b " * 40, "label": True}, {"prompt": "c", "completion": "d", "label": False}], ["--set", "kto.max_tokens=20"], "over 20 (kto.max_tokens)"),
+        ([{"prompt": "a", "completion": "b", "label": True}, {"prompt": "c", "completion": "d", "label": False}], ["--beta", "0"], "kto.beta must be > 0"),
+        ([{"prompt": "a", "completion": "b", "label": True}, {"prompt": "c", "completion": "d", "label": False}], ["--batch-size", "1"], "kto.batch_size must be ≥ 2"),
+        ([{"prompt": "a", "completion": "b", "label": True}, {"prompt": "c", "completion": "d", "label": False}], ["--set", "kto.undesirable_weight=0"], "kto.undesirable_weight must be > 0"),
+    ],
+)
+def test_bad_input_is_one_line_and_nothing_written(cli, tmp_path, tiny_model, rows, args, fragment):
+    data = tmp_path / "kto.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = cli("kto", "--data", data, "--model", tiny_model, "--out", tmp_path / "out", *args)
+    assert result.exit_code == 2, result.stderr
+    assert fragment in one_line_error(result)
+    assert_not_written(tmp_path / "out")
+
+
+def test_kto_into_its_own_model_folder_is_refused(cli, tmp_path, tiny_model, examples):
+    result = cli("kto", "--data", examples, "--model", tiny_model, "--out", tiny_model)
+    assert result.exit_code == 2 and "is the --model folder" in one_line_error(result)
+
+
+@pytest.mark.slow
+def test_a_kto_killed_mid_epoch_resumes_with_the_starting_weights_reference_to_the_uninterrupted_result(tmp_path, tiny_model, examples):
+    """The checkpoint keeps the reference's log-probabilities of the responses and of the
+    mismatched pairs: the weights it holds are no longer the reference."""
+    from tests.e2e.test_pipeline import rlctl
+    from tests.e2e.test_sft import comparable
+
+    args = ["kto", "--data", examples, "--val-data", examples, "--model", tiny_model, "--epochs", "2", "--lr", "1e-3", "--batch-size", "2", "--set", "kto.save_steps=3"]
+    rlctl(*args, "--out", tmp_path / "whole")
+    assert rlctl(*args, "--out", tmp_path / "kto", env={"RLCTL_FAULT_KILL_AT": "kto:epoch-2-step-3-saved"}, check=False).returncode == -9
+    assert [f.name for f in (tmp_path / "kto.progress").iterdir()] == ["epoch-0001-step-000003"]
+    resumed = rlctl(*args, "--out", tmp_path / "kto")
+    assert "resuming kto 3 steps into epoch 2" in resumed.stderr and not (tmp_path / "kto.progress").exists()
+    assert (tmp_path / "kto" / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
+    got, want = (json.loads((tmp_path / name / "_manifest.json").read_text())["state"]["epochs"] for name in ("kto", "whole"))
+    assert comparable(got) == comparable(want) and len(got) == 3

@@ -1,0 +1,136 @@
+"""Kahneman-Tversky optimization: labelled examples (or pairs taken apart) read as `rlctl sft`
+reads them, the loss is the paper's with a reference point from mismatched pairs, passes of
+any size give one step's gradient, and the policy learns to favour the desirable responses."""
+
+import json
+import math
+
+import pyarrow as pa
+import pytest
+import torch
+
+from rlctl.backends.hf import HFPolicy
+from rlctl.config import DataConfig, KtoConfig, load_config
+from rlctl.errors import InputError
+from rlctl.kto import KtoTrainer, encode_kto_examples, kto_losses, mismatched_partners, run
+from rlctl.shards import read
+from tests.unit.test_dpo import summed_logps
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model):
+    return HFPolicy.load(tiny_model, "cpu")
+
+
+def table_of(tmp_path, rows) -> pa.Table:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return read(str(path)).table
+
+
+def encode(policy, table, cfg=KtoConfig(micro_batch_tokens="0")):
+    return encode_kto_examples(table, policy.tokenizer, DataConfig(), cfg, end_ids=policy.stop_ids, context_length=policy.context_length, source="test")
+
+
+def number_examples(count: int) -> list[dict]:
+    """Right answers are desirable, refusals undesirable."""
+    return [
+        {"id": f"e{i}", "prompt": f"Type a number: {i}", "completion": f"{7 * i + 3}" if i % 2 else ("no idea" if i % 4 else "maybe so"), "label": bool(i % 2)}
+        for i in range(count)
+    ]
+
+
+def test_the_loss_is_the_papers_with_the_reference_point():
+    logratio, desirable = torch.tensor([1.0, -0.5, 2.0, 0.3]), torch.tensor([True, True, False, False])
+    losses, rewards = kto_losses(logratio, desirable, 0.4, beta=0.5, desirable_weight=1.5, undesirable_weight=0.8)
+    sigma = torch.sigmoid
+    want = torch.tensor([
+        1.5 * (1 - sigma(torch.tensor(0.5 * (1.0 - 0.4)))), 1.5 * (1 - sigma(torch.tensor(0.5 * (-0.5 - 0.4)))),
+        0.8 * (1 - sigma(torch.tensor(0.5 * (0.4 - 2.0)))), 0.8 * (1 - sigma(torch.tensor(0.5 * (0.4 - 0.3)))),
+    ])
+    assert torch.allclose(losses, want) and torch.allclose(rewards, 0.5 * logratio)
+    at_start, _ = kto_losses(torch.zeros(4), desirable, 0.0, beta=0.1)
+    assert torch.allclose(at_start, torch.full((4,), 0.5))  # r = z = 0: 1 - sigma(0)
+
+
+def test_each_prompt_meets_another_examples_response_in_a_fixed_seeded_derangement():
+    partner = mismatched_partners(7, seed=3)
+    assert sorted(partner) == list(range(7)) and all(p != i for i, p in enumerate(partner))
+    assert partner == mismatched_partners(7, seed=3) and partner != mismatched_partners(7, seed=4)
+
+
+def test_labelled_rows_and_pairs_taken_apart_read_as_sft_reads_a_prompt_and_response(policy, tmp_path):
+    labelled = encode(policy, table_of(tmp_path, [{"prompt": "2+2=", "completion": "4", "label": True}, {"prompt": "2+2=", "completion": "five", "label": False}]))
+    paired = encode(policy, table_of(tmp_path, [{"id": "q", "prompt": "2+2=", "chosen": "4", "rejected": "five"}]))
+    assert labelled.examples.prompt_ids == paired.examples.prompt_ids and labelled.examples.response_ids == paired.examples.response_ids
+    assert labelled.desirable == paired.desirable == [True, False] and paired.ids == ["q:chosen", "q:rejected"]
+    tok = policy.tokenizer
+    assert tok.decode(paired.examples.response_ids[1]) == "five" + tok.eos_token
+    assert paired.mismatched.response_ids == [paired.examples.response_ids[1], paired.examples.response_ids[0]]  # two examples: each the other's
+
+
+@pytest.mark.parametrize(
+    ("rows", "fragment"),
+    [
+        ([{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"}], "KTO examples need a 'label' column"),
+        ([{"prompt": "a", "completion": "b", "label": "yes"}, {"prompt": "c", "completion": "d", "label": "no"}], "example '0' has label 'yes': it must be true"),
+        ([{"prompt": "a", "completion": "b", "label": True}, {"prompt": "c", "completion": "d", "label": None}], "example '1' has label None: it must be true"),
+        ([{"prompt": "a", "completion": "b", "label": True}], "KTO needs at least 2 examples"),
+    ],
+)
+def test_examples_without_a_boolean_label_or_too_few_are_one_error(policy, tmp_path, rows, fragment):
+    with pytest.raises(InputError, match=fragment):
+        encode(policy, table_of(tmp_path, rows))
+
+
+def test_the_reference_is_the_starting_weights_so_the_first_loss_is_one_half(policy, tmp_path):
+    examples = encode(policy, table_of(tmp_path, number_examples(6)))
+    trainer = KtoTrainer(policy, KtoConfig(micro_batch_size=2, micro_batch_tokens="0", bf16="false"), total_steps=1)
+    referenced = trainer.with_reference(examples)
+    with torch.no_grad():
+        want = summed_logps(policy.model, examples.examples.prompt_ids, examples.examples.response_ids)
+        mismatched = summed_logps(policy.model, examples.mismatched.prompt_ids, examples.mismatched.response_ids)
+    assert referenced.ref == pytest.approx(want.tolist(), abs=1e-4) and referenced.ref_mismatched == pytest.approx(mismatched.tolist(), abs=1e-4)
+    assert trainer.reference_point(referenced, list(range(6))) == pytest.approx(0.0, abs=1e-5)
+    loss, margin = trainer.evaluate(referenced)
+    assert loss == pytest.approx(0.5, abs=1e-6) and margin == pytest.approx(0.0, abs=1e-6)
+
+
+def test_passes_of_any_size_give_the_gradient_of_the_steps_mean_loss_at_its_reference_point(tiny_model, tmp_path):
+    gradients, points = [], []
+    for micro, cap in ((1, "0"), (5, "0"), (4, "40")):
+        policy = HFPolicy.load(tiny_model, "cpu")
+        cfg = KtoConfig(batch_size=5, micro_batch_size=micro, micro_batch_tokens=cap, bf16="false", lr=1e-9, max_grad_norm=0.0, beta=0.3, desirable_weight=1.3)
+        trainer = KtoTrainer(policy, cfg, total_steps=1)
+        examples = trainer.with_reference(encode(policy, table_of(tmp_path, number_examples(5))))
+        # a reference other than the weights, so that z > 0 and the gradient is not the one at r = 0
+        examples = examples.with_reference_values(torch.tensor([[v - 0.4 * i for i, v in enumerate(examples.ref)], [v - 0.3 for v in examples.ref_mismatched]]))
+        points.append(trainer.reference_point(examples, list(range(5))))
+        trainer.train_epoch(examples, 1)  # one optimizer step of lr 1e-9: the gradient is the one to compare
+        gradients.append(torch.cat([p.grad.reshape(-1) for p in policy.model.parameters() if p.grad is not None]))
+    assert points[0] == pytest.approx(0.3, abs=1e-5) and points[0] == pytest.approx(points[1], abs=1e-6) == pytest.approx(points[2], abs=1e-6)
+    assert torch.allclose(gradients[0], gradients[1], atol=1e-6) and torch.allclose(gradients[0], gradients[2], atol=1e-6)
+    policy.model.zero_grad()
+    logps = summed_logps(policy.model, examples.examples.prompt_ids, examples.examples.response_ids)
+    losses, _ = kto_losses(logps - torch.tensor(examples.ref).double(), torch.tensor(examples.desirable), 0.3, beta=0.3, desirable_weight=1.3)
+    losses.mean().backward()  # z without a gradient, as the passes compute it
+    direct = torch.cat([p.grad.reshape(-1) for p in policy.model.parameters() if p.grad is not None]).float()
+    assert torch.allclose(gradients[0], direct, atol=2e-5 * float(direct.abs().max()))
+
+
+def test_kto_learns_to_favour_the_desirable_responses_and_writes_a_checkpoint(tiny_model, tmp_path):
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in number_examples(16)))
+    cfg = load_config(None, ["kto.epochs=3", "kto.lr=1e-3", "kto.batch_size=4", "kto.bf16=false", "kto.beta=0.5"])
+    reported = []
+    manifest = run(data=str(tmp_path / "train.jsonl"), val_data=str(tmp_path / "train.jsonl"), model=tiny_model, out=str(tmp_path / "kto"), cfg=cfg, device="cpu", report=reported.append)
+    assert [r["epoch"] for r in reported] == [0, 1, 2, 3] and reported[0]["val_loss"] == pytest.approx(0.5, abs=1e-6)
+    assert reported[-1]["val_loss"] < 0.4 and reported[-1]["val_margin"] > 1.0 and reported[-1]["kl"] >= 0
+    assert manifest.stage == "kto" and manifest.state["optimizer_steps"] == 12 and manifest.state["examples"] == 16 and manifest.state["desirable"] == 8
+    trained, start = HFPolicy.load(str(tmp_path / "kto"), "cpu"), HFPolicy.load(tiny_model, "cpu")
+    examples = encode(start, table_of(tmp_path, number_examples(16)))
+    with torch.no_grad():
+        moved = summed_logps(trained.model, examples.examples.prompt_ids, examples.examples.response_ids) - summed_logps(start.model, examples.examples.prompt_ids, examples.examples.response_ids)
+    good = torch.tensor(examples.desirable)
+    assert float(moved[good].mean()) > 0 > float(moved[~good].mean())  # desirable responses up, undesirable down, against the start
+    assert run(data=str(tmp_path / "train.jsonl"), val_data=str(tmp_path / "train.jsonl"), model=tiny_model, out=str(tmp_path / "kto"), cfg=cfg, device="cpu").state.get("skipped")
+    assert not math.isnan(manifest.metrics["margin"])
