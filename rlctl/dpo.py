@@ -44,12 +44,13 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from rlctl.config import Config, DataConfig, DpoConfig, to_dict
+from rlctl.config import Config, DataConfig, DpoConfig
 from rlctl.errors import InputError
 from rlctl.manifest import Manifest
+from rlctl.referenced import LocalReferenced, RayReferenced
 from rlctl.reward_model import EpochRow as PairsEpochRow
 from rlctl.reward_model import PairsRow
-from rlctl.sft import Examples, LocalPolicy, RayPolicy
+from rlctl.sft import Examples
 from rlctl.supervised import SupervisedSteps
 
 # --- pairs ------------------------------------------------------------------------------------
@@ -317,62 +318,12 @@ class DpoTrainer(SupervisedSteps, DpoPasses):
 # --- where it trains: this process, or a Ray group of FSDP2 ranks ------------------------------
 
 
-def reference_tensors(rows, held_out) -> dict[str, torch.Tensor]:
-    """The reference's log-probabilities as an epoch checkpoint keeps them: the rows' and the
-    held-out rows' `reference_values()`, [2, rows] each."""
-    kept = {"train": rows.reference_values()}
-    if held_out is not None:
-        kept["held_out"] = held_out.reference_values()
-    return kept
+class LocalDpo(LocalReferenced):
+    trainer_class = DpoTrainer
 
 
-def with_kept_reference(rows, values: torch.Tensor | None):
-    """`rows` with the reference's log-probabilities an epoch checkpoint kept (a resumed run:
-    its weights are no longer the reference)."""
-    if values is None or values.shape != (2, len(rows)):
-        raise InputError("the epoch checkpoint's reference log-probabilities do not match the data")
-    return rows.with_reference_values(values)
-
-
-class LocalDpo(LocalPolicy):
-    """A trainer whose reference is its starting weights (`trainer`: dpo's; kto's) in this process."""
-
-    trainer_class: type = DpoTrainer
-
-    def start(self, rows, held_out, total_steps: int, progress=None) -> tuple:
-        """The trainer made, and the reference's log-probabilities of every row computed (or
-        kept: a resumed run's); the rows with them."""
-        self.trainer = self.trainer_class(self.policy, self.cfg, total_steps=total_steps)
-        self.rows = self.trainer.with_reference(rows)
-        self.held_out = self.trainer.with_reference(held_out) if held_out is not None else None
-        self.resume(progress)
-        return self.rows, self.held_out
-
-    def steps(self, epoch: int, first: int, last: int) -> dict:
-        return self.trainer.train_steps(self.rows, epoch, first, last)
-
-    def evaluate(self) -> tuple:
-        return self.trainer.evaluate(self.held_out)
-
-
-class RayDpo(RayPolicy):
-    """The same on a Ray group of FSDP2 ranks (`command` names the trainer the ranks make)."""
-
+class RayDpo(RayReferenced):
     command = "dpo"
-
-    def start(self, rows, held_out, total_steps: int, progress=None) -> tuple:
-        import ray
-
-        shared = ray.put((rows, held_out))  # one copy, read by every rank
-        referenced = self.group.call_ranks("referenced_start", lambda rank: (self.command, shared, self.cfg, total_steps))[0]
-        self.resume(progress)
-        return referenced
-
-    def steps(self, epoch: int, first: int, last: int) -> dict:
-        return self.group.call_ranks("referenced_steps", lambda rank: (epoch, first, last))[0]
-
-    def evaluate(self) -> tuple:
-        return self.group.call_ranks("referenced_evaluate", lambda rank: ())[0]
 
 
 # --- measuring a trained policy on held-out pairs ----------------------------------------------
@@ -446,76 +397,12 @@ def run(
     *, data: str, model: str, out: str, cfg: Config, val_data: str | None = None, device: str = "auto", force: bool = False,
     report: Callable[[dict], None] | None = None,
 ) -> Manifest:
-    """Train the policy at `model` on the preference pairs at `data` (`cfg.dpo`, prompts as
-    `cfg.data` makes them, in this process or on `cfg.workers`' Ray group) and commit the
-    checkpoint at `out`; `report(row)` after each epoch (epoch 0: the held-out pairs before
-    training)."""
-    from safetensors.torch import save as save_tensors
+    """Train the policy at `model` on the preference pairs at `data` (`cfg.dpo`) and commit the
+    checkpoint at `out` (rlctl.referenced.train_against_reference)."""
+    from rlctl.referenced import ReferencedCommand, train_against_reference
 
-    from rlctl.backends.hf import check_model_dir
-    from rlctl.checkpoint import local_checkpoint_dir, same_folder
-    from rlctl.dtypes import decided_bf16, models_device
-    from rlctl.epoch_checkpoints import (
-        KEPT_FILE,
-        clear,
-        clear_finished,
-        result_settings,
-        resume_point,
-        run_epochs,
+    command = ReferencedCommand(
+        "dpo", "preference pairs", encode_dpo_pairs, LocalDpo, RayDpo, DpoTrainer, EpochRow, ("val_loss", "val_accuracy"),
+        ("loss", "accuracy", "margin", "val_loss", "val_accuracy"), lambda pairs: {"pairs": len(pairs)},
     )
-    from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
-    from rlctl.passes import ModelShape, decided_micro_batch_tokens, ranks_at_once
-    from rlctl.shards import read
-
-    check_model_dir(model)
-    local_checkpoint_dir(out)
-    if same_folder(out, model):
-        raise InputError(f"dpo --out {out} is the --model folder: write the trained checkpoint elsewhere")
-    on = models_device(device, cfg.workers)
-    dpo = replace(
-        cfg.dpo, bf16=decided_bf16(cfg.dpo.bf16, on),
-        micro_batch_tokens=decided_micro_batch_tokens(cfg.dpo.micro_batch_tokens, on, ModelShape.of_folder(model), ranks=ranks_at_once(cfg.workers)),
-    )
-    train_source = read(data)
-    val_source = read(val_data) if val_data else None
-    inputs = [shards_ref(train_source), model_ref(model)] + ([shards_ref(val_source)] if val_source else [])
-    manifest = make_manifest("dpo", {"dpo": result_settings(to_dict(dpo)), "data": to_dict(cfg.data)}, inputs, seed=dpo.seed)
-    if (existing := up_to_date(out, manifest, force)) is not None:
-        clear_finished(out, manifest)
-        return existing
-    if train_source.table.num_rows == 0:
-        raise InputError(f"{data}: no preference pairs")
-    progress = resume_point(out, manifest, force)  # an epoch checkpoint of this run: its weights to go on from
-    start = progress.folder if progress is not None else model
-    where = RayDpo(start, dpo, cfg.workers, device) if cfg.workers.backend == "ray" else LocalDpo(start, dpo, device)
-    try:
-        def encoded(source) -> DpoPairs:
-            return encode_dpo_pairs(source.table, where.tokenizer, cfg.data, dpo, end_ids=where.end_ids, context_length=where.context_length, source=source.uri)
-
-        pairs = encoded(train_source)
-        held_out = encoded(val_source) if val_source and val_source.table.num_rows else None
-        if progress is not None:  # the reference is the starting weights, not the epoch checkpoint's
-            pairs = with_kept_reference(pairs, progress.kept.get("train"))
-            held_out = with_kept_reference(held_out, progress.kept.get("held_out")) if held_out is not None else None
-        pairs, held_out = where.start(pairs, held_out, dpo.epochs * -(-len(pairs) // dpo.batch_size), progress)
-        kept = {KEPT_FILE: save_tensors(reference_tensors(pairs, held_out))}
-
-        def measured(row: EpochRow) -> dict:
-            if held_out is not None:
-                row.val_loss, row.val_accuracy = where.evaluate()
-            return row.as_dict()
-
-        rows = run_epochs(
-            out, manifest, epochs=dpo.epochs, steps_per_epoch=-(-len(pairs) // dpo.batch_size), save_steps=dpo.save_steps, progress=progress,
-            before=(lambda: measured(EpochRow(0))) if held_out is not None else None, steps=where.steps,
-            row=lambda n, tally: measured(DpoTrainer.epoch_row(n, tally)), save=lambda folder, progress_manifest: where.save_progress(folder, progress_manifest, kept),
-            report=report,
-        )
-        steps = sum(row.get("steps", 0) for row in rows)
-        manifest.state = {"pairs": len(pairs), "optimizer_steps": steps, "epochs": rows, "reference": model}  # what `dpo --eval` measures against
-        manifest.metrics = {k: v for k, v in rows[-1].items() if k in ("loss", "accuracy", "margin", "val_loss", "val_accuracy")}
-        saved = where.save(out, manifest)
-    finally:
-        where.close()
-    clear(out)
-    return saved
+    return train_against_reference(command, data=data, model=model, out=out, cfg=cfg, val_data=val_data, device=device, force=force, report=report)

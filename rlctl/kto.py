@@ -34,10 +34,10 @@ from functools import cached_property
 import pyarrow as pa
 import torch
 
-from rlctl.config import Config, DataConfig, KtoConfig, to_dict
-from rlctl.dpo import LocalDpo, RayDpo, reference_tensors, with_kept_reference
+from rlctl.config import Config, DataConfig, KtoConfig
 from rlctl.errors import InputError
 from rlctl.manifest import Manifest
+from rlctl.referenced import LocalReferenced, RayReferenced
 from rlctl.sft import Examples
 from rlctl.supervised import SupervisedSteps
 
@@ -318,11 +318,11 @@ class KtoTrainer(SupervisedSteps, KtoPasses):
 # --- where it trains: this process, or a Ray group of FSDP2 ranks ------------------------------
 
 
-class LocalKto(LocalDpo):
+class LocalKto(LocalReferenced):
     trainer_class = KtoTrainer
 
 
-class RayKto(RayDpo):
+class RayKto(RayReferenced):
     command = "kto"
 
 
@@ -333,79 +333,12 @@ def run(
     *, data: str, model: str, out: str, cfg: Config, val_data: str | None = None, device: str = "auto", force: bool = False,
     report: Callable[[dict], None] | None = None,
 ) -> Manifest:
-    """Train the policy at `model` on the labelled examples at `data` (`cfg.kto`, prompts as
-    `cfg.data` makes them, in this process or on `cfg.workers`' Ray group) and commit the
-    checkpoint at `out`; `report(row)` after each epoch (epoch 0: the held-out examples before
-    training)."""
-    from safetensors.torch import save as save_tensors
+    """Train the policy at `model` on the labelled examples at `data` (`cfg.kto`) and commit the
+    checkpoint at `out` (rlctl.referenced.train_against_reference)."""
+    from rlctl.referenced import ReferencedCommand, train_against_reference
 
-    from rlctl.backends.hf import check_model_dir
-    from rlctl.checkpoint import local_checkpoint_dir, same_folder
-    from rlctl.dtypes import decided_bf16, models_device
-    from rlctl.epoch_checkpoints import (
-        KEPT_FILE,
-        clear,
-        clear_finished,
-        result_settings,
-        resume_point,
-        run_epochs,
+    command = ReferencedCommand(
+        "kto", "examples", encode_kto_examples, LocalKto, RayKto, KtoTrainer, EpochRow, ("val_loss", "val_margin"),
+        ("loss", "kl", "margin", "val_loss", "val_margin"), lambda examples: {"examples": len(examples), "desirable": sum(examples.desirable)},
     )
-    from rlctl.lineage import make_manifest, model_ref, shards_ref, up_to_date
-    from rlctl.passes import ModelShape, decided_micro_batch_tokens, ranks_at_once
-    from rlctl.shards import read
-
-    check_model_dir(model)
-    local_checkpoint_dir(out)
-    if same_folder(out, model):
-        raise InputError(f"kto --out {out} is the --model folder: write the trained checkpoint elsewhere")
-    on = models_device(device, cfg.workers)
-    kto = replace(
-        cfg.kto, bf16=decided_bf16(cfg.kto.bf16, on),
-        micro_batch_tokens=decided_micro_batch_tokens(cfg.kto.micro_batch_tokens, on, ModelShape.of_folder(model), ranks=ranks_at_once(cfg.workers)),
-    )
-    train_source = read(data)
-    val_source = read(val_data) if val_data else None
-    inputs = [shards_ref(train_source), model_ref(model)] + ([shards_ref(val_source)] if val_source else [])
-    manifest = make_manifest("kto", {"kto": result_settings(to_dict(kto)), "data": to_dict(cfg.data)}, inputs, seed=kto.seed)
-    if (existing := up_to_date(out, manifest, force)) is not None:
-        clear_finished(out, manifest)
-        return existing
-    if train_source.table.num_rows == 0:
-        raise InputError(f"{data}: no examples")
-    progress = resume_point(out, manifest, force)  # an epoch checkpoint of this run: its weights to go on from
-    start = progress.folder if progress is not None else model
-    where = RayKto(start, kto, cfg.workers, device) if cfg.workers.backend == "ray" else LocalKto(start, kto, device)
-    try:
-        def encoded(source) -> KtoExamples:
-            return encode_kto_examples(source.table, where.tokenizer, cfg.data, kto, end_ids=where.end_ids, context_length=where.context_length, source=source.uri)
-
-        examples = encoded(train_source)
-        held_out = encoded(val_source) if val_source and val_source.table.num_rows else None
-        if progress is not None:  # the reference is the starting weights, not the epoch checkpoint's
-            examples = with_kept_reference(examples, progress.kept.get("train"))
-            held_out = with_kept_reference(held_out, progress.kept.get("held_out")) if held_out is not None else None
-        steps_per_epoch = -(-len(examples) // kto.batch_size)
-        examples, held_out = where.start(examples, held_out, kto.epochs * steps_per_epoch, progress)
-        kept = {KEPT_FILE: save_tensors(reference_tensors(examples, held_out))}
-
-        def measured(row: EpochRow) -> dict:
-            if held_out is not None:
-                row.val_loss, row.val_margin = where.evaluate()
-            return row.as_dict()
-
-        rows = run_epochs(
-            out, manifest, epochs=kto.epochs, steps_per_epoch=steps_per_epoch, save_steps=kto.save_steps, progress=progress,
-            before=(lambda: measured(EpochRow(0))) if held_out is not None else None, steps=where.steps,
-            row=lambda n, tally: measured(KtoTrainer.epoch_row(n, tally)), save=lambda folder, progress_manifest: where.save_progress(folder, progress_manifest, kept),
-            report=report,
-        )
-        manifest.state = {
-            "examples": len(examples), "desirable": sum(examples.desirable), "optimizer_steps": sum(row.get("steps", 0) for row in rows), "epochs": rows,
-            "reference": model,
-        }
-        manifest.metrics = {k: v for k, v in rows[-1].items() if k in ("loss", "kl", "margin", "val_loss", "val_margin")}
-        saved = where.save(out, manifest)
-    finally:
-        where.close()
-    clear(out)
-    return saved
+    return train_against_reference(command, data=data, model=model, out=out, cfg=cfg, val_data=val_data, device=device, force=force, report=report)
