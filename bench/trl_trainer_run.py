@@ -1,4 +1,4 @@
-"""What the TRL runner scripts of bench/sft_bench.py, rm_bench.py and dpo_bench.py share. They
+"""What the TRL runner scripts of bench/sft_bench.py, rm_bench.py, dpo_bench.py and kto_bench.py share. They
 run in TRL's own venv, as scripts from this folder (rlctl is not importable there): a trainer
 built on the same base settings from SPEC.json, each optimizer step's end timed, and OUT.json
 written with those times, what the trainer logged, torch's threads and whether the model
