@@ -24,7 +24,7 @@ _rlctl() {
         "config show") opts="--help --json --set" ;;
         "dpo") opts="--batch-size --beta --config --data --device --epochs --eval --force --help --json --loss --lr --model --out --ref --set --val-data" ;;
         "eval") opts="--config --device --help --json --max-new-tokens --model --n --out --pass-threshold --prompts --reward --set --temperature" ;;
-        "kto") opts="--batch-size --beta --config --data --device --epochs --force --help --json --lr --model --out --set --val-data" ;;
+        "kto") opts="--batch-size --beta --config --data --device --epochs --eval --force --help --json --lr --model --out --ref --set --val-data" ;;
         "model init") opts="--force --help --preset --seed" ;;
         "pipeline") opts="--address --dry-run --from --help --iterations --quiet --resume --resume-with-changes --run-dir --set --until --workers --workers-backend" ;;
         "plot") opts="--help --metrics --out" ;;

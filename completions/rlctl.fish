@@ -62,12 +62,14 @@ complete -c rlctl -n '__fish_seen_subcommand_from kto' -l config
 complete -c rlctl -n '__fish_seen_subcommand_from kto' -l data
 complete -c rlctl -n '__fish_seen_subcommand_from kto' -l device
 complete -c rlctl -n '__fish_seen_subcommand_from kto' -l epochs
+complete -c rlctl -n '__fish_seen_subcommand_from kto' -l eval
 complete -c rlctl -n '__fish_seen_subcommand_from kto' -l force
 complete -c rlctl -n '__fish_seen_subcommand_from kto' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from kto' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from kto' -l lr
 complete -c rlctl -n '__fish_seen_subcommand_from kto' -l model
 complete -c rlctl -n '__fish_seen_subcommand_from kto' -l out
+complete -c rlctl -n '__fish_seen_subcommand_from kto' -l ref
 complete -c rlctl -n '__fish_seen_subcommand_from kto' -l set
 complete -c rlctl -n '__fish_seen_subcommand_from kto' -l val-data
 complete -c rlctl -n '__fish_seen_subcommand_from model' -a 'init' -d 'Write a random Qwen2-style model + byte-level BPE tokenizer, fully offline.'

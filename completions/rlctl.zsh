@@ -8,7 +8,7 @@ _rlctl() {
     'config-show:Print every config key with its type, default, current value and meaning.'
     'dpo:Direct preference optimization - train the policy on preference pairs, no reward model; or,'
     'eval:Evaluate a model on held-out prompts - mean@n, best@n and pass@k per data_source.'
-    'kto:Kahneman-Tversky optimization - train the policy on responses labelled desirable or undesirable, no pairs needed.'
+    'kto:Kahneman-Tversky optimization - train the policy on responses labelled desirable or'
     'model-init:Write a random Qwen2-style model + byte-level BPE tokenizer, fully offline.'
     'pipeline:Run rollout → score → advantage → update → reshard for N iterations, models resident.'
     'plot:Plot reward, KL, entropy, response length and validation score by iteration.'
@@ -29,7 +29,7 @@ _rlctl() {
     config-show) _arguments '*:file:_files' '--help' '--json' '--set' ;;
     dpo) _arguments '*:file:_files' '--batch-size' '--beta' '--config' '--data' '--device' '--epochs' '--eval' '--force' '--help' '--json' '--loss:loss:(sigmoid robust ipo hinge simpo orpo)' '--lr' '--model' '--out' '--ref' '--set' '--val-data' ;;
     eval) _arguments '*:file:_files' '--config' '--device' '--help' '--json' '--max-new-tokens' '--model' '--n' '--out' '--pass-threshold' '--prompts' '--reward' '--set' '--temperature' ;;
-    kto) _arguments '*:file:_files' '--batch-size' '--beta' '--config' '--data' '--device' '--epochs' '--force' '--help' '--json' '--lr' '--model' '--out' '--set' '--val-data' ;;
+    kto) _arguments '*:file:_files' '--batch-size' '--beta' '--config' '--data' '--device' '--epochs' '--eval' '--force' '--help' '--json' '--lr' '--model' '--out' '--ref' '--set' '--val-data' ;;
     model-init) _arguments '*:file:_files' '--force' '--help' '--preset:preset:(tiny small medium)' '--seed' ;;
     pipeline) _arguments '*:file:_files' '--address' '--dry-run' '--from:from:(rollout score advantage update)' '--help' '--iterations' '--quiet' '--resume' '--resume-with-changes' '--run-dir' '--set' '--until:until:(rollout score advantage update)' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
     plot) _arguments '*:file:_files' '--help' '--metrics' '--out' ;;

@@ -524,8 +524,10 @@ def dpo(
 def kto(
     data: Annotated[str, typer.Option("--data", help="Examples: prompt (or messages) with completion (or response) and a boolean label (true: desirable), or preference pairs (chosen/rejected, taken as two examples); .jsonl, .json, .parquet or a shard folder.")],
     model: Annotated[str, typer.Option("--model", help="Policy to train (and the reference it is held to): HF folder or rlctl checkpoint.")],
-    out: Annotated[str, typer.Option("--out", help="Checkpoint folder to write (a pipeline's model.path can start from it).")],
+    out: Annotated[Optional[str], typer.Option("--out", help="Checkpoint folder to write (a pipeline's model.path can start from it).")] = None,
     val_data: Annotated[Optional[str], typer.Option("--val-data", help="Held-out examples: their loss and reward margin before training and after each epoch.")] = None,
+    evaluate: Annotated[bool, typer.Option("--eval", help="Train nothing: the loss, reference point and rewards of the policy --model against --ref on the examples --data, over all and per data_source (no --out).")] = False,
+    ref: Annotated[Optional[str], typer.Option("--ref", help="With --eval: the reference (default: the weights a kto checkpoint --model started from).")] = None,
     epochs: Annotated[Optional[int], typer.Option("--epochs", help="Passes over the examples." + _default("kto.epochs"))] = None,
     lr: Annotated[Optional[float], typer.Option("--lr", help="Learning rate." + _default("kto.lr"))] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Examples per optimizer step." + _default("kto.batch_size"))] = None,
@@ -536,7 +538,8 @@ def kto(
     as_json: JsonOpt = False,
     force: ForceOpt = False,
 ) -> None:
-    """Kahneman-Tversky optimization: train the policy on responses labelled desirable or undesirable, no pairs needed."""
+    """Kahneman-Tversky optimization: train the policy on responses labelled desirable or
+    undesirable, no pairs needed; or, with --eval, measure a trained one against its reference."""
     from dataclasses import replace
 
     from rlctl.config import override_section
@@ -545,6 +548,15 @@ def kto(
 
     cfg = _stage_config(config, set_)
     cfg = replace(cfg, kto=override_section(cfg.kto, epochs=epochs, lr=lr, batch_size=batch_size, beta=beta))
+    if evaluate:
+        if out or val_data:
+            raise InputError("kto --eval trains nothing and writes nothing: give the examples as --data, without --out or --val-data")
+        _evaluate_kto(data, model, ref, cfg, device or cfg.model.device, as_json)
+        return
+    if ref:
+        raise InputError("kto --ref names the reference of --eval; training's reference is --model's starting weights")
+    if not out:
+        raise InputError("kto needs --out, the folder to write the trained policy to (or --eval to measure --model on --data)")
 
     def report(row: dict) -> None:
         if not as_json:
@@ -580,6 +592,20 @@ def _evaluate_dpo(data: str, model: str, ref: str | None, cfg, device: str, as_j
     _sources_table(rows, f"{model} on {data}: {rows[0].pairs} pairs, {cfg.dpo.loss} loss, beta {cfg.dpo.beta:g}", columns, as_json)
 
 
+def _evaluate_kto(data: str, model: str, ref: str | None, cfg, device: str, as_json: bool) -> None:
+    """`rlctl kto --eval`: the table (or JSON) of rlctl.kto.evaluate's rows."""
+    from rlctl.kto import evaluate
+
+    rows = evaluate(data=data, model=model, ref=ref, cfg=cfg, device=device)
+    columns = ("examples", "desirable_reward", "undesirable_reward", "margin", "kl", "loss")
+    _sources_table(rows, f"{model} on {data}: {rows[0].examples} examples, beta {cfg.kto.beta:g}", columns, as_json)
+
+
+def _figure(value) -> str:
+    """A table cell: a count whole, a figure to 4 significant digits, none as a dash."""
+    return "—" if value is None else str(value) if isinstance(value, int) else f"{value:.4g}"
+
+
 def _sources_table(rows: list, title: str, columns: tuple[str, ...], as_json: bool, **extra) -> None:
     """Rows of figures, one over all and one per data_source (`row.source`): a table, or JSON (`extra` beside the rows)."""
     import json as json_module
@@ -595,7 +621,7 @@ def _sources_table(rows: list, title: str, columns: tuple[str, ...], as_json: bo
     for name in ("data_source", *columns):
         table.add_column(name, justify="left" if name == "data_source" else "right")
     for row in rows:
-        table.add_row(row.source, *(str(v) if isinstance(v := getattr(row, name), int) else f"{v:.4g}" for name in columns))
+        table.add_row(row.source, *(_figure(getattr(row, name)) for name in columns))
     Console().print(table)
 
 

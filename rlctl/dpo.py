@@ -39,15 +39,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from pathlib import Path
 
 import pyarrow as pa
 import torch
 
 from rlctl.config import Config, DataConfig, DpoConfig
-from rlctl.errors import InputError
 from rlctl.manifest import Manifest
-from rlctl.referenced import LocalReferenced, RayReferenced
+from rlctl.referenced import LocalReferenced, RayReferenced, ReferencedCommand
 from rlctl.reward_model import EpochRow as PairsEpochRow
 from rlctl.reward_model import PairsRow
 from rlctl.sft import Examples
@@ -338,52 +336,21 @@ class EvalRow(PairsRow):
     rejected_reward: float = 0.0
 
 
-def reference_of(model: str) -> str | None:
-    """The reference a `rlctl dpo` checkpoint was trained against (its starting weights), as its manifest records it."""
-    from rlctl.manifest import MANIFEST_NAME
-    from rlctl.shards import read_manifest
-
-    if not (Path(model) / MANIFEST_NAME).exists():
-        return None
-    manifest, _ = read_manifest(model)
-    return manifest.state.get("reference") if manifest.stage == "dpo" else None
-
-
 def evaluate(*, data: str, model: str, cfg: Config, ref: str | None = None, device: str = "auto") -> list[EvalRow]:
     """The policy at `model` against the reference at `ref` (by default the one a dpo checkpoint
     was trained against; none for a reference-free loss) on the pairs at `data`, read as training
     reads them, under `cfg.dpo`'s loss: one row over every pair ("all"), then one per
     data_source where the pairs name several."""
-    from rlctl.backends.hf import HFPolicy, check_model_dir, resolve_device
     from rlctl.choices import REFERENCE_FREE_LOSSES
-    from rlctl.dtypes import autocast_bf16, decided_bf16
-    from rlctl.passes import ModelShape, decided_micro_batch_tokens
+    from rlctl.referenced import measured_against_reference
     from rlctl.reward_model import source_groups
-    from rlctl.shards import read
 
-    check_model_dir(model)
-    free = cfg.dpo.loss in REFERENCE_FREE_LOSSES
-    ref = None if free else ref or reference_of(model)
-    if not free and not ref:
-        raise InputError(f"dpo --eval: {model} is not a checkpoint rlctl dpo wrote, so its reference is unknown: give it as --ref")
-    if ref:
-        check_model_dir(ref)
-    on = resolve_device(device)
-    tokens = decided_micro_batch_tokens(cfg.dpo.micro_batch_tokens, on.type, ModelShape.of_folder(model), ranks=1)
-    dpo = replace(cfg.dpo, bf16=decided_bf16(cfg.dpo.bf16, on.type), micro_batch_tokens=tokens)
-    source = read(data)
-    if source.table.num_rows == 0:
-        raise InputError(f"{data}: no preference pairs")
-    bf16 = autocast_bf16(dpo.bf16, on.type)
-    policy = HFPolicy.load(model, str(on))
-    pairs = encode_dpo_pairs(source.table, policy.tokenizer, cfg.data, dpo, end_ids=policy.stop_ids, context_length=policy.context_length, source=source.uri)
-    reference = policy if free else HFPolicy.load(ref, str(on))
-    pairs = DpoPasses(reference, dpo, bf16=bf16).with_reference(pairs)
-    del reference
-    measuring = DpoPasses(policy, dpo, bf16=bf16)
+    pairs, measuring, table = measured_against_reference(
+        COMMAND, DpoPasses, data=data, model=model, cfg=cfg, ref=ref, device=device, free=cfg.dpo.loss in REFERENCE_FREE_LOSSES,
+    )
     rows = []
     with torch.no_grad():
-        for name, members in source_groups(source.table, pairs.ids).items():
+        for name, members in source_groups(table, pairs.ids).items():
             sums, n = measuring.passes(pairs, members, None), len(members)
             chosen, rejected = sums.chosen_reward / n, sums.rejected_reward / n
             rows.append(EvalRow(name, n, sums.loss / n, sums.right / n, chosen - rejected, chosen, rejected))
@@ -399,10 +366,12 @@ def run(
 ) -> Manifest:
     """Train the policy at `model` on the preference pairs at `data` (`cfg.dpo`) and commit the
     checkpoint at `out` (rlctl.referenced.train_against_reference)."""
-    from rlctl.referenced import ReferencedCommand, train_against_reference
+    from rlctl.referenced import train_against_reference
 
-    command = ReferencedCommand(
-        "dpo", "preference pairs", encode_dpo_pairs, LocalDpo, RayDpo, DpoTrainer, EpochRow, ("val_loss", "val_accuracy"),
-        ("loss", "accuracy", "margin", "val_loss", "val_accuracy"), lambda pairs: {"pairs": len(pairs)},
-    )
-    return train_against_reference(command, data=data, model=model, out=out, cfg=cfg, val_data=val_data, device=device, force=force, report=report)
+    return train_against_reference(COMMAND, data=data, model=model, out=out, cfg=cfg, val_data=val_data, device=device, force=force, report=report)
+
+
+COMMAND = ReferencedCommand(
+    "dpo", "preference pairs", encode_dpo_pairs, LocalDpo, RayDpo, DpoTrainer, EpochRow, ("val_loss", "val_accuracy"),
+    ("loss", "accuracy", "margin", "val_loss", "val_accuracy"), lambda pairs: {"pairs": len(pairs)},
+)

@@ -37,7 +37,7 @@ import torch
 from rlctl.config import Config, DataConfig, KtoConfig
 from rlctl.errors import InputError
 from rlctl.manifest import Manifest
-from rlctl.referenced import LocalReferenced, RayReferenced
+from rlctl.referenced import LocalReferenced, RayReferenced, ReferencedCommand
 from rlctl.sft import Examples
 from rlctl.supervised import SupervisedSteps
 
@@ -326,6 +326,52 @@ class RayKto(RayReferenced):
     command = "kto"
 
 
+# --- measuring a trained policy on held-out examples --------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalRow:
+    """A policy against its reference on a set of examples (`rlctl kto --eval`): the loss, the
+    reference point z over them, the mean implicit reward of the desirable and of the
+    undesirable ones (None where there are none) and their difference."""
+
+    source: str  # a data_source, or "all"
+    examples: int
+    loss: float
+    kl: float
+    desirable_reward: float | None
+    undesirable_reward: float | None
+    margin: float | None
+
+
+def example_rows(table: pa.Table) -> list[int]:
+    """The table row each example comes from, in the order split_labelled makes them (a pair: two)."""
+    pairs = "chosen" in table.column_names or "rejected" in table.column_names
+    return [row for row in range(table.num_rows) for _ in range(2 if pairs else 1)]
+
+
+def evaluate(*, data: str, model: str, cfg: Config, ref: str | None = None, device: str = "auto") -> list[EvalRow]:
+    """The policy at `model` against the reference at `ref` (by default the one a kto checkpoint
+    was trained against) on the examples at `data`, read as training reads them, under `cfg.kto`:
+    one row over every example ("all"), then one per data_source where they name several."""
+    from rlctl.referenced import measured_against_reference
+
+    examples, measuring, table = measured_against_reference(COMMAND, KtoPasses, data=data, model=model, cfg=cfg, ref=ref, device=device)
+    sources = table.column("data_source").to_pylist() if "data_source" in table.column_names else [None] * table.num_rows
+    groups: dict[str, list[int]] = {"all": list(range(len(examples)))}
+    for index, row in enumerate(example_rows(table)):
+        groups.setdefault(str(sources[row] or "unknown"), []).append(index)
+    if len(groups) == 2:  # one data_source: the same row twice
+        groups = {"all": groups["all"]}
+    rows = []
+    with torch.no_grad():
+        for name, members in groups.items():
+            kl = measuring.reference_point(examples, members)
+            row = EpochRow.of_sums(0, vars(measuring.passes(examples, members, kl, None)))
+            rows.append(EvalRow(name, len(members), row.loss, row.kl, row.desirable_reward, row.undesirable_reward, row.margin))
+    return rows
+
+
 # --- the command ------------------------------------------------------------------------------
 
 
@@ -335,10 +381,12 @@ def run(
 ) -> Manifest:
     """Train the policy at `model` on the labelled examples at `data` (`cfg.kto`) and commit the
     checkpoint at `out` (rlctl.referenced.train_against_reference)."""
-    from rlctl.referenced import ReferencedCommand, train_against_reference
+    from rlctl.referenced import train_against_reference
 
-    command = ReferencedCommand(
-        "kto", "examples", encode_kto_examples, LocalKto, RayKto, KtoTrainer, EpochRow, ("val_loss", "val_margin"),
-        ("loss", "kl", "margin", "val_loss", "val_margin"), lambda examples: {"examples": len(examples), "desirable": sum(examples.desirable)},
-    )
-    return train_against_reference(command, data=data, model=model, out=out, cfg=cfg, val_data=val_data, device=device, force=force, report=report)
+    return train_against_reference(COMMAND, data=data, model=model, out=out, cfg=cfg, val_data=val_data, device=device, force=force, report=report)
+
+
+COMMAND = ReferencedCommand(
+    "kto", "examples", encode_kto_examples, LocalKto, RayKto, KtoTrainer, EpochRow, ("val_loss", "val_margin"),
+    ("loss", "kl", "margin", "val_loss", "val_margin"), lambda examples: {"examples": len(examples), "desirable": sum(examples.desirable)},
+)

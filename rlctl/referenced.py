@@ -176,3 +176,52 @@ def train_against_reference(
         where.close()
     clear(out)
     return saved
+
+
+# --- measuring a trained policy against its reference ------------------------------------------
+
+
+def reference_of(model: str, stage: str) -> str | None:
+    """The reference a checkpoint `stage` wrote was trained against (its starting weights), as its manifest records it."""
+    from pathlib import Path
+
+    from rlctl.manifest import MANIFEST_NAME
+    from rlctl.shards import read_manifest
+
+    if not (Path(model) / MANIFEST_NAME).exists():
+        return None
+    manifest, _ = read_manifest(model)
+    return manifest.state.get("reference") if manifest.stage == stage else None
+
+
+def measured_against_reference(command: ReferencedCommand, passes: type, *, data: str, model: str, cfg: Config, ref: str | None, device: str, free: bool = False):
+    """For `--eval`: (the rows at `data`, read as training reads them, with the reference's
+    log-probabilities; `passes` measuring the policy at `model`; the rows' table). The reference
+    is `ref`, else the one `model`'s manifest records (a checkpoint `command` wrote); none where
+    the loss is `free` of one."""
+    from rlctl.backends.hf import HFPolicy, check_model_dir, resolve_device
+    from rlctl.dtypes import autocast_bf16, decided_bf16
+    from rlctl.passes import ModelShape, decided_micro_batch_tokens
+    from rlctl.shards import read
+
+    name = command.name
+    check_model_dir(model)
+    ref = None if free else ref or reference_of(model, name)
+    if not free and not ref:
+        raise InputError(f"{name} --eval: {model} is not a checkpoint rlctl {name} wrote, so its reference is unknown: give it as --ref")
+    if ref:
+        check_model_dir(ref)
+    on = resolve_device(device)
+    section = getattr(cfg, name)
+    tokens = decided_micro_batch_tokens(section.micro_batch_tokens, on.type, ModelShape.of_folder(model), ranks=1)
+    section = replace(section, bf16=decided_bf16(section.bf16, on.type), micro_batch_tokens=tokens)
+    source = read(data)
+    if source.table.num_rows == 0:
+        raise InputError(f"{data}: no {command.noun}")
+    bf16 = autocast_bf16(section.bf16, on.type)
+    policy = HFPolicy.load(model, str(on))
+    rows = command.encode(source.table, policy.tokenizer, cfg.data, section, end_ids=policy.stop_ids, context_length=policy.context_length, source=source.uri)
+    reference = policy if free else HFPolicy.load(ref, str(on))
+    rows = passes(reference, section, bf16=bf16).with_reference(rows)
+    del reference
+    return rows, passes(policy, section, bf16=bf16), source.table

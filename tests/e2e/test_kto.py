@@ -37,6 +37,46 @@ def test_kto_writes_a_checkpoint_with_its_epochs_that_a_pipeline_starts_from(cli
     assert run.exit_code == 0, run.stderr
 
 
+def test_eval_measures_a_trained_policy_against_its_recorded_reference_over_all_and_per_data_source(cli, tmp_path, tiny_model, examples):
+    trained = cli("kto", "--data", examples, "--val-data", examples, "--model", tiny_model, "--out", tmp_path / "kto", "--epochs", "2", "--lr", "1e-3", "--batch-size", "4")
+    assert trained.exit_code == 0, trained.stderr
+    manifest = json.loads((tmp_path / "kto" / "_manifest.json").read_text())
+    assert manifest["state"]["reference"] == str(tiny_model)
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({**r, "data_source": "small" if i < 4 else "large"}) + "\n" for i, r in enumerate(number_examples(8))))
+    result = cli("kto", "--eval", "--data", held, "--model", tmp_path / "kto", "--json")
+    assert result.exit_code == 0, result.stderr
+    every, *per_source = json.loads(result.stdout)["rows"]
+    # the same examples against the recorded reference: the trained policy's own held-out figures
+    assert every["source"] == "all" and every["examples"] == 8
+    assert abs(every["loss"] - manifest["metrics"]["val_loss"]) < 1e-5 and abs(every["margin"] - manifest["metrics"]["val_margin"]) < 1e-5
+    assert [(r["source"], r["examples"]) for r in per_source] == [("small", 4), ("large", 4)]
+    named = json.loads(cli("kto", "--eval", "--data", held, "--model", tmp_path / "kto", "--ref", tiny_model, "--json").stdout)["rows"][0]
+    assert named == every
+    start = json.loads(cli("kto", "--eval", "--data", held, "--model", tiny_model, "--ref", tiny_model, "--json").stdout)["rows"][0]
+    assert abs(start["loss"] - 0.5) < 1e-6 and abs(start["margin"]) < 1e-6 and start["kl"] == 0.0  # a policy against itself: r = z = 0
+    only_good = tmp_path / "good.jsonl"
+    only_good.write_text("".join(json.dumps(r) + "\n" for r in number_examples(8) if r["label"]))
+    table = cli("kto", "--eval", "--data", only_good, "--model", tmp_path / "kto")
+    assert table.exit_code == 0 and "undesirable_reward" in table.stdout and "—" in table.stdout  # no undesirable example: no figure
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.jsonl", "held.jsonl", "kto", "kto.jsonl"]  # nothing written
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--eval", "--model", "{tiny_model}"], "kto --eval: {tiny_model} is not a checkpoint rlctl kto wrote, so its reference is unknown: give it as --ref"),
+        (["--eval", "--model", "{tiny_model}", "--ref", "{tiny_model}", "--out", "{tmp_path}/out"], "--eval trains nothing and writes nothing"),
+        (["--model", "{tiny_model}", "--ref", "{tiny_model}", "--out", "{tmp_path}/out"], "kto --ref names the reference of --eval"),
+        (["--model", "{tiny_model}"], "kto needs --out"),
+    ],
+)
+def test_eval_without_a_known_reference_or_a_write_asked_of_eval_is_one_line(cli, tmp_path, tiny_model, examples, args, fragment):
+    result = cli("kto", "--data", examples, *(a.format(tiny_model=tiny_model, tmp_path=tmp_path) for a in args))
+    assert result.exit_code == 2 and fragment.format(tiny_model=tiny_model) in one_line_error(result), result.stderr
+    assert_not_written(tmp_path / "out")
+
+
 @pytest.mark.parametrize(
     ("rows", "args", "fragment"),
     [
