@@ -498,26 +498,13 @@ def dpo(
 
     from rlctl.config import override_section
     from rlctl.dpo import run
-    from rlctl.supervised import describe_epoch
 
     cfg = _stage_config(config, set_)
     cfg = replace(cfg, dpo=override_section(cfg.dpo, epochs=epochs, lr=lr, batch_size=batch_size, beta=beta, loss=loss))
-    if evaluate:
-        if out or val_data:
-            raise InputError("dpo --eval trains nothing and writes nothing: give the pairs as --data, without --out or --val-data")
-        _evaluate_dpo(data, model, ref, cfg, device or cfg.model.device, as_json)
-        return
-    if ref:
-        raise InputError("dpo --ref names the reference of --eval; training's reference is --model's starting weights")
-    if not out:
-        raise InputError("dpo needs --out, the folder to write the trained policy to (or --eval to measure --model on --data)")
-
-    def report(row: dict) -> None:
-        if not as_json:
-            _err(describe_epoch(row, "dpo"))
-
-    manifest = run(data=data, model=model, out=out, cfg=cfg, val_data=val_data, device=device or cfg.model.device, force=force, report=report)
-    _report(manifest, as_json)
+    _train_against_reference_or_measure(
+        "dpo", "pairs", run, _evaluate_dpo, data=data, model=model, out=out, val_data=val_data, evaluate=evaluate, ref=ref, cfg=cfg,
+        device=device or cfg.model.device, as_json=as_json, force=force,
+    )
 
 
 @app.command()
@@ -544,26 +531,38 @@ def kto(
 
     from rlctl.config import override_section
     from rlctl.kto import run
-    from rlctl.supervised import describe_epoch
 
     cfg = _stage_config(config, set_)
     cfg = replace(cfg, kto=override_section(cfg.kto, epochs=epochs, lr=lr, batch_size=batch_size, beta=beta))
+    _train_against_reference_or_measure(
+        "kto", "examples", run, _evaluate_kto, data=data, model=model, out=out, val_data=val_data, evaluate=evaluate, ref=ref, cfg=cfg,
+        device=device or cfg.model.device, as_json=as_json, force=force,
+    )
+
+
+def _train_against_reference_or_measure(
+    name: str, noun: str, run, measure, *, data: str, model: str, out: str | None, val_data: str | None, evaluate: bool, ref: str | None, cfg,
+    device: str, as_json: bool, force: bool,
+) -> None:
+    """`rlctl dpo` and `rlctl kto`: with --eval, `measure` --model against --ref on --data;
+    otherwise `run` the training into --out, each epoch's line on stderr."""
+    from rlctl.supervised import describe_epoch
+
     if evaluate:
         if out or val_data:
-            raise InputError("kto --eval trains nothing and writes nothing: give the examples as --data, without --out or --val-data")
-        _evaluate_kto(data, model, ref, cfg, device or cfg.model.device, as_json)
+            raise InputError(f"{name} --eval trains nothing and writes nothing: give the {noun} as --data, without --out or --val-data")
+        measure(data, model, ref, cfg, device, as_json)
         return
     if ref:
-        raise InputError("kto --ref names the reference of --eval; training's reference is --model's starting weights")
+        raise InputError(f"{name} --ref names the reference of --eval; training's reference is --model's starting weights")
     if not out:
-        raise InputError("kto needs --out, the folder to write the trained policy to (or --eval to measure --model on --data)")
+        raise InputError(f"{name} needs --out, the folder to write the trained policy to (or --eval to measure --model on --data)")
 
     def report(row: dict) -> None:
         if not as_json:
-            _err(describe_epoch(row, "kto"))
+            _err(describe_epoch(row, name))
 
-    manifest = run(data=data, model=model, out=out, cfg=cfg, val_data=val_data, device=device or cfg.model.device, force=force, report=report)
-    _report(manifest, as_json)
+    _report(run(data=data, model=model, out=out, cfg=cfg, val_data=val_data, device=device, force=force, report=report), as_json)
 
 
 def _evaluate_sft(data: str, model: str, cfg, device: str, as_json: bool) -> None:
