@@ -279,7 +279,7 @@ class SftConfig:
     """Supervised fine-tuning (`rlctl sft`): cross-entropy on demonstrated responses, the warm
     start a policy gets before RL (TRL's SFTTrainer, verl's SFT trainer)."""
 
-    data: str = ""  # in a pipeline: demonstrations to fine-tune model.path on before iteration 1 (RUN/sft, the run's initial policy; "" = no warm start)
+    data: str = ""  # in a pipeline: demonstrations to fine-tune model.path on before iteration 1 (RUN/sft, the run's initial policy unless dpo.data or kto.data trains after it; "" = no warm start)
     val_data: str = ""  # in a pipeline: held-out demonstrations, their loss before and after each epoch
     lr: float = 1e-5  # learning rate (AdamW)
     epochs: int = 1  # passes over the examples
@@ -321,7 +321,7 @@ class RewardModelConfig:
 
     data: str = ""  # in a pipeline: preference pairs to train RUN/reward_model on before iteration 1 (score.reward = "rm:trained" scores with it; "" = none)
     val_data: str = ""  # in a pipeline: held-out pairs, their loss and accuracy before and after each epoch
-    base: str = "policy"  # in a pipeline: the model the reward model starts from: policy (the run's initial policy: model.path, or RUN/sft after a warm start) or a folder
+    base: str = "policy"  # in a pipeline: the model the reward model starts from: policy (the run's initial policy: model.path, or the last warm start's folder) or a folder
     lr: float = 1e-5  # learning rate (AdamW)
     epochs: int = 1  # passes over the pairs
     save_steps: int = 0  # a checkpoint also every N optimizer steps within an epoch, to resume from mid-epoch (beside OUT, removed at the end); 0 = at each epoch's end only
@@ -446,7 +446,7 @@ class DpoConfig:
     against its own starting weights as the reference, without a reward model or sampling
     (TRL's DPOTrainer, OpenRLHF's train_dpo)."""
 
-    data: str = ""  # in a pipeline: preference pairs to train the policy on before iteration 1, after sft.data's warm start (RUN/dpo, the run's initial policy; "" = none)
+    data: str = ""  # in a pipeline: preference pairs to train the policy on before iteration 1, after sft.data's warm start (RUN/dpo, the run's initial policy unless kto.data's follows; "" = none)
     val_data: str = ""  # in a pipeline: held-out pairs, their loss and accuracy before and after each epoch
     beta: float = 0.1  # strength of the pull towards the reference: the implicit reward is beta × (log π − log π_ref) of a response (orpo: the odds-ratio term's weight, its paper's lambda)
     loss: str = "sigmoid"  # sigmoid (DPO) | robust (rDPO: unbiased under label noise) | ipo (squared, per-token log-ratios) | hinge (SLiC) | simpo (no reference: per-token log-probs, margin simpo_gamma) | orpo (no reference: the chosen NLL plus beta × the odds ratio's loss)
@@ -496,6 +496,8 @@ class KtoConfig:
     desirable or undesirable, no pairs needed, against its own starting weights as the reference
     (TRL's KTOTrainer, OpenRLHF's train_kto)."""
 
+    data: str = ""  # in a pipeline: labelled examples (or pairs) to train the policy on before iteration 1, after sft.data's and dpo.data's warm starts (RUN/kto, the run's initial policy; "" = none)
+    val_data: str = ""  # in a pipeline: held-out examples, their loss and margin before and after each epoch
     beta: float = 0.1  # strength of the pull towards the reference: the implicit reward is beta × (log π − log π_ref) of a response
     desirable_weight: float = 1.0  # the desirable examples' loss weight (lambda_D; the paper keeps lambda_D × desirable / (lambda_U × undesirable) in [1, 4/3])
     undesirable_weight: float = 1.0  # the undesirable examples' loss weight (lambda_U)

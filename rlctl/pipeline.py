@@ -84,15 +84,17 @@ def resolve_pass_tokens(cfg: Config, recorded: Config | None) -> Config:
     return replace(cfg, update=replace(cfg.update, micro_batch_tokens=value))
 
 
-SFT_DIR = "sft"  # RUN/sft: the warm start's checkpoint (sft.data), the run's initial policy
-DPO_DIR = "dpo"  # RUN/dpo: the policy trained on dpo.data (from RUN/sft where there is one), then the run's initial policy
+# The warm starts before iteration 1, in the order they run: each trains the weights the one
+# before it left (model.path for the first) on its section's data into RUN/<name>, and the
+# last one's folder is the run's initial policy.
+WARM_STARTS = ("sft", "dpo", "kto")
 REWARD_MODEL_DIR = "reward_model"  # RUN/reward_model: the reward model trained on reward_model.data
 TRAINED_RM = "rm:trained"  # a reward spec meaning "the reward model this run trains" (RUN/reward_model)
 
 
 def resolve_model_paths(cfg: Config, run_dir: Path) -> Config:
     """Fill in the run's model folder and the `policy` shorthands: the initial policy's weights,
-    which with a warm start (sft.data, dpo.data) are RUN/sft's or RUN/dpo's, not model.path's."""
+    which after a warm start (sft.data, dpo.data, kto.data) are its folder's, not model.path's."""
     model = cfg.model
     path = model.path or str(run_dir / "model")
     start = initial_policy(replace(cfg, model=replace(model, path=path)), run_dir)
@@ -122,15 +124,21 @@ def resolve_trained_reward(cfg: Config, run_dir: Path) -> Config:
     return replace(cfg, score=score, reward_model=replace(cfg.reward_model, base=base))
 
 
+def warm_starts(cfg: Config) -> list[str]:
+    """The warm starts the run trains before iteration 1, in order: those whose data is set."""
+    return [name for name in WARM_STARTS if getattr(cfg, name).data]
+
+
 def initial_policy(cfg: Config, run_dir: Path) -> str:
-    """The weights iteration 1 starts from: model.path, or its copy trained by the warm starts:
-    RUN/dpo (dpo.data), else RUN/sft (sft.data)."""
-    return str(run_dir / DPO_DIR) if cfg.dpo.data else sft_policy(cfg, run_dir)
+    """The weights iteration 1 starts from: the last warm start's folder, or model.path."""
+    done = warm_starts(cfg)
+    return str(run_dir / done[-1]) if done else cfg.model.path
 
 
-def sft_policy(cfg: Config, run_dir: Path) -> str:
-    """The weights after the SFT warm start (the ones DPO's starts from): RUN/sft, or model.path without one."""
-    return str(run_dir / SFT_DIR) if cfg.sft.data else cfg.model.path
+def warm_start_base(cfg: Config, run_dir: Path, name: str) -> str:
+    """The weights the warm start `name` trains: the folder of the one run before it, or model.path."""
+    before = [w for w in warm_starts(cfg) if WARM_STARTS.index(w) < WARM_STARTS.index(name)]
+    return str(run_dir / before[-1]) if before else cfg.model.path
 
 
 def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | None = None) -> None:
@@ -156,8 +164,8 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
     if cfg.pipeline.keep_best.startswith("val/") and not (cfg.data.val_prompts and cfg.pipeline.val_every):
         raise ConfigError(f"pipeline.keep_best = {cfg.pipeline.keep_best!r} is measured by validation: set data.val_prompts and pipeline.val_every")
     check_loggers(cfg.pipeline.loggers)
-    for section, warm in (("sft", cfg.sft), ("dpo", cfg.dpo)):
-        if warm.data and warm.lora.r:
+    for section in WARM_STARTS:
+        if getattr(cfg, section).data and getattr(cfg, section).lora.r:
             raise ConfigError(
                 f"{section}.data: the pipeline's warm start trains every weight ({section}.lora.r = 0): for LoRA, run `rlctl {section}` and `rlctl reshard --merge-lora` first"
             )
@@ -325,7 +333,7 @@ class Pipeline:
             if not self.cfg.model.init_preset:
                 raise InputError(f"model {self.cfg.model.path!r} does not exist (set model.init_preset to create it)")
             init_model(self.cfg.model.path, self.cfg.model.init_preset, self.cfg.model.init_seed)
-        if (self.cfg.sft.data or self.cfg.dpo.data) and not self._warm_started:
+        if warm_starts(self.cfg) and not self._warm_started:
             self._warm_start()
             self._warm_started = True
 
@@ -346,26 +354,24 @@ class Pipeline:
         )
 
     def _warm_start(self) -> None:
-        """Before iteration 1: fine-tune model.path on sft.data into RUN/sft (`rlctl sft`), then
-        train that (or model.path) on dpo.data's pairs into RUN/dpo (`rlctl dpo`); a committed
+        """Before iteration 1, each warm start in turn (`rlctl sft`, `dpo`, `kto`) on its
+        section's data, from the weights the one before it left, into RUN/<name>; a committed
         folder with the same inputs and settings is kept (resume)."""
-        from rlctl import dpo, sft
+        from rlctl import dpo, kto, sft
         from rlctl.supervised import describe_epoch
 
-        def reporter(command: str) -> Callable[[dict], None]:
-            def report(row: dict) -> None:
+        commands = {"sft": sft.run, "dpo": dpo.run, "kto": kto.run}
+        cfg = self.cfg
+        for name in warm_starts(cfg):
+            section = getattr(cfg, name)
+
+            def report(row: dict, command: str = name) -> None:
                 if self.view is not None:
                     self.view.message(describe_epoch(row, command))
 
-            return report
-
-        cfg = self.cfg
-        if cfg.sft.data:
-            sft.run(data=cfg.sft.data, val_data=cfg.sft.val_data or None, model=cfg.model.path, out=str(self.run_dir / SFT_DIR), cfg=cfg, device=cfg.model.device, report=reporter("sft"))
-        if cfg.dpo.data:
-            dpo.run(
-                data=cfg.dpo.data, val_data=cfg.dpo.val_data or None, model=sft_policy(cfg, self.run_dir), out=str(self.run_dir / DPO_DIR), cfg=cfg,
-                device=cfg.model.device, report=reporter("dpo"),
+            commands[name](
+                data=section.data, val_data=section.val_data or None, model=warm_start_base(cfg, self.run_dir, name), out=str(self.run_dir / name),
+                cfg=cfg, device=cfg.model.device, report=report,
             )
 
     # -- running ---------------------------------------------------------------------
@@ -581,6 +587,24 @@ class Pipeline:
     def __del__(self) -> None:
         self.close()
 
+    def _warm_start_plan(self) -> list[str]:
+        """The plan's line for each warm start: what it trains, on what, and how."""
+        cfg, names = self.cfg, warm_starts(self.cfg)
+        how = {
+            "sft": lambda: f"fine-tuned on {cfg.sft.data}",
+            "dpo": lambda: f"trained on the pairs {cfg.dpo.data} (DPO, {cfg.dpo.loss} loss, beta {cfg.dpo.beta:g})",
+            "kto": lambda: f"trained on the labelled examples {cfg.kto.data} (KTO, beta {cfg.kto.beta:g})",
+        }
+        lines = []
+        for name in names:
+            section = getattr(cfg, name)
+            last = " (the initial policy: model.ref/critic = \"policy\" mean it)" if name == names[-1] else ""
+            lines.append(
+                f"warm start    {self.run_dir / name}: {warm_start_base(cfg, self.run_dir, name)} {how[name]()}, "
+                f"{section.epochs} epoch(s) at lr {section.lr:g}, before iteration 1{last}"
+            )
+        return lines
+
     def plan(self) -> str:
         """What a run would do: iterations, stages, models, outputs, and what is already done."""
         cfg, total = self.cfg, self.cfg.pipeline.iterations
@@ -591,11 +615,7 @@ class Pipeline:
             f"iterations    {first}..{total} of {total}" if first <= total else f"iterations    none left ({total} done)",
             f"stages        {' → '.join(self._stages_to_run())} → hand-over ({describe_handover(cfg)})",
             f"policy        {cfg.model.path}{' (created: ' + cfg.model.init_preset + ')' if not Path(cfg.model.path, 'config.json').exists() else ''}",
-            *([f"warm start    {self.run_dir / SFT_DIR}: fine-tuned on {cfg.sft.data}, {cfg.sft.epochs} epoch(s) at lr {cfg.sft.lr:g}, "
-               "before iteration 1" + ("" if cfg.dpo.data else " (the initial policy: model.ref/critic = \"policy\" mean it)")] if cfg.sft.data else []),
-            *([f"warm start    {self.run_dir / DPO_DIR}: {sft_policy(cfg, self.run_dir)} trained on the pairs {cfg.dpo.data} (DPO, {cfg.dpo.loss} loss, "
-               f"beta {cfg.dpo.beta:g}), {cfg.dpo.epochs} epoch(s) at lr {cfg.dpo.lr:g}, before iteration 1 (the initial policy: model.ref/critic = \"policy\" mean it)"]
-              if cfg.dpo.data else []),
+            *self._warm_start_plan(),
             *([f"training      LoRA adapters r={cfg.update.lora.r}, alpha={cfg.update.lora.alpha:g} on {', '.join(cfg.update.lora.target_modules)}; "
                "checkpoints hold the adapter (reshard --merge-lora)"] if cfg.update.lora.r else []),
             f"reference     {cfg.model.ref or '-'}{' (the policy base with its adapters disabled, if it is that folder)' if cfg.update.lora.r and cfg.model.ref else ''}",
@@ -1101,6 +1121,7 @@ def _resolve_relative(cfg: Config, base_dir: Path | None) -> Config:
     data = replace(cfg.data, prompts=fix(cfg.data.prompts), val_prompts=fix(cfg.data.val_prompts))
     sft = replace(cfg.sft, data=fix(cfg.sft.data), val_data=fix(cfg.sft.val_data))
     dpo = replace(cfg.dpo, data=fix(cfg.dpo.data), val_data=fix(cfg.dpo.val_data))
+    kto = replace(cfg.kto, data=fix(cfg.kto.data), val_data=fix(cfg.kto.val_data))
     rm = cfg.reward_model
     reward_model = replace(rm, data=fix(rm.data), val_data=fix(rm.val_data), base=fix(rm.base))
 
@@ -1112,7 +1133,7 @@ def _resolve_relative(cfg: Config, base_dir: Path | None) -> Config:
 
     terms = tuple(replace(term, fn=fix_reward(term.fn)) for term in cfg.score.rewards)
     return replace(
-        cfg, model=model, data=data, sft=sft, dpo=dpo, reward_model=reward_model, rollout=replace(cfg.rollout, tool=fix_reward(cfg.rollout.tool)),
+        cfg, model=model, data=data, sft=sft, dpo=dpo, kto=kto, reward_model=reward_model, rollout=replace(cfg.rollout, tool=fix_reward(cfg.rollout.tool)),
         score=replace(cfg.score, reward=fix_reward(cfg.score.reward), rewards=terms),
     )
 

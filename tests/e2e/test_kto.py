@@ -37,6 +37,42 @@ def test_kto_writes_a_checkpoint_with_its_epochs_that_a_pipeline_starts_from(cli
     assert run.exit_code == 0, run.stderr
 
 
+def test_a_pipeline_with_dpo_and_kto_data_trains_dpo_then_kto_from_its_weights_once_and_starts_rl_from_ktos(cli, tmp_path, tiny_model, examples):
+    """The warm starts chain: DPO from model.path, KTO from DPO's weights (its reference too:
+    the first epoch's loss is 0.5), RL from KTO's (model.ref = "policy" is RUN/kto); each
+    trained once, kept on resume."""
+    from tests.e2e.test_dpo import PAIRS
+    from tests.e2e.test_pipeline import write_config
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in PAIRS))
+    config = write_config(
+        tmp_path, tiny_model, model={"critic": "", "ref": "policy"}, advantage={"estimator": "grpo", "kl_coef": 0.0},
+        dpo={"data": str(pairs), "epochs": 1, "lr": 1e-3, "batch_size": 4},
+        kto={"data": str(examples), "val_data": str(examples), "epochs": 1, "lr": 1e-3, "batch_size": 4, "beta": 0.5},
+        update={"use_kl_loss": True}, pipeline={"iterations": 1, "val_every": 0},
+    )
+    run = tmp_path / "run"
+    plan = cli("pipeline", config, "--run-dir", run, "--dry-run")
+    assert plan.exit_code == 0, plan.stderr
+    assert f"warm start    {run / 'dpo'}: {tiny_model} trained on the pairs {pairs} (DPO, sigmoid loss, beta 0.1), 1 epoch(s) at lr 0.001, before iteration 1\n" in plan.stdout
+    assert f"warm start    {run / 'kto'}: {run / 'dpo'} trained on the labelled examples {examples} (KTO, beta 0.5)" in plan.stdout
+    assert f"reference     {run / 'kto'}" in plan.stdout
+    first = cli("pipeline", config, "--run-dir", run, "--quiet")
+    assert first.exit_code == 0, first.stderr
+    kto_manifest = (run / "kto" / "_manifest.json").read_bytes()
+    trained = json.loads(kto_manifest)
+    assert trained["stage"] == "kto" and trained["config"]["kto"]["beta"] == 0.5 and trained["state"]["optimizer_steps"] == 2
+    assert str(run / "dpo") in [i["uri"] for i in trained["inputs"]]  # KTO started from DPO's weights
+    epochs = trained["state"]["epochs"]
+    assert epochs[0]["val_loss"] == pytest.approx(0.5, abs=1e-6) and epochs[-1]["val_loss"] < 0.5  # its reference is where it started
+    rollout = json.loads((run / "iter-0001" / "rollout" / "_manifest.json").read_text())
+    assert rollout["state"]["weights_source"] == str(run / "kto")
+    more = cli("pipeline", config, "--run-dir", run, "--quiet", "--iterations", "2")
+    assert more.exit_code == 0, more.stderr
+    assert (run / "kto" / "_manifest.json").read_bytes() == kto_manifest  # resumed: no second KTO
+
+
 def test_eval_measures_a_trained_policy_against_its_recorded_reference_over_all_and_per_data_source(cli, tmp_path, tiny_model, examples):
     trained = cli("kto", "--data", examples, "--val-data", examples, "--model", tiny_model, "--out", tmp_path / "kto", "--epochs", "2", "--lr", "1e-3", "--batch-size", "4")
     assert trained.exit_code == 0, trained.stderr

@@ -138,7 +138,7 @@ def test_a_pipeline_with_sft_data_warm_starts_once_and_its_first_iteration_repla
     assert (tmp_path / "run" / "sft" / "_manifest.json").read_bytes() == sft_manifest  # resumed from the checkpoint: no second warm start
 
 
-@pytest.mark.parametrize("section", ["sft", "dpo"])
+@pytest.mark.parametrize("section", ["sft", "dpo", "kto"])
 def test_a_pipeline_warm_start_with_lora_is_refused_before_any_work(cli, tmp_path, tiny_model, examples, section):
     config = write_config(tmp_path, tiny_model, **{section: {"data": str(examples)}})
     result = cli("pipeline", config, "--run-dir", tmp_path / "run", "--set", f"{section}.lora.r=4")
