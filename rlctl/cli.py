@@ -158,6 +158,7 @@ def rollout(
     top_k: Annotated[Optional[int], typer.Option("--top-k", help="Sample from the k most likely tokens; 0 = all." + _default("rollout.top_k"))] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed." + _default("rollout.seed"))] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="A stop string: a response ends with the token that completes it, and keeps it (repeat for several).")] = None,
+    greedy_baseline: Annotated[Optional[bool], typer.Option("--greedy-baseline/--no-greedy-baseline", help="Also decode each prompt's greedy response, never trained on: ReMax's baseline (advantage --estimator remax)." + _default("rollout.greedy_baseline"))] = None,
     backend: Annotated[Optional[str], typer.Option("--backend", help="Rollout engine: transformers (hf) or vLLM." + _default("rollout.backend"), metavar=_choices(choices.ROLLOUT_BACKENDS))] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype of generation." + _default("rollout.dtype"), metavar=_choices(choices.COMPUTE_DTYPES))] = None,
     max_prompt_tokens: Annotated[Optional[int], typer.Option("--max-prompt-tokens", help="Longest prompt in tokens." + _default("data.max_prompt_tokens"))] = None,
@@ -179,7 +180,9 @@ def rollout(
     from rlctl.stages import rollout as stage
 
     cfg = _stage_config(config, set_)
-    rollout_cfg = override_section(cfg.rollout, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, backend=backend, dtype=dtype, stop=stop or None)
+    rollout_cfg = override_section(cfg.rollout, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, backend=backend, dtype=dtype, stop=stop or None,
+        greedy_baseline=greedy_baseline,
+    )
     data_cfg = override_section(cfg.data, max_prompt_tokens=max_prompt_tokens, truncate=truncate, chat_template=chat_template)
     device = device or cfg.model.device
     manifest = stage.run(

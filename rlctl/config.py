@@ -128,6 +128,7 @@ class RolloutConfig:
     tool_role: str = "tool"  # the role of the tool's message with tool_format = "chat"
     tool_timeout: float = 60.0  # seconds one call of the tool (on a batch of responses) may take
     seed: int = 0  # sampling seed; each row is seeded from (seed, row)
+    greedy_baseline: bool = False  # also decode one greedy response per prompt, never trained on: its reward is the prompt's baseline (advantage.estimator = "remax")
     backend: str = "hf"  # hf | vllm
     batch_size: int = 64  # sequences generated together
     dtype: str = "auto"  # compute dtype of generation: auto (bf16 where the CPU/GPU has native bf16, else fp32) | fp32 | bf16 (the HF engine generates from a bf16 copy of the weights)
@@ -181,7 +182,7 @@ class ScoreConfig:
 class AdvantageConfig:
     """Rewards → advantages and returns (pure math), with the optional KL penalty."""
 
-    estimator: str = "grpo"  # gae | grpo | rloo | opo | grpo_passk | reinforce_pp | reinforce_pp_baseline (docs/algorithms.md)
+    estimator: str = "grpo"  # gae | grpo | rloo | opo | grpo_passk | reinforce_pp | reinforce_pp_baseline | remax (with rollout.greedy_baseline; docs/algorithms.md)
     gamma: float = 1.0  # discount of GAE and REINFORCE++ returns
     lam: float = 1.0  # GAE's lambda
     norm_by_std: bool = True  # GRPO: divide by the group's reward std (false = Dr. GRPO)

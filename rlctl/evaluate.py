@@ -89,7 +89,7 @@ def run(*, model: str, prompts: str, cfg: Config, threshold: float, device: str 
     from rlctl.stages.score import ScoringModels, score_table
     from rlctl.tool_turns import check_tool
 
-    rollout = replace(cfg.rollout, dtype=compute_dtype(cfg.rollout.dtype, models_device(device, cfg.workers)))
+    rollout = replace(cfg.rollout, dtype=compute_dtype(cfg.rollout.dtype, models_device(device, cfg.workers)), greedy_baseline=False)
     check_tool(rollout.tool, rollout.stop)
     source = read(prompts, "prompts")
     check_model_dir(model)

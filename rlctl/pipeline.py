@@ -143,7 +143,7 @@ def warm_start_base(cfg: Config, run_dir: Path, name: str) -> str:
 
 def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | None = None) -> None:
     """Everything that can be checked before any work: fails with one line, exit code 2."""
-    from rlctl.algos.advantages import ESTIMATORS, NEEDS_VALUES
+    from rlctl.algos.advantages import ESTIMATORS, NEEDS_BASELINES, NEEDS_VALUES
     from rlctl.stages.advantage import check_config
     from rlctl.tool_turns import check_tool
     from rlctl.trainer import check_update_config
@@ -182,6 +182,8 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
         raise ConfigError("update.critic_warmup trains only the critic for its steps: set model.critic")
     if cfg.advantage.estimator in NEEDS_VALUES and not cfg.model.critic:
         raise ConfigError(f"estimator {cfg.advantage.estimator} needs a critic: set model.critic")
+    if cfg.advantage.estimator in NEEDS_BASELINES and not cfg.rollout.greedy_baseline:
+        raise ConfigError(f"estimator {cfg.advantage.estimator} needs each prompt's greedy reward: set rollout.greedy_baseline = true")
     if cfg.data.batch_size < 1 or cfg.rollout.n < 1 or cfg.pipeline.iterations < 1:
         raise ConfigError("data.batch_size, rollout.n and pipeline.iterations must be at least 1")
     check_update_config(cfg.update, cfg.data.batch_size * cfg.rollout.n)
@@ -702,7 +704,7 @@ class Pipeline:
     def _rollout(self, prompts: pa.Table, rollout_cfg) -> pa.Table:
         from rlctl.stages.rollout import rollout_table
 
-        total = prompts.num_rows * rollout_cfg.n * rollout_cfg.max_new_tokens
+        total = prompts.num_rows * (rollout_cfg.n + rollout_cfg.greedy_baseline) * rollout_cfg.max_new_tokens
         if self.view:
             self.view.stage("rollout", total=total)
         on_tokens = self.view.advance if self.view else None
@@ -762,7 +764,7 @@ class Pipeline:
 
         settings = self.cfg.pipeline
         compute_state = self._compute_state(self._fit_threads(), by_workers=True)  # the threads it runs at, for replay
-        sampling = replace(self.cfg.rollout, n=settings.val_n, temperature=settings.val_temperature, seed=0)
+        sampling = replace(self.cfg.rollout, n=settings.val_n, temperature=settings.val_temperature, seed=0, greedy_baseline=False)
         table = rollout_table(self.val_dataset, self.workers.engine, sampling, self.cfg.data, policy_version=self.workers.trainer.step)
         scored = score_table(table, self.reward, ScoringModels(), self.cfg.score)
         metrics = validation_metrics(scored, settings.val_n)

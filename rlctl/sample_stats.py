@@ -66,7 +66,10 @@ def reward_stats(scores: pa.Table) -> dict[str, float | None]:
     if scores.num_rows == 0:
         return {}
     rewards = np.asarray(scores.column("reward").to_pylist(), dtype=np.float64)
-    return {"reward_max": float(rewards.max()), "reward_min": float(rewards.min()), "groups/equal_rewards": equal_reward_share(scores)}
+    stats = {"reward_max": float(rewards.max()), "reward_min": float(rewards.min()), "groups/equal_rewards": equal_reward_share(scores)}
+    if "baseline_reward" in scores.column_names:  # the greedy responses' reward (ReMax's baselines), a row's its prompt's
+        stats["baseline_reward_mean"] = float(np.mean(scores.column("baseline_reward").to_numpy()))
+    return stats
 
 
 def equal_reward_share(scores: pa.Table) -> float | None:

@@ -12,7 +12,13 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from rlctl.algos.advantages import ESTIMATORS, NEEDS_VALUES, masked_mean, sequence_mean
+from rlctl.algos.advantages import (
+    ESTIMATORS,
+    NEEDS_BASELINES,
+    NEEDS_VALUES,
+    masked_mean,
+    sequence_mean,
+)
 from rlctl.algos.kl import KL_ESTIMATORS, KLControllerState, next_kl_state
 from rlctl.config import AdvantageConfig, to_dict
 from rlctl.errors import InputError
@@ -68,6 +74,8 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
     names = table.column_names
     if cfg.estimator in NEEDS_VALUES and ("values" not in names or table.column("values").null_count):
         raise InputError(f"estimator {cfg.estimator} needs critic values: score with --critic")
+    if cfg.estimator in NEEDS_BASELINES and "baseline_reward" not in names:
+        raise InputError(f"estimator {cfg.estimator} needs baseline_reward: roll out with rollout.greedy_baseline = true (--greedy-baseline), then score")
     kl_coef = state.kl_coef
     if kl_coef > 0 and ("ref_logprobs" not in names or table.column("ref_logprobs").null_count):
         raise InputError("kl_coef > 0 needs ref_logprobs: score with --ref")
@@ -103,6 +111,7 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
     result = ESTIMATORS.get(cfg.estimator)(
         token_rewards=token_rewards, response_mask=mask, values=values, group_index=torch.from_numpy(group_index.astype(np.int64)),
         gamma=cfg.gamma, lam=cfg.lam, norm_by_std=cfg.norm_by_std, std_scope=cfg.std_scope,
+        baselines=torch.from_numpy(table.column("baseline_reward").to_numpy().astype(np.float64)) if cfg.estimator in NEEDS_BASELINES else None,
     )
     advantages, returns = result.advantages, result.returns
     if tokens is not None:

@@ -126,11 +126,24 @@ def rollout_table(
     repeated = [ids for ids in prompt_ids for _ in range(cfg.n)]
     rows = pa.array([i for i in range(prompts.num_rows) for _ in range(cfg.n)], pa.int64())
     table = prompts.take(rows)
+    baseline: list[Generation] = []
     if on_tokens is not None:
         generations, tool_columns = _generate(engine, table, repeated, cfg, first_row, on_tokens)
+        if cfg.greedy_baseline:
+            baseline, _ = _generate(engine, prompts, prompt_ids, greedy(cfg), first_row, on_tokens)
     else:
-        with progress_bar("rollout", total=len(repeated) * cfg.max_new_tokens, unit="tok") as bar:
+        total = (len(repeated) + (len(prompt_ids) if cfg.greedy_baseline else 0)) * cfg.max_new_tokens
+        with progress_bar("rollout", total=total, unit="tok") as bar:
             generations, tool_columns = _generate(engine, table, repeated, cfg, first_row, bar.advance)
+            if cfg.greedy_baseline:
+                baseline, _ = _generate(engine, prompts, prompt_ids, greedy(cfg), first_row, bar.advance)
+    if cfg.greedy_baseline:
+        baseline_ids = [g.response_ids for g in baseline for _ in range(cfg.n)]
+        tool_columns = {
+            **tool_columns,
+            "baseline_response_ids": list_column(baseline_ids, pa.int32()),
+            "baseline_response": pa.array(engine.tokenizer.batch_decode(baseline_ids, skip_special_tokens=True), pa.string()),
+        }
     responses = engine.tokenizer.batch_decode([g.response_ids for g in generations], skip_special_tokens=True)
     columns = {
         "sample": pa.array([s for _ in range(prompts.num_rows) for s in range(cfg.n)], pa.int32()),
@@ -147,6 +160,12 @@ def rollout_table(
     metadata = dict(table.schema.metadata or {})
     metadata[SAMPLING_KEY] = json.dumps(sampling, sort_keys=True).encode()
     return table.replace_schema_metadata(metadata)
+
+
+def greedy(cfg: RolloutConfig) -> RolloutConfig:
+    """The settings of the greedy responses beside the samples (ReMax's baselines): one a
+    prompt, the most likely token at every step; stop strings and tool turns as the samples'."""
+    return replace(cfg, n=1, temperature=0.0, top_p=1.0, top_k=0, greedy_baseline=False)
 
 
 def _generate(

@@ -102,7 +102,8 @@ def reward_samples(table: pa.Table) -> RewardSamples:
 def score_table(table: pa.Table, reward: RewardSet, models: ScoringModels, cfg: ScoreConfig) -> pa.Table:
     """Rewards for every row, then the per-token columns each available model provides."""
     scores = scored_rewards(table, reward, models, cfg)
-    return with_model_columns(with_reward_columns(table, scores), scores.total, models, cfg)
+    table = with_baseline_reward(with_reward_columns(table, scores), reward, cfg)
+    return with_model_columns(table, scores.total, models, cfg)
 
 
 def with_reward_columns(table: pa.Table, scores: RewardScores) -> pa.Table:
@@ -127,6 +128,27 @@ def scored_rewards(table: pa.Table, reward: RewardSet, models: ScoringModels, cf
     vocab = next((m.vocab_size for m in (models.ref, models.policy, models.critic) if m is not None), None)
     if vocab is not None:
         check_token_ids(table, vocab, source="rollouts")
+    return shaped_rewards(table, reward, cfg)
+
+
+def with_baseline_reward(table: pa.Table, reward: RewardSet, cfg: ScoreConfig) -> pa.Table:
+    """With greedy responses beside the samples (rollout.greedy_baseline), `baseline_reward`:
+    each prompt's greedy response scored as its samples are (the same reward, the same
+    shaping), once per prompt, on every row of the prompt; without them, `table` as it is."""
+    if "baseline_response" not in table.column_names:
+        return table
+    keys = list(zip(map(str, table.column("id").to_pylist()), table.column("baseline_response").to_pylist()))
+    first: dict[tuple[str, str], int] = {}
+    for row, key in enumerate(keys):
+        first.setdefault(key, row)
+    greedy = table.take(pa.array(list(first.values()), pa.int64()))
+    greedy = set_columns(greedy, {"response": greedy.column("baseline_response"), "response_ids": greedy.column("baseline_response_ids")})
+    scored = dict(zip(first, shaped_rewards(greedy, reward, cfg).total))
+    return set_columns(table, {"baseline_reward": pa.array([scored[key] for key in keys], pa.float32())})
+
+
+def shaped_rewards(table: pa.Table, reward: RewardSet, cfg: ScoreConfig) -> RewardScores:
+    """The reward of every row's response, with DAPO's overlong shaping where it is set."""
     scores = reward.score(reward_samples(table), timeout=cfg.reward_timeout)
     if cfg.overlong_buffer > 0:
         limit = sampling_of(table).get("max_new_tokens")
@@ -171,7 +193,7 @@ def score_parts_on_workers(group, table: pa.Table, reward: RewardSet, models: Sc
     (`workers.placement = "split"`) and a critic in one score there first; their log-probs
     and values go with the rows."""
     scores = scored_rewards(table, reward, models, cfg)
-    rewards, table = scores.total, with_reward_columns(table, scores)
+    rewards, table = scores.total, with_baseline_reward(with_reward_columns(table, scores), reward, cfg)
     prompt_ids, response_ids = table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist()
     ref_logprobs = values = None
     if models.ref is not None and getattr(group, "ref_pool", None) is not None:

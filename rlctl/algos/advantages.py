@@ -39,11 +39,13 @@ class AdvantageEstimator(Protocol):
         lam: float,
         norm_by_std: bool,
         std_scope: str = "group",  # grpo's divisor with norm_by_std: its group's std, or the batch's
+        baselines: torch.Tensor | None = None,  # [B]: each sequence's own baseline (remax: its prompt's greedy reward)
     ) -> AdvantageOutput: ...
 
 
 ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 NEEDS_VALUES = {"gae"}
+NEEDS_BASELINES = {"remax"}
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -86,7 +88,7 @@ def group_stats(scores: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.
 
 
 @ESTIMATORS.register("gae")
-def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group") -> AdvantageOutput:
+def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None) -> AdvantageOutput:
     """Generalised advantage estimation with a critic; advantages whitened over the batch.
 
     Masked positions are skipped, as if absent: the recursion carries over them unchanged.
@@ -110,7 +112,7 @@ def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_b
 
 
 @ESTIMATORS.register("grpo")
-def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group") -> AdvantageOutput:
+def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None) -> AdvantageOutput:
     """Group-relative outcome advantage: (score - group mean) [/ std], on every token. The std
     is the group's, or with `std_scope="batch"` every sequence's of the batch (TRL's
     `scale_rewards="batch"`, Lite PPO's group mean with batch std). `norm_by_std=False` (with the
@@ -128,7 +130,7 @@ def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_
 
 
 @ESTIMATORS.register("rloo")
-def rloo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group") -> AdvantageOutput:
+def rloo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None) -> AdvantageOutput:
     """Leave-one-out baseline: score - mean of the other samples of the same prompt."""
     scores = sequence_scores(token_rewards, response_mask)
     mean, _, size = group_stats(scores, group_index)
@@ -150,14 +152,14 @@ def discounted_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor,
 
 
 @ESTIMATORS.register("reinforce_pp")
-def reinforce_pp(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group") -> AdvantageOutput:
+def reinforce_pp(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None) -> AdvantageOutput:
     """REINFORCE++: discounted per-token returns, whitened over the whole batch."""
     returns = discounted_returns(token_rewards, response_mask, gamma)
     return AdvantageOutput(masked_whiten(returns, response_mask), returns)
 
 
 @ESTIMATORS.register("reinforce_pp_baseline")
-def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group") -> AdvantageOutput:
+def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None) -> AdvantageOutput:
     """REINFORCE++ with a group-mean baseline: (score - group mean) on every token, whitened
     over the batch. Groups of one carry no signal (advantage 0) and stay out of the whitening
     statistics, as for grpo and rloo; verl instead uses a baseline of 0 for them, so their
@@ -171,7 +173,7 @@ def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, 
 
 
 @ESTIMATORS.register("opo")
-def opo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group") -> AdvantageOutput:
+def opo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None) -> AdvantageOutput:
     """OPO's optimal baseline (Hao et al. 2025): score - the group's length-weighted mean
     score Σ|o|·s / Σ|o|, on every token; no std. With exactly on-policy training the variance
     of the gradient is smallest for this baseline."""
@@ -188,7 +190,7 @@ def opo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_b
 
 
 @ESTIMATORS.register("grpo_passk")
-def grpo_passk(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group") -> AdvantageOutput:
+def grpo_passk(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None) -> AdvantageOutput:
     """Pass@k training (verl's grpo_passk, after Chen et al. 2025): only each group's best sample
     gets an advantage, its margin over the runner-up (best - second best) [/ the group's std],
     on every token; the others 0. It pushes the best of k up, not the average."""
@@ -205,3 +207,15 @@ def grpo_passk(*, token_rewards, response_mask, values, group_index, gamma, lam,
         adv[best] = margin / (std[best] + EPS) if norm_by_std else margin
     advantages = torch.where(response_mask, adv.unsqueeze(-1), 0)
     return AdvantageOutput(advantages, advantages.clone())
+
+
+@ESTIMATORS.register("remax")
+def remax(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None) -> AdvantageOutput:
+    """ReMax (Li et al. 2023): the reward-to-go of each token (undiscounted, as verl's) less
+    the reward of the prompt's greedy response, decoded beside the samples and not trained on;
+    no critic, no group needed (one sample a prompt is enough), no whitening."""
+    if baselines is None:
+        raise ValueError("remax needs each sequence's baseline (its prompt's greedy reward)")
+    returns = discounted_returns(token_rewards, response_mask, 1.0)
+    advantages = torch.where(response_mask, returns - baselines.to(returns.dtype).unsqueeze(-1), 0)
+    return AdvantageOutput(advantages, returns)

@@ -67,7 +67,7 @@ def test_schema_of_a_newer_major_version(cli, tmp_path):
     table = pa.table(ROLLOUT_VALUES).replace_schema_metadata({b"rlctl.schema": b"rollouts", b"rlctl.schema_version": b"9.0"})
     source = str(tmp_path / "in")
     shards.write(table, source, Manifest(stage="rollout"))
-    check(score(cli, source, tmp_path / "out"), tmp_path / "out", "9.0 is newer than this rlctl reads (1.1)")
+    check(score(cli, source, tmp_path / "out"), tmp_path / "out", "9.0 is newer than this rlctl reads (1.2)")
 
 
 def test_per_token_list_length_differs_from_response_ids(cli, tmp_path):
@@ -261,7 +261,7 @@ def test_a_manifest_of_a_newer_schema_version(cli, tmp_path):
     source = rollouts(tmp_path)
     path = tmp_path / "in" / MANIFEST_NAME
     path.write_text(path.read_text().replace('"schema_version": null', '"schema_version": "3.1"').replace('"schema": null', '"schema": "rollouts"'))
-    check(score(cli, source, tmp_path / "out"), tmp_path / "out", "rollouts schema version 3.1 is newer than this rlctl reads (1.1)")
+    check(score(cli, source, tmp_path / "out"), tmp_path / "out", "rollouts schema version 3.1 is newer than this rlctl reads (1.2)")
 
 
 def test_an_output_that_is_also_the_input(cli, tmp_path):

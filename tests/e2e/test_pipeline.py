@@ -354,6 +354,7 @@ def test_keep_best_saves_and_keeps_the_checkpoint_of_the_best_iteration(cli, tmp
     (["--set", "model.ref="], "kl_coef > 0 needs a reference model"),
     (["--set", "model.critic="], "estimator gae needs a critic"),
     (["--set", "advantage.estimator=ppo"], "unknown advantage estimator 'ppo'"),
+    (["--set", "model.critic=", "--set", "advantage.estimator=remax"], "estimator remax needs each prompt's greedy reward: set rollout.greedy_baseline = true"),
     (["--set", "pipeline.val_n=4"], "pipeline.val_n = 4 with val_temperature = 0: greedy samples of a prompt are all alike"),
     (["--set", "model.critic=", "--set", "advantage.estimator=grpo", "--set", "update.critic_warmup=4"], "update.critic_warmup trains only the critic for its steps: set model.critic"),
     (["--set", "update.lr_schedule=cosine"], "decays until update.decay_steps (0), which must exceed update.warmup_steps (0): set it in optimizer steps; this batch takes 4 optimizer steps per update"),
@@ -364,6 +365,30 @@ def test_bad_configs_fail_before_any_work(cli, tmp_path, tiny_model, args, fragm
     assert result.exit_code == 2, result.stderr
     assert fragment in one_line_error(result)
     assert not (tmp_path / "run").exists()
+
+
+def test_remax_trains_on_each_samples_reward_less_its_prompts_greedy_reward_and_replays_identical(cli, tmp_path, tiny_model):
+    """ReMax in a pipeline: the rollout decodes a greedy response per prompt beside the samples,
+    score gives it its reward, the batch's advantage is reward − baseline_reward (no KL in the
+    reward here); validation decodes no baselines; the rollout replays bit for bit."""
+    config = write_config(
+        tmp_path, tiny_model, model={"critic": ""}, rollout={"greedy_baseline": True},
+        advantage={"estimator": "remax", "kl_coef": 0.0, "kl_controller": "fixed"}, pipeline={"iterations": 2, "val_every": 2},
+    )
+    run = tmp_path / "run"
+    result = cli("pipeline", config, "--run-dir", run, "--quiet")
+    assert result.exit_code == 0, result.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= row["baseline_reward_mean"] for row in rows)
+    for i in (1, 2):
+        batch = shards.read(str(run / f"iter-{i:04d}" / "advantage"), "batch").table
+        assert batch.num_rows == 6
+        for row in batch.to_pylist():
+            assert row["advantages"] == pytest.approx([row["reward"] - row["baseline_reward"]] * len(row["response_ids"]), abs=1e-6)
+    val = shards.read(str(run / "iter-0002" / "val")).table
+    assert "baseline_response" not in val.column_names and "baseline_reward" not in val.column_names
+    replayed = cli("replay", run / "iter-0002" / "rollout", "--check")
+    assert replayed.exit_code == 0 and "identical" in replayed.stdout, (replayed.stdout, replayed.stderr)
 
 
 def test_a_run_resumes_only_with_the_training_config_it_started_with(cli, tmp_path, tiny_model):

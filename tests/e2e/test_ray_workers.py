@@ -200,12 +200,13 @@ def test_a_two_worker_run_replays_identical_and_resumes_on_one_worker_and_locall
 
 
 def test_stage_commands_on_two_workers_write_what_one_process_writes(ray_session, cli, tmp_path, tiny_model, prompts_file):
-    """rollout, score and update with --workers 2 against the same commands run locally."""
+    """rollout (with greedy baselines), score and update with --workers 2 against the same
+    commands run locally."""
     runs = {}
     for name, flags in (("local", []), ("ray", ["--workers-backend", "ray", "--workers", "2"])):
         out = tmp_path / name
         for args in (
-            ["rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", out / "r", "--n", "3", "--max-new-tokens", "5", "--seed", "4"],
+            ["rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", out / "r", "--n", "3", "--max-new-tokens", "5", "--seed", "4", "--greedy-baseline"],
             ["score", "--rollouts", out / "r", "--out", out / "s", "--reward", "builtin:length", "--ref", tiny_model, "--policy", tiny_model, "--critic", tiny_model],
             ["advantage", "--scores", out / "s", "--out", out / "b", "--estimator", "gae"],
             ["update", "--batch", out / "b", "--model", tiny_model, "--critic", tiny_model, "--out", out / "c", "--lr", "1e-3", "--mini-batch-size", "3", "--micro-batch-size", "2"],
@@ -218,6 +219,7 @@ def test_stage_commands_on_two_workers_write_what_one_process_writes(ray_session
     assert local_r.drop_columns(["rollout_logprobs"]).equals(ray_r.drop_columns(["rollout_logprobs"]))
     assert [f.rows for f in shards.read_manifest(str(runs["ray"] / "r"))[0].files] == [6, 3]  # each rank wrote its part
     assert [f.rows for f in shards.read_manifest(str(runs["ray"] / "s"))[0].files] == [5, 4]
+    assert "baseline_response_ids" in ray_r.column_names and "baseline_reward_mean" in shards.read_manifest(str(runs["ray"] / "s"))[0].metrics
     for stage in ("r", "s"):  # the sample statistics of rows the ranks wrote are those of one process's rows
         local_metrics, ray_metrics = (shards.read_manifest(str(runs[name] / stage))[0].metrics for name in ("local", "ray"))
         assert ray_metrics == local_metrics and ray_metrics, stage

@@ -262,3 +262,31 @@ def test_eval_summarizes_samples_of_every_prompt_and_commits_them_where_asked(cl
     assert table.exit_code == 0 and "pass@4" in table.stdout and "toy" in table.stdout
     missing = cli("eval", "--model", tiny_model, "--prompts", tmp_path / "none.jsonl", "--reward", "builtin:length", "--out", tmp_path / "x")
     assert missing.exit_code == 2 and one_line_error(missing) and not (tmp_path / "x").exists()
+
+
+def test_remax_greedy_baselines_are_greedy_rollouts_scored_as_samples_and_subtracted_from_their_rewards(cli, tmp_path, tiny_model, prompts_file, scored):
+    """rollout --greedy-baseline adds each prompt's greedy response beside its samples (which
+    stay the rows they are without it); score gives it the samples' reward and shaping
+    (baseline_reward); advantage --estimator remax is reward − baseline_reward on every token."""
+    shaping = ("--reward", "builtin:length", "--set", "score.overlong_buffer=4", "--set", "score.overlong_penalty=0.5")
+    assert cli("rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", tmp_path / "rb", *ROLL, "--greedy-baseline").exit_code == 0
+    assert cli("rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", tmp_path / "g", "--n", "1", "--max-new-tokens", "8", "--temperature", "0").exit_code == 0
+    with_baseline, plain, greedy = (shards.read(str(tmp_path / name)).table for name in ("rb", "r", "g"))
+    assert with_baseline.drop_columns(["baseline_response_ids", "baseline_response"]).to_pylist() == plain.to_pylist()
+    greedy_ids = {row["id"]: row["response_ids"] for row in greedy.to_pylist()}
+    assert [greedy_ids[i] for i in with_baseline.column("id").to_pylist()] == with_baseline.column("baseline_response_ids").to_pylist()
+    for rollouts, out in (("rb", "sb"), ("g", "sg")):
+        result = cli("score", "--rollouts", tmp_path / rollouts, "--out", tmp_path / out, *shaping)
+        assert result.exit_code == 0, result.stderr
+    greedy_reward = {row["id"]: row["reward"] for row in shards.read(str(tmp_path / "sg")).table.to_pylist()}
+    scores = shards.read(str(tmp_path / "sb"), "scores").table
+    assert scores.column("baseline_reward").to_pylist() == [greedy_reward[i] for i in scores.column("id").to_pylist()]
+    assert len(set(greedy_reward.values())) > 1  # the prompts' baselines differ
+    manifest = json.loads((tmp_path / "sb" / "_manifest.json").read_text())
+    assert manifest["metrics"]["baseline_reward_mean"] == pytest.approx(np.mean(scores.column("baseline_reward").to_numpy()))
+    result = cli("advantage", "--scores", tmp_path / "sb", "--out", tmp_path / "b", "--estimator", "remax")
+    assert result.exit_code == 0, result.stderr
+    for row in shards.read(str(tmp_path / "b"), "batch").table.to_pylist():
+        assert row["advantages"] == pytest.approx([row["reward"] - row["baseline_reward"]] * len(row["response_ids"]), abs=1e-6)
+        assert row["returns"] == pytest.approx([row["reward"]] * len(row["response_ids"]), abs=1e-6)
+    bad(cli("advantage", "--scores", scored, "--out", tmp_path / "o", "--estimator", "remax"), tmp_path / "o", "remax needs baseline_reward", "rollout.greedy_baseline")

@@ -25,9 +25,10 @@ def random_batch(seed=0, B=7, T=6, groups=(0, 0, 0, 1, 1, 2, 3)):
     return rewards, mask, values, torch.tensor(groups[:B]), lengths
 
 
-def call(name, rewards, mask, values, groups, gamma=0.9, lam=0.8, norm_by_std=True, std_scope="group"):
+def call(name, rewards, mask, values, groups, gamma=0.9, lam=0.8, norm_by_std=True, std_scope="group", baselines=None):
     return ESTIMATORS.get(name)(
         token_rewards=rewards, response_mask=mask, values=values, group_index=groups, gamma=gamma, lam=lam, norm_by_std=norm_by_std, std_scope=std_scope,
+        baselines=baselines,
     )
 
 
@@ -199,6 +200,24 @@ def test_reinforce_pp_baseline_matches_loop():
     assert_rows(out.advantages, ref_reinforce_pp_baseline(rewards.tolist(), lengths, groups.tolist()), lengths, mask)
 
 
+def test_remax_is_each_tokens_undiscounted_reward_to_go_less_its_prompts_greedy_reward():
+    rewards, mask, _, groups, lengths = random_batch(7)
+    baselines = torch.tensor([0.5, 0.5, 0.5, -1.0, -1.0, 2.0, 0.0], dtype=torch.float64)  # one per prompt, on each of its rows
+    out = call("remax", rewards, mask, None, groups, gamma=0.9, baselines=baselines)  # gamma is not remax's: verl sums undiscounted
+    to_go = ref_discounted(rewards.tolist(), lengths, 1.0)
+    assert_rows(out.returns, to_go, lengths, mask)
+    assert_rows(out.advantages, [[g - float(baselines[i]) for g in row] for i, row in enumerate(to_go)], lengths, mask)
+
+
+def test_remax_gives_a_sample_as_good_as_the_greedy_response_no_advantage_and_needs_a_baseline():
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]], dtype=torch.float64)  # scores on the last tokens: 1 and 0
+    out = call("remax", rewards, mask, None, torch.tensor([0, 0]), baselines=torch.tensor([1.0, 1.0]))
+    assert torch.equal(out.advantages, torch.tensor([[0.0, 0.0, 0.0], [-1.0, -1.0, 0.0]], dtype=torch.float64))
+    with pytest.raises(ValueError, match="baseline"):
+        call("remax", rewards, mask, None, torch.tensor([0, 0]))
+
+
 @pytest.mark.parametrize("name", ["grpo", "rloo", "opo", "grpo_passk", "reinforce_pp_baseline"])
 def test_groups_of_one_get_zero_advantage(name):
     rewards, mask, _, _, lengths = random_batch(5)
@@ -237,7 +256,7 @@ def test_the_kl_fed_to_the_controller_averages_tokens_then_sequences():
 def test_unknown_estimator_lists_the_known_ones():
     from rlctl.errors import InputError
 
-    with pytest.raises(InputError, match="available: gae, grpo, grpo_passk, opo, reinforce_pp, reinforce_pp_baseline, rloo"):
+    with pytest.raises(InputError, match="available: gae, grpo, grpo_passk, opo, reinforce_pp, reinforce_pp_baseline, remax, rloo"):
         ESTIMATORS.get("ppo2")
 
 

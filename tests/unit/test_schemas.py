@@ -76,7 +76,7 @@ def test_prompts_need_prompt_or_messages():
 
 def test_newer_major_version_is_refused_with_both_versions():
     table = rollouts_table().replace_schema_metadata({b"rlctl.schema": b"rollouts", b"rlctl.schema_version": b"2.0"})
-    with pytest.raises(SchemaVersionError, match=r"version 2\.0 is newer than this rlctl reads \(1\.1\)"):
+    with pytest.raises(SchemaVersionError, match=r"version 2\.0 is newer than this rlctl reads \(1\.2\)"):
         schemas.validate(table, "rollouts")
 
 
