@@ -228,7 +228,7 @@ class UpdateConfig:
     clip_ratio_low: float = 0.2  # PPO clip below: ratio ≥ 1 - clip_ratio_low
     clip_ratio_high: float = 0.2  # PPO clip above: ratio ≤ 1 + clip_ratio_high (DAPO's clip-higher: 0.28)
     clip_ratio_c: float = 3.0  # dual clip for negative advantages; 0 disables (PPO only)
-    policy_loss: str = "ppo"  # ppo | gspo (sequence-level ratio: set clip_ratio_low/high ≈ 3e-4/4e-4, loss_agg_mode seq-mean-token-mean) | cispo (the importance weight clipped, every token keeps a gradient: set clip_ratio_low = 1, tune clip_ratio_high) | kl_cov (no clip; a KL term on the tokens of largest covariance: kl_cov_ratio, kl_cov_coef)
+    policy_loss: str = "ppo"  # ppo | gspo (sequence-level ratio: set clip_ratio_low/high ≈ 3e-4/4e-4, loss_agg_mode seq-mean-token-mean) | cispo (the importance weight clipped, every token keeps a gradient: set clip_ratio_low = 1, tune clip_ratio_high) | kl_cov (no clip; a KL term on the tokens of largest covariance: kl_cov_ratio, kl_cov_coef) | gmpo (a sequence's geometric-mean ratio, each token's log-ratio clipped: set clip_ratio_low/high = 0.4, loss_agg_mode seq-mean-token-mean)
     kl_cov_ratio: float = 2e-4  # kl_cov: the share of a pass's tokens, those of largest advantage × log-prob covariance, that get the KL term (verl's kl_cov_ratio)
     kl_cov_coef: float = 1.0  # kl_cov: the weight of that |log p - log p_old| term (verl's ppo_kl_coef)
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm

@@ -171,7 +171,39 @@ def kl_cov_policy_loss(
     return PolicyLoss(torch.where(response_mask, loss, 0), held, torch.where(response_mask, -log_ratio, 0), torch.zeros_like(held))
 
 
-POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "kl_cov": kl_cov_policy_loss}
+def gmpo_policy_loss(
+    *,
+    logprobs: torch.Tensor,  # [B, T] current policy
+    old_logprobs: torch.Tensor,  # [B, T] behaviour policy
+    advantages: torch.Tensor,  # [B, T]
+    response_mask: torch.Tensor,  # [B, T] bool
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float = 0.0,  # unused: the clip bounds each token's log-ratio already
+) -> PolicyLoss:
+    """GMPO (Zhao et al. 2025, Geometric-Mean Policy Optimization; verl's `geo_mean`): one
+    ratio per sequence, the geometric mean of its tokens' ratios, each token's log-ratio first
+    clipped the pessimistic way in log space (to at most `clip_ratio_high` where the sequence's
+    advantage is positive, at least −`clip_ratio_low` where negative: the paper's 0.4 both is a
+    far wider range than PPO's); a sequence's loss −Ā·exp(mean of the clipped log-ratios), Ā
+    its mean advantage. Every token carries its sequence's loss, so `seq-mean-token-mean` makes
+    the loss verl's mean over sequences. `clipped` marks clipped tokens of positive advantage,
+    `dual_clipped` those of negative (verl's pg_clipfrac and pg_clipfrac_lower)."""
+    log_ratio = torch.where(response_mask, torch.clamp(logprobs - old_logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND), 0)
+    lengths = response_mask.sum(-1).clamp(min=1)
+    advantage = torch.where(response_mask, advantages, 0).sum(-1) / lengths  # [B]
+    sign = torch.sign(advantages)
+    bounded = torch.clamp(log_ratio, -clip_ratio_low, clip_ratio_high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * bounded)
+    ratio = torch.exp(torch.where(response_mask, pessimistic, 0).sum(-1) / lengths)  # [B]
+    loss = (-advantage * ratio).unsqueeze(-1).expand_as(log_ratio)
+    clipped = (log_ratio != bounded) & response_mask
+    return PolicyLoss(
+        torch.where(response_mask, loss, 0), clipped & (advantages > 0), torch.where(response_mask, -log_ratio, 0), clipped & (advantages < 0),
+    )
+
+
+POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "kl_cov": kl_cov_policy_loss, "gmpo": gmpo_policy_loss}
 
 
 def rollout_is_weights(

@@ -272,3 +272,54 @@ def test_rollout_is_weights_are_truncated_ratios_trainer_over_engine(level):
             expected = [min(math.exp(sum(old[i][t].item() - rollout[i][t].item() for t in range(n))), 2.0)] * n
         np.testing.assert_allclose(out[i, :n].numpy(), expected, atol=TOL, rtol=0)
     assert (out[~mask] == 0).all()
+
+
+def ref_gmpo_sequence_losses(lp, old, adv, lengths, low, high):
+    """Per-sequence GMPO losses in float64: −(mean advantage) × the geometric mean of the
+    tokens' ratios, each log-ratio clipped the pessimistic way for its advantage's sign."""
+    out = []
+    for i, n in enumerate(lengths):
+        clipped = []
+        for t in range(n):
+            x = lp[i][t] - old[i][t]
+            clipped.append(min(x, high) if adv[i][t] > 0 else max(x, -low) if adv[i][t] < 0 else 0.0)
+        out.append(-sum(adv[i][:n]) / n * math.exp(sum(clipped) / n))
+    return out
+
+
+def test_gmpo_is_minus_the_mean_advantage_times_the_clipped_geometric_mean_ratio_per_sequence():
+    from rlctl.algos.losses import gmpo_policy_loss
+
+    mask, lengths, r = tensors(seed=13)
+    old = r(0.5) - 2
+    lp = (old + r(0.6)).requires_grad_()  # log-ratios up to ~±1.5: some beyond the 0.4 clip, some inside
+    sign = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0], dtype=torch.float64)
+    adv = (sign.unsqueeze(-1) * (0.5 + r(0.3).abs()))  # one sign per sequence, as an outcome advantage
+    low = high = 0.4
+    out = gmpo_policy_loss(logprobs=lp, old_logprobs=old, advantages=adv, response_mask=mask, clip_ratio_low=low, clip_ratio_high=high)
+    expected = ref_gmpo_sequence_losses(lp.tolist(), old.tolist(), adv.tolist(), lengths, low, high)
+    for i, n in enumerate(lengths):  # every token carries its sequence's loss
+        np.testing.assert_allclose(out.loss[i, :n].detach().numpy(), [expected[i]] * n, atol=TOL, rtol=0)
+        assert (out.loss[i, n:] == 0).all()
+    mean = aggregate(loss=out.loss, response_mask=mask, mode="seq-mean-token-mean", batch_tokens=sum(lengths), batch_seqs=5, horizon=7)
+    assert mean.item() == pytest.approx(sum(expected) / 5, abs=TOL)  # verl's mean over sequences
+    mean.backward()
+    for i, n in enumerate(lengths):
+        for t in range(n):
+            x, a = lp[i][t].item() - old[i][t].item(), adv[i][t].item()
+            kept = (x <= high) if a > 0 else (x >= -low)  # the pessimistic clip passes the gradient only where it did not bind
+            assert lp.grad[i][t].item() == pytest.approx(expected[i] / n / 5 if kept else 0.0, abs=1e-9)
+        x = lp[i, :n].detach() - old[i, :n]  # clipped: outside [-low, high], under clipped (A > 0) or dual_clipped (A < 0)
+        assert torch.equal((out.clipped if sign[i] > 0 else out.dual_clipped)[i, :n], (x > high) | (x < -low))
+    assert out.clipped.any() and out.dual_clipped.any()
+
+
+def test_gmpo_at_the_start_of_a_step_is_minus_the_mean_advantage_on_every_token():
+    from rlctl.algos.losses import gmpo_policy_loss
+
+    mask, lengths, r = tensors(seed=14)
+    lp, adv = r(0.5) - 1, r(1.0)
+    out = gmpo_policy_loss(logprobs=lp, old_logprobs=lp.clone(), advantages=adv, response_mask=mask, clip_ratio_low=0.4, clip_ratio_high=0.4)
+    for i, n in enumerate(lengths):
+        torch.testing.assert_close(out.loss[i, :n], (-adv[i, :n].mean()).expand(n), atol=1e-12, rtol=0)
+    assert not out.clipped.any() and not out.dual_clipped.any()
