@@ -454,6 +454,7 @@ class DpoConfig:
     label_smoothing: float = 0.0  # the assumed share of pairs labelled the wrong way round (sigmoid: conservative DPO; robust; simpo); 0 = none
     simpo_gamma: float = 0.5  # SimPO's target reward margin (dpo.loss = "simpo"; the paper's beta is 2-2.5)
     sft_weight: float = 0.0  # the chosen responses' NLL per token added to the loss with this weight (RPO; TRL's loss_type [..., "sft"]); 0 = none
+    min_reward_gap: float = 0.0  # data that is scored rollouts (a score stage's output): each prompt's best and worst sample are a pair where their rewards differ by more than this
     lr: float = 1e-6  # learning rate (AdamW)
     epochs: int = 1  # passes over the pairs
     save_steps: int = 0  # a checkpoint also every N optimizer steps within an epoch, to resume from mid-epoch (beside OUT, removed at the end); 0 = at each epoch's end only
@@ -478,7 +479,7 @@ class DpoConfig:
         if isinstance(self.micro_batch_tokens, int) and not isinstance(self.micro_batch_tokens, bool):
             object.__setattr__(self, "micro_batch_tokens", str(self.micro_batch_tokens))
         check_ranges(self, "dpo", {
-            "beta": above(0.0), "loss": one_of(*DPO_LOSSES), "simpo_gamma": at_least(0.0), "sft_weight": at_least(0.0), "label_smoothing": lambda v: None if 0.0 <= v < 0.5 else "must be at least 0 and below 0.5",
+            "beta": above(0.0), "loss": one_of(*DPO_LOSSES), "simpo_gamma": at_least(0.0), "sft_weight": at_least(0.0), "min_reward_gap": at_least(0.0), "label_smoothing": lambda v: None if 0.0 <= v < 0.5 else "must be at least 0 and below 0.5",
             "lr": above(0.0), "epochs": at_least(1), "save_steps": at_least(0), "batch_size": at_least(1),
             "micro_batch_size": at_least(1), "max_tokens": at_least(0), "truncate": one_of("error", "right"), "max_grad_norm": at_least(0.0),
             "weight_decay": at_least(0.0), "warmup_steps": at_least(0), "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0),
@@ -502,6 +503,7 @@ class KtoConfig:
     beta: float = 0.1  # strength of the pull towards the reference: the implicit reward is beta × (log π − log π_ref) of a response
     desirable_weight: float = 1.0  # the desirable examples' loss weight (lambda_D; the paper keeps lambda_D × desirable / (lambda_U × undesirable) in [1, 4/3])
     undesirable_weight: float = 1.0  # the undesirable examples' loss weight (lambda_U)
+    min_reward_gap: float = 0.0  # data that is scored rollouts (a score stage's output): each prompt's best (desirable) and worst (undesirable) sample, where their rewards differ by more than this
     lr: float = 1e-6  # learning rate (AdamW)
     epochs: int = 1  # passes over the examples
     save_steps: int = 0  # a checkpoint also every N optimizer steps within an epoch, to resume from mid-epoch (beside OUT, removed at the end); 0 = at each epoch's end only
@@ -526,7 +528,7 @@ class KtoConfig:
         if isinstance(self.micro_batch_tokens, int) and not isinstance(self.micro_batch_tokens, bool):
             object.__setattr__(self, "micro_batch_tokens", str(self.micro_batch_tokens))
         check_ranges(self, "kto", {
-            "beta": above(0.0), "desirable_weight": above(0.0), "undesirable_weight": above(0.0),
+            "beta": above(0.0), "desirable_weight": above(0.0), "undesirable_weight": above(0.0), "min_reward_gap": at_least(0.0),
             "lr": above(0.0), "epochs": at_least(1), "save_steps": at_least(0), "batch_size": at_least(2),
             "micro_batch_size": at_least(1), "max_tokens": at_least(0), "truncate": one_of("error", "right"), "max_grad_norm": at_least(0.0),
             "weight_decay": at_least(0.0), "warmup_steps": at_least(0), "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0),

@@ -86,10 +86,23 @@ class DpoPairs:
 
 def encode_dpo_pairs(table: pa.Table, tokenizer, data: DataConfig, cfg: DpoConfig, *, end_ids: Sequence[int], context_length: int | None, source: str) -> DpoPairs:
     """Every pair's prompt and both responses as tokens; a side that is empty or too long is one
-    error naming the pair (or, with `dpo.truncate = "right"`, its response cut)."""
+    error naming the pair (or, with `dpo.truncate = "right"`, its response cut). Scored rollouts
+    are pairs of each prompt's best and worst sample, in their sampled tokens (rlctl.scored_pairs)."""
     from rlctl.reward_model import pair_ids, split_pairs
-    from rlctl.sft import encoded_prompts, examples_of
+    from rlctl.scored_pairs import best_and_worst, is_scored
+    from rlctl.sft import encoded_prompts, examples_of, fitted_examples
 
+    if is_scored(table):
+        scored = best_and_worst(table, min_gap=cfg.min_reward_gap, source=source)
+        ids, prompt_tokens = [pair.id for pair in scored], [pair.prompt_ids for pair in scored]
+
+        def sampled(name: str) -> Examples:
+            return fitted_examples(
+                ids, prompt_tokens, [getattr(pair, name) for pair in scored], max_tokens=cfg.max_tokens, truncate=cfg.truncate,
+                context_length=context_length, source=source, setting="dpo", noun=f"the {name} response of pair",
+            )
+
+        return DpoPairs(sampled("chosen"), sampled("rejected"))
     ids = pair_ids(table)
     split = split_pairs(table, source)
     prompts, chats = [p for p, _, _, _ in split], [c for _, c, _, _ in split]

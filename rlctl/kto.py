@@ -120,9 +120,19 @@ def encode_kto_examples(
     table: pa.Table, tokenizer, data: DataConfig, cfg: KtoConfig, *, end_ids: Sequence[int], context_length: int | None, source: str,
 ) -> KtoExamples:
     """Every example as tokens (as `rlctl sft` reads them; one empty or too long is one error
-    naming it), its label, and its partner in the mismatched pairs."""
-    from rlctl.sft import examples_of
+    naming it), its label, and its partner in the mismatched pairs. Scored rollouts are each
+    prompt's best sample (desirable) and worst (undesirable), in their sampled tokens."""
+    from rlctl.scored_pairs import best_and_worst, is_scored
+    from rlctl.sft import examples_of, fitted_examples
 
+    if is_scored(table):
+        scored = best_and_worst(table, min_gap=cfg.min_reward_gap, source=source)
+        ids = [f"{pair.id}:{side}" for pair in scored for side in ("chosen", "rejected")]
+        examples = fitted_examples(
+            ids, [pair.prompt_ids for pair in scored for _ in range(2)], [side for pair in scored for side in (pair.chosen, pair.rejected)],
+            max_tokens=cfg.max_tokens, truncate=cfg.truncate, context_length=context_length, source=source, setting="kto",
+        )
+        return KtoExamples(examples, [good for _ in scored for good in (True, False)], mismatched_partners(len(ids), cfg.seed))
     ids, prompts, contexts, responses, desirable = split_labelled(table, source)
     if len(ids) < 2:
         raise InputError(f"{source}: KTO needs at least 2 examples (its reference point pairs each prompt with another example's response)")
@@ -344,10 +354,18 @@ class EvalRow:
     margin: float | None
 
 
-def example_rows(table: pa.Table) -> list[int]:
-    """The table row each example comes from, in the order split_labelled makes them (a pair: two)."""
+def example_sources(table: pa.Table, cfg: KtoConfig, source: str) -> list[str | None]:
+    """The data_source of each example, in the order encode_kto_examples makes them (a pair, or
+    a prompt's best and worst scored samples: two)."""
+    from rlctl.reward_model import pair_ids
+    from rlctl.scored_pairs import best_and_worst, is_scored
+
+    sources = table.column("data_source").to_pylist() if "data_source" in table.column_names else [None] * table.num_rows
+    if is_scored(table):
+        named = dict(zip(pair_ids(table), sources))
+        return [named[pair.id] for pair in best_and_worst(table, min_gap=cfg.min_reward_gap, source=source) for _ in range(2)]
     pairs = "chosen" in table.column_names or "rejected" in table.column_names
-    return [row for row in range(table.num_rows) for _ in range(2 if pairs else 1)]
+    return [name for name in sources for _ in range(2 if pairs else 1)]
 
 
 def evaluate(*, data: str, model: str, cfg: Config, ref: str | None = None, device: str = "auto") -> list[EvalRow]:
@@ -357,10 +375,9 @@ def evaluate(*, data: str, model: str, cfg: Config, ref: str | None = None, devi
     from rlctl.referenced import measured_against_reference
 
     examples, measuring, table = measured_against_reference(COMMAND, KtoPasses, data=data, model=model, cfg=cfg, ref=ref, device=device)
-    sources = table.column("data_source").to_pylist() if "data_source" in table.column_names else [None] * table.num_rows
     groups: dict[str, list[int]] = {"all": list(range(len(examples)))}
-    for index, row in enumerate(example_rows(table)):
-        groups.setdefault(str(sources[row] or "unknown"), []).append(index)
+    for index, name in enumerate(example_sources(table, cfg.kto, data)):
+        groups.setdefault(str(name or "unknown"), []).append(index)
     if len(groups) == 2:  # one data_source: the same row twice
         groups = {"all": groups["all"]}
     rows = []

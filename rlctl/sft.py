@@ -180,11 +180,29 @@ def examples_of(
     `setting` names the config section in messages."""
     if prompt_ids is None:
         prompt_ids = encoded_prompts(ids, prompts, contexts, tokenizer, data, context_length=context_length)
+    responses_as_tokens = []
+    for example, prompt, context, response in zip(ids, prompts, contexts, responses):
+        tokens, trained = response_tokens(tokenizer, prompt, context, response, data, end_ids, example)
+        if response == "":  # an end token alone: most likely a column mapped wrong
+            tokens = []
+        responses_as_tokens.append((tokens, trained))
+    return fitted_examples(
+        ids, prompt_ids, responses_as_tokens, max_tokens=max_tokens, truncate=truncate, context_length=context_length, source=source, setting=setting, noun=noun,
+    )
+
+
+def fitted_examples(
+    ids: list[str], prompt_ids: list[list[int]], responses: list[tuple[list[int], list[bool]]], *, max_tokens: int, truncate: str,
+    context_length: int | None, source: str, setting: str, noun: str = "example",
+) -> Examples:
+    """Examples of token ids (each response with the mask of its trained tokens) held to
+    `max_tokens` (else the model's context): one over it is an error naming it, or with
+    `truncate = "right"` its response cut; an empty response, or one with nothing to train on,
+    is an error."""
     limit = max_tokens or context_length or 0
     kept, masks = [], []
-    for example, prompt, context, response, prompt_tokens in zip(ids, prompts, contexts, responses, prompt_ids):
-        tokens, trained = response_tokens(tokenizer, prompt, context, response, data, end_ids, example)
-        if not tokens or response == "":  # an end token alone: most likely a column mapped wrong
+    for example, prompt_tokens, (tokens, trained) in zip(ids, prompt_ids, responses):
+        if not tokens:
             raise InputError(f"{source}: {noun} {example!r} has an empty response")
         over = len(prompt_tokens) + len(tokens) - limit if limit else 0
         if over > 0:
