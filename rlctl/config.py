@@ -291,6 +291,8 @@ class SftConfig:
     max_tokens: int = 0  # prompt + response tokens of an example at most; 0 = the model's context
     truncate: str = "error"  # an example over max_tokens: error | right (its response cut; the cut response has no end token)
     assistant_turns: str = "last"  # messages without a response column: last = the trailing assistant turns are the response | all = every assistant turn is trained, the user and tool turns between them context (TRL's assistant_only_loss)
+    min_reward: float = 0.0  # data that is scored rollouts (a score stage's output): only samples rewarded at least this are trained on (rejection-sampling fine-tuning)
+    per_prompt: int = 1  # scored rollouts: each prompt's best samples kept, at most this many (1: RAFT's best of n; 0: every one over min_reward, ReST-EM's)
     max_grad_norm: float = 1.0  # gradient clipping by global norm; 0 = off
     weight_decay: float = 0.0  # AdamW weight decay
     warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
@@ -309,7 +311,7 @@ class SftConfig:
         check_ranges(self, "sft", {
             "lr": above(0.0), "epochs": at_least(1), "save_steps": at_least(0), "batch_size": at_least(1), "micro_batch_size": at_least(1), "max_tokens": at_least(0),
             "truncate": one_of("error", "right"), "max_grad_norm": at_least(0.0), "weight_decay": at_least(0.0), "warmup_steps": at_least(0),
-            "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0), "bf16": one_of(*AUTOCAST_CHOICES), "assistant_turns": one_of("last", "all"),
+            "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0), "bf16": one_of(*AUTOCAST_CHOICES), "assistant_turns": one_of("last", "all"), "per_prompt": at_least(0),
             "micro_batch_tokens": lambda v: None if v == "auto" or (isinstance(v, str) and v.isascii() and v.isdigit()) else "must be auto, 0 (no cap) or a number of tokens",
         })
 

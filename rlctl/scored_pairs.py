@@ -1,11 +1,13 @@
-"""Preference pairs from scored rollouts: each prompt's best and worst sample, in the tokens the
-policy sampled them in.
+"""Scored rollouts as training data, in the tokens the policy sampled them in: preference pairs
+(each prompt's best and worst sample) and demonstrations (its best samples over a reward bar).
 
 `rlctl dpo --data RUN/iter-N/score` (or `kto`) trains on the policy's own samples ranked by the
 reward (online or iterative DPO: OpenRLHF's iterative DPO, TRL's OnlineDPOTrainer in rounds),
 so rollout → score → dpo, repeated, is that loop out of the stage commands. No text is
 re-tokenized: a pair's prompt and responses are the rollout's token ids, and a tool's tokens
-(`loss_mask` False) stay context, as in the RL update.
+(`loss_mask` False) stay context, as in the RL update. `rlctl sft --data RUN/iter-N/score`
+keeps each prompt's best samples at or above a reward (rejection-sampling fine-tuning: RAFT's
+best of n, ReST-EM's every correct sample).
 """
 
 from __future__ import annotations
@@ -37,28 +39,55 @@ class ScoredPair:
     rejected_reward: float
 
 
+@dataclass(frozen=True)
+class ScoredSample:
+    """A kept sample: its prompt's id, token ids, and which response tokens are the policy's."""
+
+    id: str
+    prompt_ids: list[int]
+    response: tuple[list[int], list[bool]]
+    reward: float
+
+
+def _groups(table: pa.Table) -> dict[str, list[int]]:
+    """The rows of each prompt (`id`), prompts in the order they first appear."""
+    groups: dict[str, list[int]] = {}
+    for row, prompt_id in enumerate(table.column("id").cast(pa.string()).to_pylist()):
+        groups.setdefault(prompt_id, []).append(row)
+    return groups
+
+
+def _responses(table: pa.Table) -> list[tuple[list[int], list[bool]]]:
+    """Each row's response ids with its trained-token mask (a tool's tokens: False)."""
+    responses = table.column("response_ids").to_pylist()
+    masks = table.column("loss_mask").to_pylist() if "loss_mask" in table.column_names else [None] * len(responses)
+    return [(ids, mask if mask is not None else [True] * len(ids)) for ids, mask in zip(responses, masks)]
+
+
+def best_samples(table: pa.Table, *, min_reward: float, per_prompt: int, source: str) -> list[ScoredSample]:
+    """Each prompt's samples rewarded at least `min_reward`, best first (the first of equals),
+    at most `per_prompt` of them (0: all); none at all is an error."""
+    rewards, prompts, responses = table.column("reward").to_pylist(), table.column("prompt_ids").to_pylist(), _responses(table)
+    kept = []
+    for prompt_id, rows in _groups(table).items():
+        good = sorted((r for r in rows if rewards[r] >= min_reward), key=lambda r: -rewards[r])
+        kept += [ScoredSample(prompt_id, prompts[r], responses[r], rewards[r]) for r in (good[:per_prompt] if per_prompt else good)]
+    if not kept:
+        raise InputError(f"{source}: no sample is rewarded {min_reward:g} or more: scored rollouts keep each prompt's best samples at or above sft.min_reward")
+    return kept
+
+
 def best_and_worst(table: pa.Table, *, min_gap: float, source: str) -> list[ScoredPair]:
     """For each prompt (rows of one `id`, in the order they first appear) with two or more
     samples, its highest-rewarded sample as chosen and its lowest as rejected (the first of
     equals), where the rewards differ by more than `min_gap`; none at all is an error."""
-    ids = table.column("id").cast(pa.string()).to_pylist()
-    rewards = table.column("reward").to_pylist()
-    prompts = table.column("prompt_ids").to_pylist()
-    responses = table.column("response_ids").to_pylist()
-    masks = table.column("loss_mask").to_pylist() if "loss_mask" in table.column_names else [None] * len(ids)
-    groups: dict[str, list[int]] = {}
-    for row, prompt_id in enumerate(ids):
-        groups.setdefault(prompt_id, []).append(row)
-
-    def side(row: int) -> tuple[list[int], list[bool]]:
-        return responses[row], masks[row] if masks[row] is not None else [True] * len(responses[row])
-
+    rewards, prompts, responses = table.column("reward").to_pylist(), table.column("prompt_ids").to_pylist(), _responses(table)
     pairs = []
-    for prompt_id, rows in groups.items():
+    for prompt_id, rows in _groups(table).items():
         best = max(rows, key=lambda r: rewards[r])
         worst = min(rows, key=lambda r: rewards[r])
         if len(rows) > 1 and rewards[best] - rewards[worst] > min_gap:
-            pairs.append(ScoredPair(prompt_id, prompts[best], side(best), side(worst), rewards[best], rewards[worst]))
+            pairs.append(ScoredPair(prompt_id, prompts[best], responses[best], responses[worst], rewards[best], rewards[worst]))
     if not pairs:
         raise InputError(
             f"{source}: no prompt's samples differ in reward by more than {min_gap:g}: scored rollouts make pairs of a prompt's best and worst sample "

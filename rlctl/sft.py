@@ -153,7 +153,16 @@ def response_tokens(
 
 def encode_examples(table: pa.Table, tokenizer, data: DataConfig, cfg: SftConfig, *, end_ids: Sequence[int], context_length: int | None, source: str) -> Examples:
     """Every example as tokens; one that is empty or too long is one error (or, with
-    `sft.truncate = "right"`, its response cut to `sft.max_tokens`)."""
+    `sft.truncate = "right"`, its response cut to `sft.max_tokens`). Scored rollouts are each
+    prompt's best samples at or above `sft.min_reward`, in their sampled tokens."""
+    from rlctl.scored_pairs import best_samples, is_scored
+
+    if is_scored(table):
+        kept = best_samples(table, min_reward=cfg.min_reward, per_prompt=cfg.per_prompt, source=source)
+        return fitted_examples(
+            [s.id for s in kept], [s.prompt_ids for s in kept], [s.response for s in kept], max_tokens=cfg.max_tokens, truncate=cfg.truncate,
+            context_length=context_length, source=source, setting="sft",
+        )
     prompts, contexts, responses = split_examples(table, source, cfg.assistant_turns)
     return examples_of(
         table.column("id").to_pylist(), prompts, contexts, responses, tokenizer, data, max_tokens=cfg.max_tokens, truncate=cfg.truncate,

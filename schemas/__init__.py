@@ -151,10 +151,13 @@ def type_string(t: pa.DataType) -> str:
 
 
 def check_version(metadata: dict[bytes, bytes] | None, name: str, source: str = "input") -> None:
-    """Refuse data of a newer major version; warn on a newer minor version."""
+    """Refuse data of a newer major version; warn on a newer minor version. The version is
+    that of the schema the data was written as (scores read as prompts: the scores schema's)."""
     if not metadata or VERSION_KEY not in metadata:
         return
     found = metadata[VERSION_KEY].decode()
+    written_as = metadata.get(NAME_KEY, b"").decode()
+    name = written_as if written_as in names() else name
     ours = spec(name)
     try:
         major, minor = (int(x) for x in found.split(".")[:2])

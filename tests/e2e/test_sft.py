@@ -232,3 +232,25 @@ def test_an_sft_killed_mid_epoch_resumes_from_its_step_checkpoint_to_the_uninter
     assert (tmp_path / "sft" / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
     got, want = (json.loads((tmp_path / name / "_manifest.json").read_text())["state"] for name in ("sft", "whole"))
     assert comparable(got["epochs"]) == comparable(want["epochs"]) and got["optimizer_steps"] == want["optimizer_steps"] == 6
+
+
+def test_sft_on_a_score_stages_output_trains_on_each_prompts_best_samples_over_the_bar(cli, tmp_path, tiny_model, prompts_file):
+    """Rejection-sampling fine-tuning out of the stage commands: rollout → score → sft keeps
+    each prompt's best sample at or above sft.min_reward, its sampled tokens the response."""
+    from rlctl import shards
+
+    assert cli("rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", tmp_path / "r", "--n", "4", "--max-new-tokens", "8").exit_code == 0
+    assert cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "s", "--reward", "builtin:length").exit_code == 0
+    rows = shards.read(str(tmp_path / "s")).table.to_pylist()
+    bar = sorted(r["reward"] for r in rows)[len(rows) // 2]  # the median: some prompts' best over it, maybe not all
+    best = {}
+    for row in rows:
+        if row["reward"] >= bar and row["reward"] > best.get(row["id"], {"reward": -1.0})["reward"]:
+            best[row["id"]] = row
+    result = cli("sft", "--data", tmp_path / "s", "--model", tiny_model, "--out", tmp_path / "out", "--epochs", "1", "--lr", "1e-3", "--set", f"sft.min_reward={bar}")
+    assert result.exit_code == 0, result.stderr
+    state = json.loads((tmp_path / "out" / "_manifest.json").read_text())["state"]
+    assert state["examples"] == len(best) and state["response_tokens"] == sum(len(r["response_ids"]) for r in best.values())
+    none = cli("sft", "--data", tmp_path / "s", "--model", tiny_model, "--out", tmp_path / "none", "--set", "sft.min_reward=1000")
+    assert none.exit_code == 2 and "no sample is rewarded 1000 or more" in one_line_error(none)
+    assert_not_written(tmp_path / "none")

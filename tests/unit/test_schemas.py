@@ -91,3 +91,15 @@ def test_newer_minor_version_warns_and_passes():
 def test_type_strings_round_trip():
     for text in ["string", "list<int32>", "list<struct<role: string, content: string>>"]:
         assert schemas.type_string(schemas.parse_type(text)) == text
+
+
+def test_data_read_as_a_schema_it_extends_is_versioned_by_the_schema_it_was_written_as():
+    """Scores read as prompts (sft on a score stage's output) compare their version with the
+    scores schema's, not the prompts schema's: no warning for data this rlctl wrote."""
+    table = rollouts_table().replace_schema_metadata({b"rlctl.schema": b"rollouts", b"rlctl.schema_version": schemas.spec("rollouts").version.encode()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        schemas.validate(table, "prompts")
+    newer = table.replace_schema_metadata({b"rlctl.schema": b"rollouts", b"rlctl.schema_version": b"9.0"})
+    with pytest.raises(SchemaVersionError, match=r"rollouts schema version 9\.0 is newer than this rlctl reads"):
+        schemas.validate(newer, "prompts")

@@ -5,7 +5,7 @@ example)."""
 import pyarrow as pa
 import pytest
 
-from rlctl.config import DataConfig, DpoConfig, KtoConfig
+from rlctl.config import DataConfig, DpoConfig, KtoConfig, SftConfig
 from rlctl.errors import InputError
 from rlctl.scored_pairs import best_and_worst, is_scored
 
@@ -64,3 +64,18 @@ def test_kto_reads_scored_rollouts_as_each_prompts_best_sample_desirable_and_wor
     assert examples.ids == ["a:chosen", "a:rejected", "c:chosen", "c:rejected"] and examples.desirable == [True, False, True, False]
     assert examples.examples.response_ids == [[1, 7], [0, 7], [201, 7], [200, 7]]
     assert example_sources(table, KtoConfig(), "s") == ["src0", "src0", "src0", "src0"]  # prompts a and c (numbers 0 and 2)
+
+
+def test_sft_keeps_each_prompts_best_samples_at_or_above_the_reward_bar():
+    from rlctl.scored_pairs import best_samples
+    from rlctl.sft import encode_examples
+
+    table = scored({"a": [0.2, 0.9, 0.1, 0.9], "b": [0.5, 0.05], "c": [0.0, 0.01]})
+    best = best_samples(table, min_reward=0.1, per_prompt=1, source="s")
+    assert [(s.id, s.response[0], s.reward) for s in best] == [("a", [1, 7], 0.9), ("b", [100, 7], 0.5)]  # RAFT: best of n; c's best is under 0.1
+    every = best_samples(table, min_reward=0.1, per_prompt=0, source="s")
+    assert [(s.id, s.response[0]) for s in every] == [("a", [1, 7]), ("a", [3, 7]), ("a", [0, 7]), ("a", [2, 7]), ("b", [100, 7])]  # ReST-EM: all over the bar, best first
+    examples = encode_examples(table, None, DataConfig(), SftConfig(min_reward=0.1, per_prompt=2), end_ids=[7], context_length=64, source="s")
+    assert examples.ids == ["a", "a", "b"] and examples.response_ids == [[1, 7], [3, 7], [100, 7]] and examples.prompt_ids[2] == [2, 2, 3]
+    with pytest.raises(InputError, match=r"s: no sample is rewarded 2 or more"):
+        best_samples(table, min_reward=2.0, per_prompt=1, source="s")
