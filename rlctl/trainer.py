@@ -23,6 +23,7 @@ from rlctl.algos.losses import (
     POLICY_LOSSES,
     aggregate,
     clipped_value_loss,
+    high_entropy_tokens,
     rollout_is_weights,
 )
 from rlctl.algos.lr_schedule import lr_at
@@ -369,6 +370,8 @@ class Trainer:
             if batch.rollout_logprobs is None:
                 raise InputError("update.rollout_is needs the engine's rollout_logprobs in the batch")
             stats["rollout_is_weight"] = 0.0
+        if policy is not None and cfg.top_entropy_quantile < 1.0:
+            stats["entropy_tokens_kept"] = 0.0  # the share of the trained tokens whose policy gradient counted
         # every rank filters the whole mini-batch alike, so all make the same passes (FSDP)
         # update.mask_truncated: a row without a token in the loss moves nothing in any term
         in_loss = indices[batch.response_mask[indices].any(-1)] if cfg.mask_truncated else indices
@@ -443,6 +446,10 @@ class Trainer:
             clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c, **kl_cov,
         )
         token_loss = pg.loss
+        if cfg.top_entropy_quantile < 1.0:  # the policy gradient of the pass's high-entropy tokens only; the divisors stay the mini-batch's
+            kept = high_entropy_tokens(entropy, m, cfg.top_entropy_quantile)
+            token_loss = torch.where(kept, token_loss, 0)
+            stats["entropy_tokens_kept"] += weight * float(kept.sum()) / tokens
         if cfg.rollout_is != "off":
             weights = rollout_is_weights(
                 old_logprobs=old, rollout_logprobs=take(batch.rollout_logprobs), response_mask=m,

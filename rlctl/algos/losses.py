@@ -206,6 +206,16 @@ def gmpo_policy_loss(
 POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "kl_cov": kl_cov_policy_loss, "gmpo": gmpo_policy_loss}
 
 
+def high_entropy_tokens(entropy: torch.Tensor, response_mask: torch.Tensor, top_quantile: float) -> torch.Tensor:
+    """[B, T] bool: the tokens whose entropy is at or above the (1 − top_quantile) quantile of the
+    masked tokens' entropies (Wang et al. 2025, "Beyond the 80/20 rule": the policy gradient
+    of the ~20% "forking" tokens alone; TRL's top_entropy_quantile). 1 keeps every token."""
+    if top_quantile >= 1.0 or not response_mask.any():
+        return response_mask.clone()
+    threshold = torch.quantile(entropy.detach()[response_mask].double(), 1.0 - top_quantile)
+    return (entropy.detach().double() >= threshold) & response_mask
+
+
 def rollout_is_weights(
     *, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, level: str, threshold: float,
 ) -> torch.Tensor:

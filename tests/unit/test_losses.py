@@ -323,3 +323,15 @@ def test_gmpo_at_the_start_of_a_step_is_minus_the_mean_advantage_on_every_token(
     for i, n in enumerate(lengths):
         torch.testing.assert_close(out.loss[i, :n], (-adv[i, :n].mean()).expand(n), atol=1e-12, rtol=0)
     assert not out.clipped.any() and not out.dual_clipped.any()
+
+
+def test_the_top_entropy_quantile_keeps_the_passes_highest_entropy_tokens():
+    """TRL's case: 10 tokens, a quantile of 0.2 keeps the two of highest entropy (padding never)."""
+    from rlctl.algos.losses import high_entropy_tokens
+
+    entropy = torch.tensor([[0.1, 0.9, 0.3, 0.5, 7.0, 7.0], [0.2, 0.8, 0.4, 0.6, 0.7, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)  # 7.0s are padding
+    kept = high_entropy_tokens(entropy, mask, 0.2)
+    assert kept.tolist() == [[False, True, False, False, False, False], [False, False, False, False, False, True]]
+    assert torch.equal(high_entropy_tokens(entropy, mask, 1.0), mask)
+    assert high_entropy_tokens(entropy, mask, 0.5).sum() == 5

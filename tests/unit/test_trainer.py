@@ -703,3 +703,32 @@ def test_compiled_layers_are_not_checkpointed():
 
     with pytest.raises(InputError, match="update.compile and update.gradient_checkpointing: choose one"):
         check_update_config(UpdateConfig(compile=True, gradient_checkpointing=True))
+
+
+def test_a_top_entropy_quantile_is_the_gradient_of_the_kept_tokens_policy_loss_over_every_tokens_divisor(policy, monkeypatch):
+    """update.top_entropy_quantile: the step is the one whose other tokens had no advantage (their
+    policy-gradient terms gone, the token-mean's divisor unchanged), and it reports the share kept."""
+    from dataclasses import replace
+
+    import rlctl.trainer as trainer_module
+    from rlctl.algos.losses import high_entropy_tokens
+
+    g = torch.Generator().manual_seed(4)
+    n, width = 8, 5  # rows of one length: the pass holds them in the batch's order, unpadded
+    batch = replace(
+        make_batch(seed=4, n=n), prompt_ids=torch.randint(3, 512, (n, 3), generator=g).tolist(), response_ids=torch.randint(3, 512, (n, width), generator=g).tolist(),
+        response_mask=torch.ones(n, width, dtype=torch.bool), advantages=torch.randn(n, width, generator=g), old_logprobs=torch.full((n, width), -6.0), ref_logprobs=None,
+    )
+    seen = []
+
+    def recorded(entropy, mask, top_quantile):
+        seen.append(high_entropy_tokens(entropy, mask, top_quantile))
+        return seen[-1]
+
+    monkeypatch.setattr(trainer_module, "high_entropy_tokens", recorded)
+    stats = Trainer(policy, UpdateConfig(micro_batch_size=n, top_entropy_quantile=0.25)).accumulate_gradients(batch, torch.arange(n))
+    selected = flat_gradients(policy.model)
+    (kept,) = seen
+    Trainer(policy, UpdateConfig(micro_batch_size=n)).accumulate_gradients(replace(batch, advantages=torch.where(kept, batch.advantages, 0)), torch.arange(n))
+    np.testing.assert_allclose(selected, flat_gradients(policy.model), atol=1e-7, rtol=0)
+    assert int(kept.sum()) == 10 and stats["entropy_tokens_kept"] == pytest.approx(10 / 40)  # the quantile's cut: 10 of 40 tokens
