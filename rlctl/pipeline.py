@@ -627,7 +627,8 @@ class Pipeline:
                f"{cfg.reward_model.epochs} epoch(s) at lr {cfg.reward_model.lr:g}, before iteration 1"] if cfg.reward_model.data else []),
             f"reward        {self._reward.spec if self._reward is not None else describe_rewards(cfg.score)}"
             + (" (a replica on every Ray rank, each scoring its share)" if self._scorers else ""),
-            f"prompts       {cfg.data.prompts} ({self.dataset.num_rows} rows, {cfg.data.batch_size} per iteration × n={cfg.rollout.n})",
+            f"prompts       {cfg.data.prompts} ({self.dataset.num_rows} rows, {cfg.data.batch_size} per iteration × n={cfg.rollout.n}"
+            + (" and a greedy response each: the baseline, not trained on)" if cfg.rollout.greedy_baseline else ")"),
             f"outputs       {self.run_dir}/iter-NNNN/{{prompts,rollout,score,{'filter,' if cfg.pipeline.dynamic_sampling else ''}advantage,update}}, metrics.jsonl",
             *([f"sampling      dynamic: groups with equal rewards dropped, up to {cfg.pipeline.max_sampling_rounds} rounds (prompts-rN, rollout-rN, score-rN)"]
               if cfg.pipeline.dynamic_sampling else []),

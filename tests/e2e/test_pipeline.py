@@ -376,6 +376,7 @@ def test_remax_trains_on_each_samples_reward_less_its_prompts_greedy_reward_and_
         advantage={"estimator": "remax", "kl_coef": 0.0, "kl_controller": "fixed"}, pipeline={"iterations": 2, "val_every": 2},
     )
     run = tmp_path / "run"
+    assert "× n=2 and a greedy response each: the baseline, not trained on)" in cli("pipeline", config, "--run-dir", run, "--dry-run").stdout
     result = cli("pipeline", config, "--run-dir", run, "--quiet")
     assert result.exit_code == 0, result.stderr
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
