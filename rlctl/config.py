@@ -335,6 +335,7 @@ class RewardModelConfig:
     max_tokens: int = 0  # tokens of a prompt and response at most; 0 = the model's context
     too_long: str = "error"  # a pair with a side over max_tokens: error | drop (left out of training, counted in the manifest)
     center_coef: float = 0.0  # weight of the mean squared (chosen + rejected) reward, which keeps rewards centred on 0 (TRL's center_rewards_coefficient); 0 = off
+    min_reward_gap: float = 0.0  # data that is scored rollouts (a score stage's output): each prompt's best and worst sample's text are a pair where their rewards differ by more than this (a reward learned from another's scores)
     max_grad_norm: float = 1.0  # gradient clipping by global norm; 0 = off
     weight_decay: float = 0.0  # AdamW weight decay
     warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
@@ -350,7 +351,7 @@ class RewardModelConfig:
             object.__setattr__(self, "bf16", "true" if self.bf16 else "false")
         check_ranges(self, "reward_model", {
             "lr": above(0.0), "epochs": at_least(1), "save_steps": at_least(0), "batch_size": at_least(1), "micro_batch_size": at_least(1), "max_tokens": at_least(0),
-            "too_long": one_of("error", "drop"), "center_coef": at_least(0.0), "max_grad_norm": at_least(0.0), "weight_decay": at_least(0.0),
+            "too_long": one_of("error", "drop"), "center_coef": at_least(0.0), "min_reward_gap": at_least(0.0), "max_grad_norm": at_least(0.0), "weight_decay": at_least(0.0),
             "warmup_steps": at_least(0), "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0), "bf16": one_of(*AUTOCAST_CHOICES),
             "base": lambda v: None if v else "must be policy or a model folder",
         })

@@ -231,7 +231,12 @@ def margin_value(value, pair_id: str, source: str) -> float:
 
 def encode_pairs(table: pa.Table, tokenizer, cfg: RewardModelConfig, *, context_length: int | None, source: str) -> Pairs:
     """Every pair as the tokens the model reads; a side over `max_tokens` is one error (or,
-    with `too_long = "drop"`, the pair is left out)."""
+    with `too_long = "drop"`, the pair is left out). Scored rollouts are pairs of each prompt's
+    best and worst sample's text (rlctl.scored_pairs)."""
+    from rlctl.scored_pairs import as_text_pairs, is_scored
+
+    if is_scored(table):
+        table = as_text_pairs(table, min_gap=cfg.min_reward_gap, source=source)
     ids = pair_ids(table)
     margins = table.column("margin").to_pylist() if "margin" in table.column_names else [0.0] * table.num_rows
     limit = cfg.max_tokens or context_length or 0

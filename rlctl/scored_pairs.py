@@ -37,6 +37,7 @@ class ScoredPair:
     rejected: tuple[list[int], list[bool]]
     chosen_reward: float
     rejected_reward: float
+    rows: tuple[int, int]  # the chosen and the rejected sample's rows in the table
 
 
 @dataclass(frozen=True)
@@ -87,10 +88,21 @@ def best_and_worst(table: pa.Table, *, min_gap: float, source: str) -> list[Scor
         best = max(rows, key=lambda r: rewards[r])
         worst = min(rows, key=lambda r: rewards[r])
         if len(rows) > 1 and rewards[best] - rewards[worst] > min_gap:
-            pairs.append(ScoredPair(prompt_id, prompts[best], responses[best], responses[worst], rewards[best], rewards[worst]))
+            pairs.append(ScoredPair(prompt_id, prompts[best], responses[best], responses[worst], rewards[best], rewards[worst], (best, worst)))
     if not pairs:
         raise InputError(
             f"{source}: no prompt's samples differ in reward by more than {min_gap:g}: scored rollouts make pairs of a prompt's best and worst sample "
             "(roll out more samples a prompt, or lower min_reward_gap)"
         )
     return pairs
+
+
+def as_text_pairs(table: pa.Table, *, min_gap: float, source: str) -> pa.Table:
+    """The best-and-worst pairs as written preference pairs (`id`, the prompt columns and
+    `data_source` of the prompt, `chosen` and `rejected` the two responses' text): for a reader
+    of text, the reward model, which scores what `rm:` reads rather than sampled tokens."""
+    pairs = best_and_worst(table, min_gap=min_gap, source=source)
+    keep = [c for c in ("id", "prompt", "messages", "data_source") if c in table.column_names]
+    chosen = table.take(pa.array([pair.rows[0] for pair in pairs], pa.int64()))
+    rejected = table.take(pa.array([pair.rows[1] for pair in pairs], pa.int64()))
+    return chosen.select(keep).append_column("chosen", chosen.column("response")).append_column("rejected", rejected.column("response"))

@@ -138,10 +138,11 @@ def test_a_pipeline_with_sft_and_dpo_data_warm_starts_sft_then_dpo_once_and_star
     assert (run / "dpo" / "_manifest.json").read_bytes() == dpo_manifest  # resumed: no second DPO
 
 
-@pytest.mark.parametrize("command", ["dpo", "kto"])
+@pytest.mark.parametrize("command", ["dpo", "kto", "reward-model"])
 def test_a_score_stages_output_trains_on_each_prompts_best_and_worst_sample(cli, tmp_path, tiny_model, prompts_file, command):
-    """Online DPO out of the stage commands: rollout → score → dpo (or kto) on the scores,
-    each prompt whose samples' rewards differ one pair; none over min_reward_gap is one line."""
+    """Online DPO out of the stage commands: rollout → score → dpo (or kto, or a reward model
+    learning the scores) on the scores, each prompt whose samples' rewards differ one pair; none
+    over min_reward_gap is one line."""
     assert cli("rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", tmp_path / "r", "--n", "4", "--max-new-tokens", "8").exit_code == 0
     assert cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "s", "--reward", "builtin:length").exit_code == 0
     table = shards.read(str(tmp_path / "s")).table
@@ -153,8 +154,9 @@ def test_a_score_stages_output_trains_on_each_prompts_best_and_worst_sample(cli,
     result = cli(command, "--data", tmp_path / "s", "--val-data", tmp_path / "s", "--model", tiny_model, "--out", tmp_path / "out", "--epochs", "1", "--lr", "1e-3", "--batch-size", "2")
     assert result.exit_code == 0, result.stderr
     state = json.loads((tmp_path / "out" / "_manifest.json").read_text())["state"]
-    assert state["pairs" if command == "dpo" else "examples"] == differing * (1 if command == "dpo" else 2)
-    gap = cli(command, "--data", tmp_path / "s", "--model", tiny_model, "--out", tmp_path / "none", "--set", f"{command}.min_reward_gap=100")
+    assert state["examples" if command == "kto" else "pairs"] == differing * (2 if command == "kto" else 1)
+    section = command.replace("-", "_")
+    gap = cli(command, "--data", tmp_path / "s", "--model", tiny_model, "--out", tmp_path / "none", "--set", f"{section}.min_reward_gap=100")
     assert gap.exit_code == 2 and "no prompt's samples differ in reward by more than 100" in one_line_error(gap)
     assert_not_written(tmp_path / "none")
 

@@ -79,3 +79,15 @@ def test_sft_keeps_each_prompts_best_samples_at_or_above_the_reward_bar():
     assert examples.ids == ["a", "a", "b"] and examples.response_ids == [[1, 7], [3, 7], [100, 7]] and examples.prompt_ids[2] == [2, 2, 3]
     with pytest.raises(InputError, match=r"s: no sample is rewarded 2 or more"):
         best_samples(table, min_reward=2.0, per_prompt=1, source="s")
+
+
+def test_the_reward_model_reads_scored_rollouts_as_the_text_of_each_prompts_best_and_worst_sample():
+    from rlctl.scored_pairs import as_text_pairs
+
+    table = scored({"a": [0.2, 0.9], "b": [0.5, 0.5], "c": [0.3, 0.0]})
+    table = table.set_column(table.column_names.index("response"), "response", pa.array([f"reply {i}" for i in range(table.num_rows)]))
+    pairs = as_text_pairs(table, min_gap=0.0, source="s")
+    assert pairs.to_pylist() == [
+        {"id": "a", "prompt": "prompt a", "data_source": "src0", "chosen": "reply 1", "rejected": "reply 0"},
+        {"id": "c", "prompt": "prompt c", "data_source": "src0", "chosen": "reply 4", "rejected": "reply 5"},
+    ]
