@@ -126,17 +126,19 @@ def rollout_table(
     repeated = [ids for ids in prompt_ids for _ in range(cfg.n)]
     rows = pa.array([i for i in range(prompts.num_rows) for _ in range(cfg.n)], pa.int64())
     table = prompts.take(rows)
-    baseline: list[Generation] = []
+
+    def generate(advance: Callable[[int], None]) -> tuple[list[Generation], dict[str, pa.Array], list[Generation]]:
+        """The samples (with the tool's columns), then each prompt's greedy response where asked."""
+        samples, tool_columns = _generate(engine, table, repeated, cfg, first_row, advance)
+        greedy_ones = _generate(engine, prompts, prompt_ids, greedy(cfg), first_row, advance)[0] if cfg.greedy_baseline else []
+        return samples, tool_columns, greedy_ones
+
     if on_tokens is not None:
-        generations, tool_columns = _generate(engine, table, repeated, cfg, first_row, on_tokens)
-        if cfg.greedy_baseline:
-            baseline, _ = _generate(engine, prompts, prompt_ids, greedy(cfg), first_row, on_tokens)
+        generations, tool_columns, baseline = generate(on_tokens)
     else:
         total = (len(repeated) + (len(prompt_ids) if cfg.greedy_baseline else 0)) * cfg.max_new_tokens
         with progress_bar("rollout", total=total, unit="tok") as bar:
-            generations, tool_columns = _generate(engine, table, repeated, cfg, first_row, bar.advance)
-            if cfg.greedy_baseline:
-                baseline, _ = _generate(engine, prompts, prompt_ids, greedy(cfg), first_row, bar.advance)
+            generations, tool_columns, baseline = generate(bar.advance)
     if cfg.greedy_baseline:
         baseline_ids = [g.response_ids for g in baseline for _ in range(cfg.n)]
         tool_columns = {
