@@ -7,7 +7,8 @@ so rollout → score → dpo, repeated, is that loop out of the stage commands. 
 re-tokenized: a pair's prompt and responses are the rollout's token ids, and a tool's tokens
 (`loss_mask` False) stay context, as in the RL update. `rlctl sft --data RUN/iter-N/score`
 keeps each prompt's best samples at or above a reward (rejection-sampling fine-tuning: RAFT's
-best of n, ReST-EM's every correct sample).
+best of n, ReST-EM's every correct sample); `rlctl reward-model` reads the pairs' text, as `rm:`
+scoring reads text.
 """
 
 from __future__ import annotations
