@@ -17,7 +17,7 @@ DEVICE=${DEVICE:-cuda}
 PRESET=${PRESET:-medium}
 TOKENS=${TOKENS:-128}
 BUDGET=${BUDGET:-570}
-STEPS=${STEPS:-all}  # or some of: nccl,tests,trl,engines,grpo,ray,local,scorebatch,unpadded,sharing
+STEPS=${STEPS:-all}  # or some of: nccl,tests,trl,engines,grpo,remax,ray,local,scorebatch,unpadded,sharing
 SHARING_PROMPTS=${SHARING_PROMPTS:-12,200}
 PY=${PY:-$(command -v python3 || command -v python)}
 WHEELS=${WHEELS:-$REPO/.whl}
@@ -134,6 +134,22 @@ print(f"{len(rows)} iterations; reward, first three {mean(first, 'reward_mean'):
 measured = [r["logprob_mismatch"] for r in rows[:: max(1, len(rows) // 6)] if r.get("logprob_mismatch") is not None]
 print("logprob_mismatch (engine vs trainer, mean |Δ| per token):", ", ".join(f"{m:.2e}" for m in measured) if measured
       else "not measured (score.old_logprobs = auto took the engine's own: engine and trainer both fp32)")
+PY
+fi
+
+if want remax; then
+  engine=hf
+  [ "$DEVICE" = cuda ] && imports vllm && engine=vllm
+  step "ReMax on $DEVICE: a greedy response a prompt beside the samples ($engine engine, 3 iterations of the GRPO example)"
+  within 90 "$PY" -m rlctl pipeline "$REPO/examples/grpo.toml" --run-dir "$WORK/remax" --iterations 3 --set model.device="$DEVICE" \
+    --set rollout.backend="$engine" --set advantage.estimator=remax --set rollout.greedy_baseline=true --quiet >"$LOGS/remax.log" 2>&1 \
+    || tail -n 30 "$LOGS/remax.log"
+  "$PY" - "$WORK/remax/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+print("iteration, reward_mean, baseline_reward_mean (the greedy responses'), seconds/rollout:")
+for r in rows:
+    print(f"  {r['iteration']}: {r['reward_mean']:.3f}, {r['baseline_reward_mean']:.3f}, {r['seconds/rollout']:.2f} s")
 PY
 fi
 
