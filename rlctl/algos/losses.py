@@ -171,6 +171,46 @@ def kl_cov_policy_loss(
     return PolicyLoss(torch.where(response_mask, loss, 0), held, torch.where(response_mask, -log_ratio, 0), torch.zeros_like(held))
 
 
+def clip_cov_policy_loss(
+    *,
+    logprobs: torch.Tensor,  # [B, T] current policy
+    old_logprobs: torch.Tensor,  # [B, T] behaviour policy
+    advantages: torch.Tensor,  # [B, T]
+    response_mask: torch.Tensor,  # [B, T] bool
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float = 0.0,  # unused, as in verl's clip_cov
+    clip_cov_ratio: float = 2e-4,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+) -> PolicyLoss:
+    """Clip-Cov (Cui et al. 2025, KL-Cov's sibling; verl's `clip_cov`): PPO's clipped surrogate,
+    and of the tokens PPO's clip leaves alone whose covariance (A − mean A)·(log p − mean log p)
+    over the pass's tokens lies in (`clip_cov_lb`, `clip_cov_ub`), `clip_cov_ratio` of the pass's
+    tokens (one at least) drawn at random get no gradient: the updates that cut the entropy most
+    are held back. The draw is seeded by the pass's old log-probs, so a replay draws alike.
+    `clipped` marks PPO's clipped tokens and the drawn ones."""
+    import zlib
+
+    log_ratio = torch.clamp(logprobs - old_logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    loss, clipped = clipped_surrogate(advantages, torch.exp(log_ratio), clip_ratio_low, clip_ratio_high)
+    drawn = torch.zeros_like(response_mask)
+    count = int(response_mask.sum())
+    if count:
+        values = advantages.detach().double()
+        logp = logprobs.detach().double()
+        mean_a, mean_p = values[response_mask].mean(), logp[response_mask].mean()
+        covariance = (values - mean_a) * (logp - mean_p)
+        band = (covariance > clip_cov_lb) & (covariance < clip_cov_ub) & response_mask & ~clipped
+        rows, columns = band.nonzero(as_tuple=True)
+        if rows.numel():
+            seed = zlib.crc32(old_logprobs.detach()[response_mask].float().cpu().numpy().tobytes())
+            order = torch.randperm(rows.numel(), generator=torch.Generator().manual_seed(seed))[: max(1, int(count * clip_cov_ratio))]
+            drawn[rows[order], columns[order]] = True
+    loss = torch.where(drawn, loss.detach() * 0, loss)
+    return PolicyLoss(torch.where(response_mask, loss, 0), (clipped | drawn) & response_mask, torch.where(response_mask, -log_ratio, 0), torch.zeros_like(drawn))
+
+
 def gmpo_policy_loss(
     *,
     logprobs: torch.Tensor,  # [B, T] current policy
@@ -203,7 +243,7 @@ def gmpo_policy_loss(
     )
 
 
-POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "kl_cov": kl_cov_policy_loss, "gmpo": gmpo_policy_loss}
+POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "kl_cov": kl_cov_policy_loss, "gmpo": gmpo_policy_loss, "clip_cov": clip_cov_policy_loss}
 
 
 def high_entropy_tokens(entropy: torch.Tensor, response_mask: torch.Tensor, top_quantile: float) -> torch.Tensor:

@@ -335,3 +335,38 @@ def test_the_top_entropy_quantile_keeps_the_passes_highest_entropy_tokens():
     assert kept.tolist() == [[False, True, False, False, False, False], [False, False, False, False, False, True]]
     assert torch.equal(high_entropy_tokens(entropy, mask, 1.0), mask)
     assert high_entropy_tokens(entropy, mask, 0.5).sum() == 5
+
+
+def test_clip_cov_takes_the_gradient_of_a_few_drawn_tokens_of_high_covariance_and_is_ppo_elsewhere():
+    """Clip-Cov: PPO's clipped surrogate, except on max(1, ratio × tokens) tokens drawn from those
+    PPO's clip left alone whose covariance lies in (lb, ub): no loss, no gradient there; the same
+    pass draws the same tokens again (a replay), and an empty band is PPO."""
+    from rlctl.algos.losses import clip_cov_policy_loss, ppo_policy_loss
+
+    mask, lengths, r = tensors(seed=16)
+    old = r(0.3) - 2
+    lp = (old + r(0.3)).requires_grad_()
+    adv = r(2.0)
+    settings = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_cov_ratio": 0.1, "clip_cov_lb": 0.05, "clip_cov_ub": 5.0}
+    out = clip_cov_policy_loss(logprobs=lp, old_logprobs=old, advantages=adv, response_mask=mask, **settings)
+    ppo = ppo_policy_loss(logprobs=lp, old_logprobs=old, advantages=adv, response_mask=mask, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=0.0)
+    tokens = [(i, t) for i, n in enumerate(lengths) for t in range(n)]
+    mean_a = sum(adv[i][t].item() for i, t in tokens) / len(tokens)
+    mean_p = sum(lp[i][t].item() for i, t in tokens) / len(tokens)
+    band = {(i, t) for i, t in tokens if 0.05 < (adv[i][t].item() - mean_a) * (lp[i][t].item() - mean_p) < 5.0 and not ppo.clipped[i][t]}
+    drawn = {(i, t) for i, t in tokens if out.clipped[i][t] and not ppo.clipped[i][t]}
+    assert len(band) > 4 and drawn <= band and len(drawn) == max(1, int(len(tokens) * 0.1))
+    out.loss.sum().backward()
+    with_draw = lp.grad.clone()
+    lp.grad = None
+    ppo.loss.sum().backward()
+    for i, t in tokens:
+        if (i, t) in drawn:
+            assert out.loss[i][t].item() == 0.0 and with_draw[i][t].item() == 0.0
+        else:
+            assert out.loss[i][t].item() == pytest.approx(ppo.loss[i][t].item(), abs=1e-12)
+            assert with_draw[i][t].item() == pytest.approx(lp.grad[i][t].item(), abs=1e-12)
+    again = clip_cov_policy_loss(logprobs=lp, old_logprobs=old, advantages=adv, response_mask=mask, **settings)
+    assert torch.equal(again.clipped, out.clipped)  # seeded by the pass's old log-probs: a replay draws alike
+    empty = clip_cov_policy_loss(logprobs=lp, old_logprobs=old, advantages=adv, response_mask=mask, **{**settings, "clip_cov_lb": 5.0})
+    assert torch.equal(empty.loss, ppo.loss) and torch.equal(empty.clipped, ppo.clipped)
