@@ -440,13 +440,13 @@ class Trainer:
         old = take(batch.old_logprobs) if batch.old_logprobs is not None else logp.detach().float()
         if batch.old_logprobs is None and batch.rollout_logprobs is not None:
             stats["logprob_mismatch"] += weight * float(torch.where(m, (old - take(batch.rollout_logprobs)).abs(), 0).sum()) / tokens
-        kl_cov = {
+        loss_settings = {  # the settings only one policy loss takes
             "kl_cov": {"kl_cov_ratio": cfg.kl_cov_ratio, "kl_cov_coef": cfg.kl_cov_coef},
             "clip_cov": {"clip_cov_ratio": cfg.clip_cov_ratio, "clip_cov_lb": cfg.clip_cov_lb, "clip_cov_ub": cfg.clip_cov_ub},
         }.get(cfg.policy_loss, {})
         pg = POLICY_LOSSES[cfg.policy_loss](
             logprobs=logp, old_logprobs=old, advantages=take(batch.advantages), response_mask=m,
-            clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c, **kl_cov,
+            clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c, **loss_settings,
         )
         token_loss = pg.loss
         if cfg.top_entropy_quantile < 1.0:  # the policy gradient of the pass's high-entropy tokens only; the divisors stay the mini-batch's
