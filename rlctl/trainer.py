@@ -458,7 +458,7 @@ class Trainer:
                 old_logprobs=old, rollout_logprobs=take(batch.rollout_logprobs), response_mask=m,
                 level=cfg.rollout_is, threshold=cfg.rollout_is_threshold,
             )
-            token_loss = pg.loss * weights
+            token_loss = token_loss * weights
             stats["rollout_is_weight"] += weight * float(torch.where(m, weights, 0).sum()) / tokens
         pg_loss = aggregate(loss=token_loss, response_mask=m, mode=cfg.loss_agg_mode, **norms)
         loss = pg_loss

@@ -705,9 +705,11 @@ def test_compiled_layers_are_not_checkpointed():
         check_update_config(UpdateConfig(compile=True, gradient_checkpointing=True))
 
 
-def test_a_top_entropy_quantile_is_the_gradient_of_the_kept_tokens_policy_loss_over_every_tokens_divisor(policy, monkeypatch):
+@pytest.mark.parametrize("rollout_is", ["off", "token"])
+def test_a_top_entropy_quantile_is_the_gradient_of_the_kept_tokens_policy_loss_over_every_tokens_divisor(policy, monkeypatch, rollout_is):
     """update.top_entropy_quantile: the step is the one whose other tokens had no advantage (their
-    policy-gradient terms gone, the token-mean's divisor unchanged), and it reports the share kept."""
+    policy-gradient terms gone, the token-mean's divisor unchanged), and it reports the share kept;
+    with the rollout's importance weights too (they weigh the kept tokens' terms only)."""
     from dataclasses import replace
 
     import rlctl.trainer as trainer_module
@@ -718,7 +720,9 @@ def test_a_top_entropy_quantile_is_the_gradient_of_the_kept_tokens_policy_loss_o
     batch = replace(
         make_batch(seed=4, n=n), prompt_ids=torch.randint(3, 512, (n, 3), generator=g).tolist(), response_ids=torch.randint(3, 512, (n, width), generator=g).tolist(),
         response_mask=torch.ones(n, width, dtype=torch.bool), advantages=torch.randn(n, width, generator=g), old_logprobs=torch.full((n, width), -6.0), ref_logprobs=None,
+        rollout_logprobs=-6.0 + 0.3 * torch.randn(n, width, generator=g) if rollout_is != "off" else None,
     )
+    settings = {"micro_batch_size": n, "rollout_is": rollout_is}
     seen = []
 
     def recorded(entropy, mask, top_quantile):
@@ -726,9 +730,9 @@ def test_a_top_entropy_quantile_is_the_gradient_of_the_kept_tokens_policy_loss_o
         return seen[-1]
 
     monkeypatch.setattr(trainer_module, "high_entropy_tokens", recorded)
-    stats = Trainer(policy, UpdateConfig(micro_batch_size=n, top_entropy_quantile=0.25)).accumulate_gradients(batch, torch.arange(n))
+    stats = Trainer(policy, UpdateConfig(**settings, top_entropy_quantile=0.25)).accumulate_gradients(batch, torch.arange(n))
     selected = flat_gradients(policy.model)
     (kept,) = seen
-    Trainer(policy, UpdateConfig(micro_batch_size=n)).accumulate_gradients(replace(batch, advantages=torch.where(kept, batch.advantages, 0)), torch.arange(n))
+    Trainer(policy, UpdateConfig(**settings)).accumulate_gradients(replace(batch, advantages=torch.where(kept, batch.advantages, 0)), torch.arange(n))
     np.testing.assert_allclose(selected, flat_gradients(policy.model), atol=1e-7, rtol=0)
     assert int(kept.sum()) == 10 and stats["entropy_tokens_kept"] == pytest.approx(10 / 40)  # the quantile's cut: 10 of 40 tokens
