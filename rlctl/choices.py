@@ -19,10 +19,10 @@ PIPELINE_STAGES = ("rollout", "score", "advantage", "update")
 SHOW_LAYOUTS = ("auto", "table", "records")
 RUN_CHECKS = ("truncated", "constant_reward", "equal_rewards", "engine_mismatch", "skipped_steps")  # rlctl.run_checks' findings
 
-ESTIMATORS = ("gae", "grpo", "grpo_passk", "opo", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo")
+ESTIMATORS = ("gae", "gpg", "grpo", "grpo_passk", "opo", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo")
 KL_ESTIMATORS = ("abs", "abs+", "k1", "k1+", "k2", "k2+", "k3", "k3+", "kl", "kl+", "low_var_kl", "low_var_kl+", "mse", "mse+")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "kl_cov", "gmpo", "clip_cov")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "kl_cov", "gmpo", "clip_cov", "gpg")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DPO_LOSSES = ("sigmoid", "robust", "ipo", "hinge", "simpo", "orpo")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # preference losses without a reference model

@@ -182,7 +182,7 @@ class ScoreConfig:
 class AdvantageConfig:
     """Rewards → advantages and returns (pure math), with the optional KL penalty."""
 
-    estimator: str = "grpo"  # gae | grpo | rloo | opo | grpo_passk | reinforce_pp | reinforce_pp_baseline | remax (with rollout.greedy_baseline; docs/algorithms.md)
+    estimator: str = "grpo"  # gae | gpg (α·(score − group mean), with update.policy_loss = gpg) | grpo | rloo | opo | grpo_passk | reinforce_pp | reinforce_pp_baseline | remax (with rollout.greedy_baseline; docs/algorithms.md)
     gamma: float = 1.0  # discount of GAE and REINFORCE++ returns
     lam: float = 1.0  # GAE's lambda
     norm_by_std: bool = True  # GRPO: divide by the group's reward std (false = Dr. GRPO)
@@ -228,7 +228,7 @@ class UpdateConfig:
     clip_ratio_low: float = 0.2  # PPO clip below: ratio ≥ 1 - clip_ratio_low
     clip_ratio_high: float = 0.2  # PPO clip above: ratio ≤ 1 + clip_ratio_high (DAPO's clip-higher: 0.28)
     clip_ratio_c: float = 3.0  # dual clip for negative advantages; 0 disables (PPO only)
-    policy_loss: str = "ppo"  # ppo | gspo (sequence-level ratio: set clip_ratio_low/high ≈ 3e-4/4e-4, loss_agg_mode seq-mean-token-mean) | cispo (the importance weight clipped, every token keeps a gradient: set clip_ratio_low = 1, tune clip_ratio_high) | kl_cov (no clip; a KL term on the tokens of largest covariance: kl_cov_ratio, kl_cov_coef) | gmpo (a sequence's geometric-mean ratio, each token's log-ratio clipped: set clip_ratio_low/high = 0.4, loss_agg_mode seq-mean-token-mean) | clip_cov (PPO's clip, and a few tokens of high covariance drawn to have no gradient: clip_cov_ratio, clip_cov_lb, clip_cov_ub)
+    policy_loss: str = "ppo"  # ppo | gspo (sequence-level ratio: set clip_ratio_low/high ≈ 3e-4/4e-4, loss_agg_mode seq-mean-token-mean) | cispo (the importance weight clipped, every token keeps a gradient: set clip_ratio_low = 1, tune clip_ratio_high) | kl_cov (no clip; a KL term on the tokens of largest covariance: kl_cov_ratio, kl_cov_coef) | gmpo (a sequence's geometric-mean ratio, each token's log-ratio clipped: set clip_ratio_low/high = 0.4, loss_agg_mode seq-mean-token-mean) | clip_cov (PPO's clip, and a few tokens of high covariance drawn to have no gradient: clip_cov_ratio, clip_cov_lb, clip_cov_ub) | gpg (the plain policy gradient −A·log p, no ratio, no clip: with advantage.estimator = gpg)
     kl_cov_ratio: float = 2e-4  # kl_cov: the share of a pass's tokens, those of largest advantage × log-prob covariance, that get the KL term (verl's kl_cov_ratio)
     kl_cov_coef: float = 1.0  # kl_cov: the weight of that |log p - log p_old| term (verl's ppo_kl_coef)
     clip_cov_ratio: float = 2e-4  # clip_cov: the share of a pass's tokens drawn to have no gradient (one at least; verl's clip_cov_ratio)

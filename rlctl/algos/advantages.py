@@ -6,7 +6,7 @@ of each sequence (samples of one prompt share it), and returns advantages and re
 Positions where `response_mask` is 0 never influence any output and come out as 0.
 
 Groups of one (one sample of a prompt) give advantage 0 for `grpo`, `rloo`, `opo`,
-`grpo_passk` and `reinforce_pp_baseline`: with nothing to compare against, the sample carries no signal, so it
+`grpo_passk`, `gpg` and `reinforce_pp_baseline`: with nothing to compare against, the sample carries no signal, so it
 contributes no policy gradient (verl differs: a singleton's baseline is 0 there, and for grpo
 its std is 1, so its raw score becomes its advantage).
 """
@@ -219,3 +219,23 @@ def remax(*, token_rewards, response_mask, values, group_index, gamma, lam, norm
     returns = discounted_returns(token_rewards, response_mask, 1.0)
     advantages = torch.where(response_mask, returns - baselines.to(returns.dtype).unsqueeze(-1), 0)
     return AdvantageOutput(advantages, returns)
+
+
+@ESTIMATORS.register("gpg")
+def gpg(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None) -> AdvantageOutput:
+    """GPG (Chu et al. 2025, Group Policy Gradient): α·(score − group mean) on every token, no
+    std (the paper's F_norm = 1, as verl's), where α = B / (B − M) for the batch's B samples of
+    which M are in groups whose samples all scored alike (or alone): the batch-mean gradient
+    counts those as zeros, α scales it back to the mean over the samples that carry signal. The
+    GPG authors' α (verl's counts the nonzero scores instead); α = 1 when no group compares."""
+    scores = sequence_scores(token_rewards, response_mask)
+    mean, _, size = group_stats(scores, group_index)
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    highest = torch.full((groups,), -torch.inf, dtype=scores.dtype).scatter_reduce(0, inverse, scores, "amax")
+    lowest = torch.full((groups,), torch.inf, dtype=scores.dtype).scatter_reduce(0, inverse, scores, "amin")
+    signal = (size > 1) & (highest[inverse] > lowest[inverse])  # exactly equal scores, not a std's rounding
+    alpha = scores.numel() / int(signal.sum()) if signal.any() else 1.0
+    adv = torch.where(signal, alpha * (scores - mean), 0)
+    advantages = torch.where(response_mask, adv.unsqueeze(-1), 0)
+    return AdvantageOutput(advantages, advantages.clone())

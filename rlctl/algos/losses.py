@@ -243,7 +243,27 @@ def gmpo_policy_loss(
     )
 
 
-POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "kl_cov": kl_cov_policy_loss, "gmpo": gmpo_policy_loss, "clip_cov": clip_cov_policy_loss}
+def gpg_policy_loss(
+    *,
+    logprobs: torch.Tensor,  # [B, T] current policy
+    old_logprobs: torch.Tensor,  # [B, T] behaviour policy
+    advantages: torch.Tensor,  # [B, T]
+    response_mask: torch.Tensor,  # [B, T] bool
+    clip_ratio_low: float = 0.0,  # unused: GPG has no ratio and no clip
+    clip_ratio_high: float = 0.0,
+    clip_ratio_c: float = 0.0,
+) -> PolicyLoss:
+    """GPG (Chu et al. 2025; verl's `gpg`): the plain policy gradient, −A·log p per token, no
+    importance ratio and no clip. On the data's own policy (one optimizer step a batch) its
+    gradient is PPO's; every later step of a batch follows the same gradient off-policy,
+    uncorrected, as in verl. `approx_kl` is still the step's old − new log-prob (ppo_kl)."""
+    log_ratio = torch.clamp(logprobs - old_logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    loss = -advantages * logprobs
+    none = torch.zeros_like(response_mask)
+    return PolicyLoss(torch.where(response_mask, loss, 0), none, torch.where(response_mask, -log_ratio, 0), none)
+
+
+POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "kl_cov": kl_cov_policy_loss, "gmpo": gmpo_policy_loss, "clip_cov": clip_cov_policy_loss, "gpg": gpg_policy_loss}
 
 
 def high_entropy_tokens(entropy: torch.Tensor, response_mask: torch.Tensor, top_quantile: float) -> torch.Tensor:

@@ -290,3 +290,31 @@ def test_remax_greedy_baselines_are_greedy_rollouts_scored_as_samples_and_subtra
         assert row["advantages"] == pytest.approx([row["reward"] - row["baseline_reward"]] * len(row["response_ids"]), abs=1e-6)
         assert row["returns"] == pytest.approx([row["reward"]] * len(row["response_ids"]), abs=1e-6)
     bad(cli("advantage", "--scores", scored, "--out", tmp_path / "o", "--estimator", "remax"), tmp_path / "o", "remax needs baseline_reward", "rollout.greedy_baseline")
+
+
+def test_gpg_advantages_scale_the_group_centred_rewards_by_the_batch_over_the_rows_that_compare_and_train(cli, tmp_path, tiny_model, scored):
+    """advantage --estimator gpg: α·(reward − its prompt's mean) on every token, α = rows / rows
+    of prompts whose rewards differ; update --set update.policy_loss=gpg trains on it unclipped."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(
+        "def length_but_flat_counting(responses, data_sources):\n"
+        "    return [0.5 if source == 'count' else len(r) / 100 for r, source in zip(responses, data_sources)]\n"
+    )
+    result = cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "s-gpg", "--reward", f"{reward}:length_but_flat_counting")
+    assert result.exit_code == 0, result.stderr
+    result = cli("advantage", "--scores", tmp_path / "s-gpg", "--out", tmp_path / "b", "--estimator", "gpg")
+    assert result.exit_code == 0, result.stderr
+    rows = shards.read(str(tmp_path / "b"), "batch").table.to_pylist()
+    groups = {}
+    for row in rows:
+        groups.setdefault(row["id"], []).append(row["reward"])
+    differ = {key for key, rewards in groups.items() if len(set(rewards)) > 1}
+    assert differ and len(differ) < len(groups)  # both kinds of prompt, so α is neither 1 nor undefined
+    alpha = len(rows) / sum(len(groups[key]) for key in differ)
+    for row in rows:
+        expected = alpha * (row["reward"] - np.mean(groups[row["id"]])) if row["id"] in differ else 0.0
+        assert row["advantages"] == pytest.approx([expected] * len(row["response_ids"]), abs=1e-6)
+    result = cli("update", "--batch", tmp_path / "b", "--model", tiny_model, "--out", tmp_path / "c", "--lr", "1e-3", "--set", "update.policy_loss=gpg", "--json")
+    assert result.exit_code == 0, result.stderr
+    metrics = json.loads(result.stdout)["metrics"]
+    assert metrics["pg_clipfrac"] == 0 and metrics["grad_norm"] > 0

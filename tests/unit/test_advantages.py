@@ -218,7 +218,47 @@ def test_remax_gives_a_sample_as_good_as_the_greedy_response_no_advantage_and_ne
         call("remax", rewards, mask, None, torch.tensor([0, 0]))
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo", "opo", "grpo_passk", "reinforce_pp_baseline"])
+def ref_gpg(scores, groups):
+    """α·(s − group mean), α = B / (samples in groups of two or more whose scores differ)."""
+    members = {g: [s for s, h in zip(scores, groups) if h == g] for g in set(groups)}
+    signal = [len(members[g]) > 1 and max(members[g]) != min(members[g]) for g in groups]
+    alpha = len(scores) / sum(signal) if any(signal) else 1.0
+    return [alpha * (s - sum(members[g]) / len(members[g])) if ok else 0.0 for s, g, ok in zip(scores, groups, signal)]
+
+
+def test_gpg_is_the_group_centred_score_scaled_by_the_batch_over_the_samples_that_compare():
+    rewards, mask, _, groups, lengths = random_batch(8)
+    groups = torch.tensor([0, 0, 0, 1, 1, 2, 3])
+    rewards[5:7] = 0.0
+    rewards[5, 1] = rewards[6, 5] = 1.0  # groups 2 and 3: one sample each, no signal
+    rewards[3:5] = 0.0
+    rewards[3, 4] = rewards[4, 3] = 0.5  # group 1: two samples scoring alike, no signal
+    out = call("gpg", rewards, mask, None, groups, norm_by_std=True)  # no std, whatever norm_by_std says
+    expected = ref_gpg(ref_scores(rewards.tolist(), lengths), groups.tolist())
+    assert_rows(out.advantages, [[a] * n for a, n in zip(expected, lengths)], lengths, mask)
+    scores = ref_scores(rewards.tolist(), lengths)
+    assert out.advantages[0, 0] == pytest.approx(7 / 3 * (scores[0] - sum(scores[:3]) / 3), abs=1e-12)  # α = 7 / 3
+    assert (out.advantages[3:] == 0).all()
+
+
+def test_gpg_is_the_group_centred_score_when_every_group_compares():
+    rewards, mask, _, _, lengths = random_batch(9)
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 2])
+    out = call("gpg", rewards, mask, None, groups)
+    scores = ref_scores(rewards.tolist(), lengths)
+    means = {g: np.mean([s for s, h in zip(scores, groups.tolist()) if h == g]) for g in range(3)}
+    assert_rows(out.advantages, [[s - means[g]] * n for s, g, n in zip(scores, groups.tolist(), lengths)], lengths, mask)
+    assert torch.equal(out.returns, out.advantages)
+
+
+def test_gpg_calls_rounding_equal_scores_equal_and_a_batch_without_signal_all_zero():
+    mask = torch.ones(3, 1, dtype=torch.bool)
+    rewards = torch.full((3, 1), 0.1, dtype=torch.float64)  # their mean is 0.1 + 1e-17: a std would not be 0
+    out = call("gpg", rewards, mask, None, torch.tensor([0, 0, 0]))
+    assert (out.advantages == 0).all()
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "opo", "grpo_passk", "gpg", "reinforce_pp_baseline"])
 def test_groups_of_one_get_zero_advantage(name):
     rewards, mask, _, _, lengths = random_batch(5)
     out = call(name, rewards, mask, None, torch.arange(7))
@@ -256,7 +296,7 @@ def test_the_kl_fed_to_the_controller_averages_tokens_then_sequences():
 def test_unknown_estimator_lists_the_known_ones():
     from rlctl.errors import InputError
 
-    with pytest.raises(InputError, match="available: gae, grpo, grpo_passk, opo, reinforce_pp, reinforce_pp_baseline, remax, rloo"):
+    with pytest.raises(InputError, match="available: gae, gpg, grpo, grpo_passk, opo, reinforce_pp, reinforce_pp_baseline, remax, rloo"):
         ESTIMATORS.get("ppo2")
 
 

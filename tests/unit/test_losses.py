@@ -370,3 +370,22 @@ def test_clip_cov_takes_the_gradient_of_a_few_drawn_tokens_of_high_covariance_an
     assert torch.equal(again.clipped, out.clipped)  # seeded by the pass's old log-probs: a replay draws alike
     empty = clip_cov_policy_loss(logprobs=lp, old_logprobs=old, advantages=adv, response_mask=mask, **{**settings, "clip_cov_lb": 5.0})
     assert torch.equal(empty.loss, ppo.loss) and torch.equal(empty.clipped, ppo.clipped)
+
+
+def test_gpg_is_minus_the_advantage_times_the_log_prob_and_its_gradient_minus_the_advantage():
+    from rlctl.algos.losses import gpg_policy_loss, ppo_policy_loss
+
+    mask, lengths, r = tensors(seed=15)
+    old = r(0.5) - 2
+    lp = (old + r(2.0)).requires_grad_()  # far off-policy: PPO would clip, GPG has no ratio
+    adv = r(1.0)
+    out = gpg_policy_loss(logprobs=lp, old_logprobs=old, advantages=adv, response_mask=mask)
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(out.loss[i, :n].detach().numpy(), [-adv[i][t].item() * lp[i][t].item() for t in range(n)], atol=TOL, rtol=0)
+        np.testing.assert_allclose(out.approx_kl[i, :n].numpy(), (old[i, :n] - lp[i, :n].detach()).numpy(), atol=TOL, rtol=0)
+    assert not out.clipped.any() and not out.dual_clipped.any() and (out.loss[~mask] == 0).all()
+    out.loss.sum().backward()
+    torch.testing.assert_close(lp.grad, torch.where(mask, -adv, 0), atol=1e-12, rtol=0)
+    on_policy = old.clone().requires_grad_()  # on the data's own policy its gradient is PPO's
+    ppo_policy_loss(logprobs=on_policy, old_logprobs=old, advantages=adv, response_mask=mask, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0).loss.sum().backward()
+    torch.testing.assert_close(on_policy.grad, lp.grad, atol=1e-12, rtol=0)

@@ -37,7 +37,7 @@ def policy(tiny_model):
     return HFPolicy.load(tiny_model, "cpu")
 
 
-@pytest.mark.parametrize("mode,policy_loss", [(mode, "ppo") for mode in LOSS_AGG_MODES] + [("seq-mean-token-mean", "gspo"), ("seq-mean-token-mean", "gmpo"), ("token-mean", "cispo")])
+@pytest.mark.parametrize("mode,policy_loss", [(mode, "ppo") for mode in LOSS_AGG_MODES] + [("seq-mean-token-mean", "gspo"), ("seq-mean-token-mean", "gmpo"), ("token-mean", "cispo"), ("token-mean", "gpg")])
 def test_micro_batch_sizes_give_the_same_gradient(policy, mode, policy_loss):
     batch = make_batch()
     grads = []
