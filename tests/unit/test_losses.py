@@ -382,7 +382,7 @@ def test_gpg_is_minus_the_advantage_times_the_log_prob_and_its_gradient_minus_th
     out = gpg_policy_loss(logprobs=lp, old_logprobs=old, advantages=adv, response_mask=mask)
     for i, n in enumerate(lengths):
         np.testing.assert_allclose(out.loss[i, :n].detach().numpy(), [-adv[i][t].item() * lp[i][t].item() for t in range(n)], atol=TOL, rtol=0)
-        np.testing.assert_allclose(out.approx_kl[i, :n].numpy(), (old[i, :n] - lp[i, :n].detach()).numpy(), atol=TOL, rtol=0)
+        np.testing.assert_allclose(out.approx_kl[i, :n].detach().numpy(), (old[i, :n] - lp[i, :n].detach()).numpy(), atol=TOL, rtol=0)
     assert not out.clipped.any() and not out.dual_clipped.any() and (out.loss[~mask] == 0).all()
     out.loss.sum().backward()
     torch.testing.assert_close(lp.grad, torch.where(mask, -adv, 0), atol=1e-12, rtol=0)
