@@ -23,6 +23,10 @@ ESTIMATORS = ("gae", "gpg", "grpo", "grpo_passk", "opo", "reinforce_pp", "reinfo
 KL_ESTIMATORS = ("abs", "abs+", "k1", "k1+", "k2", "k2+", "k3", "k3+", "kl", "kl+", "low_var_kl", "low_var_kl+", "mse", "mse+")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "kl_cov", "gmpo", "clip_cov", "gpg")
+REJECTION_RULES = (  # update.rollout_rs (rlctl.algos.rejection): verl's rollout_rs options
+    "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
+)
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DPO_LOSSES = ("sigmoid", "robust", "ipo", "hinge", "simpo", "orpo")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # preference losses without a reference model

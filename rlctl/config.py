@@ -30,6 +30,7 @@ from rlctl.choices import (
     LR_SCHEDULES,
     OLD_LOGPROBS,
     POLICY_LOSSES,
+    REJECTION_RULES,
     RESHARD_DTYPES,
     ROLLOUT_BACKENDS,
     RUN_CHECKS,
@@ -238,6 +239,8 @@ class UpdateConfig:
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     rollout_is: str = "off"  # off | token | sequence: truncated importance weights engine → trainer (verl's rollout_is)
     rollout_is_threshold: float = 2.0  # the truncation of those weights
+    rollout_rs: str = "off"  # off | rejection rules, comma-separated: token_k1, token_k2, token_k3, seq_sum_k1..k3, seq_mean_k1..k3, seq_max_k2, seq_max_k3: tokens or sequences whose old policy strays too far from the engine's leave the loss (verl's rollout_rs; docs/algorithms.md)
+    rollout_rs_threshold: str = ""  # each rule's bound, comma-separated (or one for all): k1 lower_upper on π_rollout/π_old (e.g. 0.5_2.0; upper alone: lower = 1/upper), k2/k3 an upper bound
     loss_horizon: int = 0  # seq-mean-token-sum-norm divisor; 0 = longest response in the batch
     use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style) instead of in the reward
     kl_loss_coef: float = 0.001  # weight of that KL loss
@@ -266,6 +269,8 @@ class UpdateConfig:
             object.__setattr__(self, "bf16", "true" if self.bf16 else "false")
         if isinstance(self.micro_batch_tokens, int) and not isinstance(self.micro_batch_tokens, bool):  # UpdateConfig(micro_batch_tokens=4096)
             object.__setattr__(self, "micro_batch_tokens", str(self.micro_batch_tokens))
+        if isinstance(self.rollout_rs_threshold, (int, float)) and not isinstance(self.rollout_rs_threshold, bool):  # TOML's rollout_rs_threshold = 2.0
+            object.__setattr__(self, "rollout_rs_threshold", repr(float(self.rollout_rs_threshold)))
         check_ranges(self, "update", {
             "lr": above(0.0), "critic_lr": above(0.0), "epochs": at_least(1), "mini_batch_size": at_least(0), "micro_batch_size": at_least(1),
             "clip_ratio_low": between(0.0, 1.0), "clip_ratio_high": at_least(0.0),
@@ -274,6 +279,8 @@ class UpdateConfig:
             "top_entropy_quantile": lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
             "clip_cov_ratio": lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
             "rollout_is": one_of("off", "token", "sequence"), "rollout_is_threshold": above(1.0),
+            "rollout_rs": lambda v: None if v == "off" or (v.strip() and all(part.strip() in REJECTION_RULES for part in v.split(",") if part.strip()))
+            else f"must be off or rules from {', '.join(REJECTION_RULES)}, comma-separated",
             "loss_horizon": at_least(0), "kl_loss_coef": at_least(0.0), "cliprange_value": above(0.0), "vf_coef": at_least(0.0),
             "max_grad_norm": at_least(0.0), "weight_decay": at_least(0.0), "warmup_steps": at_least(0), "bf16": one_of(*AUTOCAST_CHOICES),
             "lr_schedule": one_of(*LR_SCHEDULES), "decay_steps": at_least(0), "min_lr_ratio": between(0.0, 1.0), "critic_warmup": at_least(0),
@@ -639,6 +646,8 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         if key not in hints or (inner and not dataclasses.is_dataclass(hints[key])):
             raise ConfigError(f"--set {item!r}: unknown key {section}.{key}{suggest_key(section, key)}")
         value = parse_scalar(text)
+        if hints[key] is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = text.strip()  # a text key keeps what was typed: TOML would read update.rollout_rs_threshold=1_2 as 12
         if inner:
             table = dataclasses.asdict(getattr(getattr(cfg, section), key))
             if inner not in table:

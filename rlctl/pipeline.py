@@ -184,6 +184,11 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
         raise ConfigError(f"estimator {cfg.advantage.estimator} needs a critic: set model.critic")
     if cfg.advantage.estimator in NEEDS_BASELINES and not cfg.rollout.greedy_baseline:
         raise ConfigError(f"estimator {cfg.advantage.estimator} needs each prompt's greedy reward: set rollout.greedy_baseline = true")
+    if cfg.update.rollout_rs != "off" and old_logprobs_source(cfg) != "recompute":
+        raise ConfigError(
+            f"update.rollout_rs compares the trainer's old log-probs with the engine's: with score.old_logprobs = {cfg.score.old_logprobs} "
+            "there is nothing to compare; set it to recompute (or auto)"
+        )
     if cfg.data.batch_size < 1 or cfg.rollout.n < 1 or cfg.pipeline.iterations < 1:
         raise ConfigError("data.batch_size, rollout.n and pipeline.iterations must be at least 1")
     check_update_config(cfg.update, cfg.data.batch_size * cfg.rollout.n)
@@ -832,6 +837,7 @@ class Pipeline:
             **({"critic_warmup": train["critic_warmup"]} if "critic_warmup" in train else {}),  # the share of steps that trained only the critic
             **({"truncated_masked": train["truncated_masked"]} if "truncated_masked" in train else {}),  # update.mask_truncated: the share of rows out of the loss
             **({"entropy_tokens_kept": train["entropy_tokens_kept"]} if "entropy_tokens_kept" in train else {}),  # update.top_entropy_quantile: the share of tokens in the policy gradient
+            **{k: v for k, v in train.items() if k.startswith("rollout_rs/")},  # update.rollout_rs: the shares of tokens and rows rejected
             "torch_threads": train.get("torch_threads"),
             "seconds/io": io["seconds"],
             **reward_component_means(scores),
@@ -933,13 +939,15 @@ def committed_checkpoints(run_dir: Path) -> list[Path]:
 def old_logprobs_source(cfg: Config) -> str:
     """Where the update's old log-probs come from: "rollout" (the engine's own), "recompute"
     (score's policy forward) or "update" (the update's own forward, detached, as TRL does).
-    auto picks the cheapest exact one: the rollout's when the engine is the training module in
+    auto picks the cheapest exact one (a recompute with update.rollout_rs): the rollout's when the engine is the training module in
     fp32 and training is fp32 too (they are the trainer's to ~3e-7); the update's own when it
     makes one optimizer step on the batch and the advantage needs no policy log-probs (no KL in
     the reward): before that step the policy is the old policy; else a recompute. The dtypes
     must be decided (`resolve_dtypes`) before this is asked."""
     if cfg.score.old_logprobs != "auto":
         return cfg.score.old_logprobs
+    if cfg.update.rollout_rs != "off":  # its rules compare the trainer's old log-probs with the engine's
+        return "recompute"
     if cfg.rollout.backend == "hf" and cfg.rollout.dtype == "fp32" and cfg.update.bf16 == "false":
         return "rollout"
     return "update" if one_step_on_policy(cfg) and not kl_in_reward(cfg) else "recompute"

@@ -27,6 +27,7 @@ from rlctl.algos.losses import (
     rollout_is_weights,
 )
 from rlctl.algos.lr_schedule import lr_at
+from rlctl.algos.rejection import RejectionRule, kept_tokens, parse_rules
 from rlctl.backends import compiled_layers
 from rlctl.backends.hf import (
     HFPolicy,
@@ -71,6 +72,15 @@ class TrainBatch:
             return self
         return replace(self, response_mask=self.response_mask & ~self.truncated.unsqueeze(-1))
 
+    def without_rejected(self, rules: list[RejectionRule]) -> tuple[TrainBatch, dict[str, float]]:
+        """The batch with the tokens (or whole rows) that update.rollout_rs rejects out of the
+        loss and its token divisors, as verl's rejection leaves its response_mask; the shares
+        rejected. It compares the old policy's log-probs with the engine's, so both must be in it."""
+        if self.old_logprobs is None or self.rollout_logprobs is None:
+            raise InputError("update.rollout_rs compares the old policy's log-probs with the engine's: the batch needs old_logprobs (score.old_logprobs = recompute) and rollout_logprobs")
+        kept, metrics = kept_tokens(rules, old_logprobs=self.old_logprobs, rollout_logprobs=self.rollout_logprobs, response_mask=self.response_mask)
+        return replace(self, response_mask=kept), metrics
+
     @classmethod
     def from_table(cls, table: pa.Table, *, own_old_logprobs: bool = False) -> TrainBatch:
         """`own_old_logprobs`: the old policy's log-probs are the update's own forward before
@@ -114,6 +124,8 @@ def check_update_config(cfg: UpdateConfig, batch_size: int | None = None) -> Non
         raise InputError("update: micro_batch_size and epochs must be ≥ 1, mini_batch_size ≥ 0")
     if batch_size is not None and cfg.mini_batch_size and batch_size % cfg.mini_batch_size:
         raise InputError(f"update: mini_batch_size={cfg.mini_batch_size} does not divide the batch of {batch_size} sequences")
+    if cfg.rollout_rs != "off":
+        parse_rules(cfg.rollout_rs, cfg.rollout_rs_threshold)
     if cfg.lr_schedule != "constant" and cfg.decay_steps <= cfg.warmup_steps:
         per_batch = f"; this batch takes {optimizer_steps(cfg, batch_size)} optimizer steps per update" if batch_size else ""
         raise InputError(
@@ -316,6 +328,9 @@ class Trainer:
         if cfg.mask_truncated:
             batch = batch.without_truncated()
             masked_rows = float(batch.truncated.float().mean()) if batch.truncated is not None else 0.0
+        rejected: dict[str, float] = {}
+        if cfg.rollout_rs != "off":  # on every rank alike: the whole batch's rows and tokens
+            batch, rejected = batch.without_rejected(parse_rules(cfg.rollout_rs, cfg.rollout_rs_threshold))
         started = time.perf_counter()
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
         totals: dict[str, float] = {}
@@ -348,6 +363,7 @@ class Trainer:
         metrics.update({"step": self.step, "lr": self.lr_at(self.step - 1), "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)})
         if masked_rows is not None:
             metrics["truncated_masked"] = masked_rows  # the share of the batch's rows out of the loss
+        metrics.update(rejected)
         return metrics
 
     def accumulate_gradients(self, batch: TrainBatch, indices: torch.Tensor) -> dict[str, float]:
@@ -373,8 +389,8 @@ class Trainer:
         if policy is not None and cfg.top_entropy_quantile < 1.0:
             stats["entropy_tokens_kept"] = 0.0  # the share of the trained tokens whose policy gradient counted
         # every rank filters the whole mini-batch alike, so all make the same passes (FSDP)
-        # update.mask_truncated: a row without a token in the loss moves nothing in any term
-        in_loss = indices[batch.response_mask[indices].any(-1)] if cfg.mask_truncated else indices
+        # update.mask_truncated, update.rollout_rs: a row without a token in the loss moves nothing in any term
+        in_loss = indices[batch.response_mask[indices].any(-1)] if cfg.mask_truncated or cfg.rollout_rs != "off" else indices
         trained = rows_with_gradient(cfg, batch, in_loss, critic=self.critic is not None)
         weightless = trained.numel() == 0  # no row trains: one row's pass with its loss scaled by 0 gives the step its zero gradients
         if weightless:

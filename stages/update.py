@@ -66,6 +66,8 @@ def run(
     train_batch = TrainBatch.from_table(source.table)
     if train_batch.size == 0:
         raise InputError(f"{batch}: the batch has no rows")
+    if cfg.rollout_rs != "off" and ("old_logprobs" not in source.table.column_names or source.table.column("old_logprobs").null_count):
+        raise InputError(f"{batch}: update.rollout_rs compares the old policy's log-probs with the engine's, and the batch has no old_logprobs (score with --policy)")
     temperature = float(sampling_of(source.table).get("temperature", 1.0))
     if workers.backend == "ray":
         return _update_on_workers(source, train_batch, model, critic, out, cfg, workers, manifest, temperature)

@@ -145,6 +145,9 @@ RANGE_CASES = [
     (["update", "--mini-batch-size", "-2"], "update.mini_batch_size must be ≥ 0"),
     (["update", "--set", "update.clip_ratio_c=0.5"], "update.clip_ratio_c must be 0 (off) or > 1"),
     (["update", "--set", "update.max_grad_norm=-1"], "update.max_grad_norm must be ≥ 0.0"),
+    (["update", "--set", "update.rollout_rs=token_k7"], "update.rollout_rs must be off or rules from token_k1, token_k2"),
+    (["update", "--set", "update.rollout_rs=token_k1"], "update.rollout_rs needs update.rollout_rs_threshold"),
+    (["update", "--set", "update.rollout_rs=seq_max_k2", "--set", "update.rollout_rs_threshold=0.5_2"], "k2 and k3 take one upper bound"),
     (["reshard", "--dtype", "int8"], "reshard.dtype must be one of bf16, fp16, fp32"),
     (["update", "--workers", "0"], "workers.num_workers must be ≥ 1"),
     (["rollout", "--workers-backend", "spark"], "workers.backend must be one of local, ray"),
@@ -173,6 +176,13 @@ def test_a_toml_value_out_of_range_names_the_file(cli, tmp_path):
     config.write_text("[rollout]\nn = 0\n")
     result = cli("rollout", *REQUIRED["rollout"], "--out", tmp_path / "out", "--config", config)
     check(result, tmp_path / "out", "c.toml", "rollout.n must be ≥ 1")
+
+
+def test_pipeline_rejection_with_the_engines_own_log_probs_as_the_old_policys(cli, tmp_path):
+    config = tmp_path / "c.toml"
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "x"}\n')
+    config.write_text('[data]\nprompts = "p.jsonl"\n[update]\nrollout_rs = "token_k1"\nrollout_rs_threshold = 2.0\n[score]\nold_logprobs = "rollout"\n')
+    check(cli("pipeline", config, "--run-dir", tmp_path / "out"), tmp_path / "out", "update.rollout_rs compares", "score.old_logprobs = rollout", "recompute")
 
 
 def test_pipeline_iterations_below_one(cli, tmp_path):

@@ -318,3 +318,21 @@ def test_gpg_advantages_scale_the_group_centred_rewards_by_the_batch_over_the_ro
     assert result.exit_code == 0, result.stderr
     metrics = json.loads(result.stdout)["metrics"]
     assert metrics["pg_clipfrac"] == 0 and metrics["grad_norm"] > 0
+
+
+def test_update_rejects_the_tokens_whose_old_policy_strays_from_the_engines_and_says_how_many(cli, tmp_path, tiny_model, scored):
+    """update.rollout_rs on a batch whose old log-probs were scored in bf16 (the fp32 engine's
+    differ): tight bounds reject tokens and the manifest's metrics say the share; a batch
+    scored without --policy has no old log-probs to compare, and is refused."""
+    result = cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "s16", "--reward", "builtin:length", "--policy", tiny_model, "--set", "score.dtype=bf16")
+    assert result.exit_code == 0, result.stderr
+    assert cli("advantage", "--scores", tmp_path / "s16", "--out", tmp_path / "b").exit_code == 0
+    rules = ("--set", "update.rollout_rs=token_k1,seq_max_k3", "--set", "update.rollout_rs_threshold=0.999_1.001,1")
+    result = cli("update", "--batch", tmp_path / "b", "--model", tiny_model, "--out", tmp_path / "c", "--lr", "1e-3", *rules, "--json")
+    assert result.exit_code == 0, result.stderr
+    metrics = json.loads(result.stdout)["metrics"]
+    assert 0 < metrics["rollout_rs/masked_fraction"] < 1 and metrics["rollout_rs/token_k1/masked_fraction"] == metrics["rollout_rs/masked_fraction"]
+    assert metrics["rollout_rs/seq_max_k3/masked_fraction"] == 0  # a k3 of 1 is far beyond bf16's rounding
+    assert cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "s-plain", "--reward", "builtin:length").exit_code == 0
+    assert cli("advantage", "--scores", tmp_path / "s-plain", "--out", tmp_path / "b-plain").exit_code == 0
+    bad(cli("update", "--batch", tmp_path / "b-plain", "--model", tiny_model, "--out", tmp_path / "o", *rules), tmp_path / "o", "no old_logprobs", "score with --policy")

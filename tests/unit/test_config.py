@@ -100,3 +100,11 @@ def test_validation_samples_are_at_least_one():
     assert load_config(overrides=["pipeline.val_n=4", "pipeline.val_temperature=0.6"]).pipeline.val_n == 4
     with pytest.raises(ConfigError, match="pipeline.val_n must be ≥ 1"):
         load_config(overrides=["pipeline.val_n=0"])
+
+
+def test_a_text_key_set_to_what_toml_reads_as_a_number_keeps_what_was_typed():
+    """`--set update.rollout_rs_threshold=1_2` is the ratio range 1 to 2, not TOML's integer 12."""
+    cfg = load_config(overrides=["update.rollout_rs=token_k1", "update.rollout_rs_threshold=1_2"])
+    assert cfg.update.rollout_rs_threshold == "1_2"
+    assert load_config(overrides=["update.micro_batch_tokens=4096"]).update.micro_batch_tokens == "4096"
+    assert load_config(overrides=["update.lr=1_0e-6"]).update.lr == 1e-5  # a number key reads TOML's number as before

@@ -74,6 +74,7 @@ def test_update_bf16_reads_booleans_as_before():
     ({"rollout": {"dtype": "bf16"}, "model": {"ref": "m"}, "advantage": {"kl_coef": 0.1}}, "recompute"),  # KL in the reward
     ({"rollout": {"backend": "vllm"}}, "update"),
     ({"score": {"old_logprobs": "recompute"}}, "recompute"),
+    ({"update": {"rollout_rs": "token_k1", "rollout_rs_threshold": "2"}}, "recompute"),  # its rules compare the trainer's with the engine's
 ])
 def test_auto_old_logprobs_take_the_cheapest_exact_source(sets, source):
     from rlctl.pipeline import old_logprobs_source

@@ -736,3 +736,37 @@ def test_a_top_entropy_quantile_is_the_gradient_of_the_kept_tokens_policy_loss_o
     Trainer(policy, UpdateConfig(**settings)).accumulate_gradients(replace(batch, advantages=torch.where(kept, batch.advantages, 0)), torch.arange(n))
     np.testing.assert_allclose(selected, flat_gradients(policy.model), atol=1e-7, rtol=0)
     assert int(kept.sum()) == 10 and stats["entropy_tokens_kept"] == pytest.approx(10 / 40)  # the quantile's cut: 10 of 40 tokens
+
+
+def test_rejected_tokens_and_rows_leave_the_loss_and_its_divisor_as_if_never_sampled(policy, monkeypatch, tiny_model):
+    """update.rollout_rs: the gradient is the one of the batch whose mask holds only the kept
+    tokens, without the rows that keep none (their forwards not run); train reports the shares,
+    and refuses a batch without the engine's log-probs."""
+    from dataclasses import replace
+
+    from rlctl.algos.rejection import kept_tokens, parse_rules
+    from rlctl.errors import InputError
+
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "never")
+    batch = make_batch(seed=5)
+    g = torch.Generator().manual_seed(5)
+    data = replace(batch, rollout_logprobs=batch.old_logprobs + torch.where(batch.response_mask, torch.randn(batch.old_logprobs.shape, generator=g) * 0.3, 0))
+    settings = {"rollout_rs": "token_k1,seq_max_k2", "rollout_rs_threshold": "0.75_1.33,0.15"}
+    rules = parse_rules(settings["rollout_rs"], settings["rollout_rs_threshold"])
+    kept, _ = kept_tokens(rules, old_logprobs=data.old_logprobs, rollout_logprobs=data.rollout_logprobs, response_mask=data.response_mask)
+    whole = [i for i in range(data.size) if kept[i].any()]
+    assert 0 < len(whole) < data.size and int(kept[whole].sum()) < int(data.response_mask[whole].sum())  # rows and single tokens rejected
+    rows = counted_rows(policy, monkeypatch)
+    rejected, metrics = data.without_rejected(rules)
+    Trainer(policy, UpdateConfig(micro_batch_size=8, **settings)).accumulate_gradients(rejected, torch.arange(data.size))
+    with_rules = (flat_gradients(policy.model), sum(rows))
+    rows.clear()
+    Trainer(policy, UpdateConfig(micro_batch_size=8)).accumulate_gradients(keep_rows(replace(data, response_mask=kept), whole), torch.arange(len(whole)))
+    scale = np.abs(flat_gradients(policy.model)).max()
+    np.testing.assert_allclose(with_rules[0], flat_gradients(policy.model), atol=1e-6 * max(scale, 1.0), rtol=0)
+    assert with_rules[1] == sum(rows) == len(whole)
+    assert metrics["rollout_rs/masked_fraction"] == pytest.approx(1 - int(kept.sum()) / int(data.response_mask.sum()))
+    trained = Trainer(HFPolicy.load(tiny_model, "cpu"), UpdateConfig(lr=1e-3, **settings)).train(data)
+    assert trained["rollout_rs/seq_masked_fraction"] > trained["rollout_rs/seq_max_k2/seq_masked_fraction"] > 0
+    with pytest.raises(InputError, match="rollout_rs compares the old policy's log-probs with the engine's"):
+        Trainer(policy, UpdateConfig(**settings)).train(batch)
