@@ -7,7 +7,7 @@ _rlctl() {
     'config-diff:Print the keys two configs or runs differ in, defaults filled in (values as written).'
     'config-show:Print every config key with its type, default, current value and meaning.'
     'dpo:Direct preference optimization - train the policy on preference pairs, no reward model; or,'
-    'eval:Evaluate a model on held-out prompts - mean@n, best@n and pass@k per data_source.'
+    'eval:Evaluate a model on held-out prompts - mean@n, best@n, pass@k (and maj@n) per data_source.'
     'kto:Kahneman-Tversky optimization - train the policy on responses labelled desirable or'
     'model-init:Write a random Qwen2-style model + byte-level BPE tokenizer, fully offline.'
     'pipeline:Run rollout → score → advantage → update → reshard for N iterations, models resident.'

@@ -91,9 +91,11 @@ def _root(
 
 
 def _stage_config(config: Path | None, overrides: list[str] | None):
-    from rlctl.config import load_config
+    """The config of a stage command: `--config`'s file (its reward, tool and data files relative
+    to its folder, as a pipeline's), then `--set`."""
+    from rlctl.config import load_config, paths_relative_to
 
-    return load_config(config, overrides or [])
+    return paths_relative_to(load_config(config, overrides or []), Path(config).parent if config else None)
 
 
 def _output(uri: str, fmt: str, rows_per_part: int, as_json: bool):
@@ -364,7 +366,7 @@ def eval_(
     set_: SetOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
-    """Evaluate a model on held-out prompts: mean@n, best@n and pass@k per data_source."""
+    """Evaluate a model on held-out prompts: mean@n, best@n, pass@k (and maj@n) per data_source."""
     import json as json_module
     from dataclasses import asdict, replace
 
@@ -384,11 +386,15 @@ def eval_(
     from rich.table import Table
 
     ks = list(rows[0].pass_at)
+    majority = [f"maj@{rows[0].samples}"] if rows[0].majority is not None else []
     table = Table(title=f"{model}: {rows[0].prompts} prompts × {rows[0].samples} samples, pass = reward ≥ {pass_threshold:g}", title_justify="left")
-    for name in ("data_source", "prompts", f"mean@{rows[0].samples}", f"best@{rows[0].samples}", *(f"pass@{k}" for k in ks)):
+    for name in ("data_source", "prompts", f"mean@{rows[0].samples}", f"best@{rows[0].samples}", *(f"pass@{k}" for k in ks), *majority):
         table.add_column(name, justify="left" if name == "data_source" else "right")
     for row in rows:
-        table.add_row(row.source, str(row.prompts), f"{row.mean:.4g}", f"{row.best:.4g}", *(f"{row.pass_at[k]:.4g}" for k in ks))
+        table.add_row(
+            row.source, str(row.prompts), f"{row.mean:.4g}", f"{row.best:.4g}", *(f"{row.pass_at[k]:.4g}" for k in ks),
+            *([f"{row.majority:.4g}"] if majority else []),
+        )
     Console().print(table)
 
 

@@ -805,3 +805,39 @@ def suggest(word: str, options, prefix: str = "") -> str:
     """`; did you mean X?` for the closest of `options`, else `; valid: ...` naming them all."""
     close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
     return f"; did you mean {prefix}{close[0]}?" if close else f"; valid: {', '.join(sorted(options))}"
+
+
+POLICY = "policy"  # model.ref / model.critic value meaning "the initial policy's weights"
+TRAINED_RM = "rm:trained"  # a reward spec meaning "the reward model this run trains" (RUN/reward_model)
+
+
+def paths_relative_to(cfg: Config, base_dir: Path | None) -> Config:
+    """Model and data paths, and reward and tool files, in a config file are relative to the file's folder
+    (`base_dir`; None: as given), for `rlctl pipeline` and every stage command's `--config` alike."""
+    if base_dir is None:
+        return cfg
+
+    def fix(value: str) -> str:
+        if not value or value == POLICY or "://" in value or Path(value).is_absolute():
+            return value
+        return str(base_dir / value)
+
+    model = replace(cfg.model, path=fix(cfg.model.path), ref=fix(cfg.model.ref), critic=fix(cfg.model.critic))
+    data = replace(cfg.data, prompts=fix(cfg.data.prompts), val_prompts=fix(cfg.data.val_prompts))
+    sft = replace(cfg.sft, data=fix(cfg.sft.data), val_data=fix(cfg.sft.val_data))
+    dpo = replace(cfg.dpo, data=fix(cfg.dpo.data), val_data=fix(cfg.dpo.val_data))
+    kto = replace(cfg.kto, data=fix(cfg.kto.data), val_data=fix(cfg.kto.val_data))
+    rm = cfg.reward_model
+    reward_model = replace(rm, data=fix(rm.data), val_data=fix(rm.val_data), base=fix(rm.base))
+
+    def fix_reward(spec: str) -> str:
+        kind, _, rest = spec.partition(":")
+        if kind == "rm" and spec != TRAINED_RM:
+            return f"rm:{fix(rest)}"
+        return fix(spec) if kind.endswith(".py") else spec
+
+    terms = tuple(replace(term, fn=fix_reward(term.fn)) for term in cfg.score.rewards)
+    return replace(
+        cfg, model=model, data=data, sft=sft, dpo=dpo, kto=kto, reward_model=reward_model, rollout=replace(cfg.rollout, tool=fix_reward(cfg.rollout.tool)),
+        score=replace(cfg.score, reward=fix_reward(cfg.score.reward), rewards=terms),
+    )

@@ -1,10 +1,13 @@
 """`rlctl eval`: how good a model is on held-out prompts — n samples per prompt, scored by a
 reward, summarized per `data_source`: the mean reward (mean@n), the mean of each prompt's
-best (best@n), and pass@k for k = 1, 2, 4, ... n, the unbiased estimate (Chen et al. 2021)
-of the chance that at least one of k samples passes (reward ≥ the pass threshold)."""
+best (best@n), pass@k for k = 1, 2, 4, ... n, the unbiased estimate (Chen et al. 2021)
+of the chance that at least one of k samples passes (reward ≥ the pass threshold), and where
+the samples' answers are known, maj@n: the reward of each prompt's most common answer
+(self-consistency, Wang et al. 2022; verl's maj@N)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from math import comb
 
@@ -37,10 +40,49 @@ class EvalRow:
     mean: float  # mean@n: the mean reward over every sample
     best: float  # best@n: the mean over prompts of their best sample's reward
     pass_at: dict[int, float]  # k → the mean over prompts of pass@k
+    majority: float | None = None  # maj@n: the mean over prompts of their most common answer's reward; None: no answers known
 
 
-def evaluation(scored: pa.Table, *, threshold: float) -> list[EvalRow]:
-    """One row over every prompt ("all"), then one per data_source (where there are several)."""
+@dataclass(frozen=True)
+class Answers:
+    """Each sample's answer (None: it gave none) and when two answers are the same one."""
+
+    values: list[str | None]
+    same: Callable[[str, str], bool]
+
+
+def majority_reward(answers: list[str | None], rewards: np.ndarray, same: Callable[[str, str], bool]) -> float:
+    """The reward of the first sample whose answer is the most common among the samples that
+    gave one (answers that are `same` count as one; a tie goes to the answer given first); a
+    prompt whose samples gave none scores as its first sample."""
+    classes: list[list[int]] = []
+    for i, answer in enumerate(answers):
+        if answer is None:
+            continue
+        home = next((members for members in classes if same(answers[members[0]], answer)), None)
+        if home is None:
+            classes.append([i])
+        else:
+            home.append(i)
+    if not classes:
+        return float(rewards[0])
+    winner = max(classes, key=len)  # max keeps the first of equal lengths
+    return float(rewards[winner[0]])
+
+
+def majority_mean(scored: pa.Table, answers: Answers, rows: np.ndarray) -> float:
+    """maj@n over the prompts of `rows` (indices into `scored`, whole prompts): the mean over
+    them of `majority_reward`."""
+    ids = np.asarray(scored.column("id").to_pylist(), dtype=object).astype(str)[rows]
+    rewards = np.asarray(scored.column("reward").to_pylist(), dtype=np.float64)[rows]
+    values = [answers.values[i] for i in rows]
+    groups = [np.flatnonzero(ids == key) for key in dict.fromkeys(ids)]
+    return float(np.mean([majority_reward([values[i] for i in group], rewards[group], answers.same) for group in groups]))
+
+
+def evaluation(scored: pa.Table, *, threshold: float, answers: Answers | None = None) -> list[EvalRow]:
+    """One row over every prompt ("all"), then one per data_source (where there are several);
+    with `answers` (one per row of `scored`) each row's maj@n too."""
     ids = np.asarray(scored.column("id").to_pylist(), dtype=object).astype(str)
     rewards = np.asarray(scored.column("reward").to_pylist(), dtype=np.float64)
     sources = np.asarray(
@@ -60,8 +102,28 @@ def evaluation(scored: pa.Table, *, threshold: float) -> list[EvalRow]:
             source=name, prompts=len(keys), samples=n, mean=float(np.mean(np.concatenate(per_prompt))),
             best=float(np.mean([r.max() for r in per_prompt])),
             pass_at={k: float(np.mean([pass_at_k(len(r), int((r >= threshold).sum()), k) for r in per_prompt])) for k in ks_up_to(n)},
+            majority=None if answers is None else majority_mean(scored, answers, np.concatenate([groups[key] for key in keys])),
         ))
     return out
+
+
+def known_answers(scored: pa.Table, reward_spec: str) -> Answers | None:
+    """The samples' answers: what the reward reported as `pred` (verl's convention: a column
+    `reward/pred`), else what a built-in answer reward reads from the response (`gsm8k`,
+    `gsm8k_flexible`: the number, as text; `math`: the last box, the same answer as `math`
+    judges one); None for any other reward."""
+    from rlctl.math_answers import last_boxed, same_answer
+    from rlctl.rewards import gsm8k_answer, gsm8k_flexible_answer
+
+    if "reward/pred" in scored.column_names:
+        return Answers([None if v is None else str(v) for v in scored.column("reward/pred").to_pylist()], str.__eq__)
+    extract, same = {
+        "builtin:gsm8k": (gsm8k_answer, str.__eq__), "builtin:gsm8k_flexible": (gsm8k_flexible_answer, str.__eq__),
+        "builtin:math": (last_boxed, same_answer),
+    }.get(reward_spec, (None, None))
+    if extract is None:
+        return None
+    return Answers([extract(response) for response in scored.column("response").to_pylist()], same)
 
 
 def as_metrics(rows: list[EvalRow]) -> dict[str, float]:
@@ -72,6 +134,8 @@ def as_metrics(rows: list[EvalRow]) -> dict[str, float]:
         metrics[f"eval/mean@{row.samples}{suffix}"] = row.mean
         metrics[f"eval/best@{row.samples}{suffix}"] = row.best
         metrics.update({f"eval/pass@{k}{suffix}": value for k, value in row.pass_at.items()})
+        if row.majority is not None:
+            metrics[f"eval/maj@{row.samples}{suffix}"] = row.majority
     return metrics
 
 
@@ -101,7 +165,7 @@ def run(*, model: str, prompts: str, cfg: Config, threshold: float, device: str 
         if hasattr(engine, "close"):
             engine.close()
     scored = score_table(generated, reward, ScoringModels(), cfg.score)
-    rows = evaluation(scored, threshold=threshold)
+    rows = evaluation(scored, threshold=threshold, answers=known_answers(scored, reward.spec))
     if out is None:
         return rows, None
     config = {**stage_config(rollout, cfg.data, cfg.vllm), "reward": reward.spec, "pass_threshold": threshold}

@@ -38,12 +38,15 @@ from rlctl.algos.kl import KLControllerState
 from rlctl.algos.sampling import enough, select_groups
 from rlctl.backends import compiled_layers
 from rlctl.config import (
+    POLICY,
     RESOLVED_CONFIG,
+    TRAINED_RM,
     Config,
     UpdateConfig,
     apply_overrides,
     from_dict,
     load_config,
+    paths_relative_to,
     recorded_config,
     to_dict,
     to_toml,
@@ -66,7 +69,6 @@ from rlctl.threads import ThreadGovernor
 from rlctl.workers import held_reward_models
 
 STAGES = ("rollout", "score", "advantage", "update")
-POLICY = "policy"  # model.ref / model.critic value meaning "the initial policy's weights"
 
 
 def resolve_pass_tokens(cfg: Config, recorded: Config | None) -> Config:
@@ -89,7 +91,6 @@ def resolve_pass_tokens(cfg: Config, recorded: Config | None) -> Config:
 # last one's folder is the run's initial policy.
 WARM_STARTS = ("sft", "dpo", "kto")
 REWARD_MODEL_DIR = "reward_model"  # RUN/reward_model: the reward model trained on reward_model.data
-TRAINED_RM = "rm:trained"  # a reward spec meaning "the reward model this run trains" (RUN/reward_model)
 
 
 def resolve_model_paths(cfg: Config, run_dir: Path) -> Config:
@@ -234,7 +235,7 @@ class Pipeline:
         resume_with_changes: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir or cfg.pipeline.run_dir)
-        cfg = resolve_model_paths(_resolve_relative(cfg, base_dir), self.run_dir)
+        cfg = resolve_model_paths(paths_relative_to(cfg, base_dir), self.run_dir)
         recorded = recorded_config(self.run_dir)
         cfg = resolve_pass_tokens(resolve_dtypes(cfg, recorded), recorded)
         validate(cfg, from_stage=from_stage, until_stage=until_stage)
@@ -773,7 +774,9 @@ class Pipeline:
         sampling = replace(self.cfg.rollout, n=settings.val_n, temperature=settings.val_temperature, seed=0, greedy_baseline=False)
         table = rollout_table(self.val_dataset, self.workers.engine, sampling, self.cfg.data, policy_version=self.workers.trainer.step)
         scored = score_table(table, self.reward, ScoringModels(), self.cfg.score)
-        metrics = validation_metrics(scored, settings.val_n)
+        from rlctl.evaluate import known_answers
+
+        metrics = validation_metrics(scored, settings.val_n, known_answers(scored, self.reward.spec) if settings.val_n > 1 else None)
         state = {
             "iteration": i, "policy_version": self.workers.trainer.step, **compute_state,
             "weights_source": str(self.run_dir / "checkpoints" / f"iter-{i:04d}") if weights_kept else weights_source,
@@ -1117,37 +1120,6 @@ def reward_component_means(scores: pa.Table) -> dict[str, float]:
             present = values[~np.isnan(values)]
             means["reward_mean/" + name.removeprefix("reward/")] = float(present.mean()) if present.size else None
     return means
-
-
-def _resolve_relative(cfg: Config, base_dir: Path | None) -> Config:
-    """Model and data paths, and reward and tool files, in a config file are relative to the file's folder."""
-    if base_dir is None:
-        return cfg
-
-    def fix(value: str) -> str:
-        if not value or value == POLICY or "://" in value or Path(value).is_absolute():
-            return value
-        return str(base_dir / value)
-
-    model = replace(cfg.model, path=fix(cfg.model.path), ref=fix(cfg.model.ref), critic=fix(cfg.model.critic))
-    data = replace(cfg.data, prompts=fix(cfg.data.prompts), val_prompts=fix(cfg.data.val_prompts))
-    sft = replace(cfg.sft, data=fix(cfg.sft.data), val_data=fix(cfg.sft.val_data))
-    dpo = replace(cfg.dpo, data=fix(cfg.dpo.data), val_data=fix(cfg.dpo.val_data))
-    kto = replace(cfg.kto, data=fix(cfg.kto.data), val_data=fix(cfg.kto.val_data))
-    rm = cfg.reward_model
-    reward_model = replace(rm, data=fix(rm.data), val_data=fix(rm.val_data), base=fix(rm.base))
-
-    def fix_reward(spec: str) -> str:
-        kind, _, rest = spec.partition(":")
-        if kind == "rm" and spec != TRAINED_RM:
-            return f"rm:{fix(rest)}"
-        return fix(spec) if kind.endswith(".py") else spec
-
-    terms = tuple(replace(term, fn=fix_reward(term.fn)) for term in cfg.score.rewards)
-    return replace(
-        cfg, model=model, data=data, sft=sft, dpo=dpo, kto=kto, reward_model=reward_model, rollout=replace(cfg.rollout, tool=fix_reward(cfg.rollout.tool)),
-        score=replace(cfg.score, reward=fix_reward(cfg.score.reward), rewards=terms),
-    )
 
 
 # --- the command ---------------------------------------------------------------------------

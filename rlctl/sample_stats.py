@@ -94,17 +94,25 @@ def group_extremes(scores: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return highest, lowest, sizes
 
 
-def validation_metrics(scored: pa.Table, samples: int) -> dict[str, float]:
+def validation_metrics(scored: pa.Table, samples: int, answers=None) -> dict[str, float]:
     """`val/score`: the mean reward over every sample (verl's mean@N), overall and per
     `data_source`; with several samples per prompt also `val/best_of_N`: the mean over prompts
-    of their best sample's reward (verl's best@N; pass@N for a 0/1 reward)."""
-    parts = {"": scored}
+    of their best sample's reward (verl's best@N; pass@N for a 0/1 reward), and with the
+    samples' `answers` (rlctl.evaluate.Answers, one per row) `val/maj_of_N`: the mean over
+    prompts of their most common answer's reward (verl's maj@N)."""
+    from rlctl.evaluate import majority_mean
+
+    everything = np.arange(scored.num_rows)
+    parts = {"": everything}
     if "data_source" in scored.column_names:
         sources = np.asarray([s or "unknown" for s in scored.column("data_source").to_pylist()], dtype=object)
-        parts.update({f"/{source}": scored.filter(pa.array(sources == source)) for source in sorted(set(sources))})
+        parts.update({f"/{source}": np.flatnonzero(sources == source) for source in sorted(set(sources))})
     out = {}
-    for suffix, part in parts.items():
+    for suffix, rows in parts.items():
+        part = scored.take(pa.array(rows))
         out[f"val/score{suffix}"] = float(np.mean(part.column("reward").to_pylist()))
         if samples > 1:
             out[f"val/best_of_{samples}{suffix}"] = float(group_extremes(part)[0].mean())
+            if answers is not None:
+                out[f"val/maj_of_{samples}{suffix}"] = majority_mean(scored, answers, rows)
     return out

@@ -248,10 +248,29 @@ def test_sampled_validation_scores_the_mean_and_the_best_of_n_samples_from_the_s
         rewards = np.asarray(scored.column("reward").to_pylist()).reshape(len(PROMPTS), 3)
         assert row["val/score"] == pytest.approx(rewards.mean()) and row["val/best_of_3"] == pytest.approx(rewards.max(axis=1).mean())
         assert row["val/best_of_3"] >= row["val/score"] and {"val/best_of_3/odd", "val/best_of_3/even"} <= set(row)
+        assert not any(key.startswith("val/maj_of") for key in row)  # the length reward reads no answer
     val = [shards.read(str(tmp_path / "run" / f"iter-{i:04d}" / "val"), "scores").table for i in (1, 2)]
     assert val[0].column("response_ids").to_pylist() != val[1].column("response_ids").to_pylist()  # the policy moved
     manifest = shards.read_manifest(str(tmp_path / "run" / "iter-0001" / "val"))[0]
     assert manifest.config["rollout"]["n"] == 3 and manifest.config["rollout"]["seed"] == 0 and manifest.metrics["val/best_of_3"] == rows[0]["val/best_of_3"]
+
+
+def test_sampled_validation_votes_on_the_answers_the_reward_reports(tmp_path, tiny_model):
+    """val/maj_of_N: each prompt's most common `pred` (verl's reward convention), its reward."""
+    reward = tmp_path / "votes.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return {'score': len(solution_str) / 100, 'pred': str(len(solution_str) % 2)}\n")
+    config = write_config(tmp_path, tiny_model, score={"reward": f"{reward}:compute_score"}, pipeline={"iterations": 1, "val_every": 1, "val_n": 3, "val_temperature": 1.0})
+    with Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"]) as pipeline:
+        (row,) = pipeline.run()
+    scored = shards.read(str(tmp_path / "run" / "iter-0001" / "val"), "scores").table.to_pylist()
+    majority = []
+    for prompt in range(len(PROMPTS)):
+        samples = scored[3 * prompt : 3 * prompt + 3]
+        votes = [sample["reward/pred"] for sample in samples]
+        top = max(votes, key=lambda answer: (votes.count(answer), -votes.index(answer)))
+        majority.append(samples[votes.index(top)]["reward"])
+    assert row["val/maj_of_3"] == pytest.approx(np.mean(majority)) and {"val/maj_of_3/odd", "val/maj_of_3/even"} <= set(row)
 
 
 def test_a_critic_warm_up_holds_the_policy_for_its_optimizer_steps(tmp_path, tiny_model):

@@ -161,12 +161,11 @@ def test_a_reward_model_the_run_would_not_train_or_not_use_is_refused_before_any
 
 
 def test_an_rm_path_in_a_config_file_is_relative_to_the_file(tmp_path):
-    from rlctl.config import load_config
-    from rlctl.pipeline import _resolve_relative
+    from rlctl.config import load_config, paths_relative_to
 
-    cfg = _resolve_relative(load_config(None, ["score.reward=rm:models/rm"]), tmp_path)
+    cfg = paths_relative_to(load_config(None, ["score.reward=rm:models/rm"]), tmp_path)
     assert cfg.score.reward == f"rm:{tmp_path / 'models' / 'rm'}"
-    kept = _resolve_relative(load_config(None, ["score.reward=rm:trained"]), tmp_path)
+    kept = paths_relative_to(load_config(None, ["score.reward=rm:trained"]), tmp_path)
     assert kept.score.reward == "rm:trained"
 
 

@@ -260,6 +260,7 @@ def test_eval_summarizes_samples_of_every_prompt_and_commits_them_where_asked(cl
     assert scored.manifest.stage == "eval" and scored.manifest.metrics["eval/mean@4"] == summary[0]["mean"]
     table = cli(*args)
     assert table.exit_code == 0 and "pass@4" in table.stdout and "toy" in table.stdout
+    assert summary[0]["majority"] is None and "maj@" not in table.stdout  # the length reward reads no answer
     missing = cli("eval", "--model", tiny_model, "--prompts", tmp_path / "none.jsonl", "--reward", "builtin:length", "--out", tmp_path / "x")
     assert missing.exit_code == 2 and one_line_error(missing) and not (tmp_path / "x").exists()
 
@@ -336,3 +337,41 @@ def test_update_rejects_the_tokens_whose_old_policy_strays_from_the_engines_and_
     assert cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "s-plain", "--reward", "builtin:length").exit_code == 0
     assert cli("advantage", "--scores", tmp_path / "s-plain", "--out", tmp_path / "b-plain").exit_code == 0
     bad(cli("update", "--batch", tmp_path / "b-plain", "--model", tiny_model, "--out", tmp_path / "o", *rules), tmp_path / "o", "no old_logprobs", "score with --policy")
+
+
+def test_eval_votes_on_the_answers_a_reward_reports_and_gives_the_majoritys_reward(cli, tmp_path, tiny_model, prompts_file):
+    """A verl-style reward's `pred` is each sample's answer: maj@n is the mean over prompts of the
+    reward of their most common answer (first given on a tie), in the table, JSON and manifest."""
+    reward = tmp_path / "votes.py"
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': len(solution_str) / 100, 'pred': str(len(solution_str) % 3)}\n"
+    )
+    args = ("eval", "--model", tiny_model, "--prompts", prompts_file, "--reward", f"{reward}:compute_score", "--n", "5", "--max-new-tokens", "8", "--temperature", "1.0")
+    result = cli(*args, "--json", "--out", tmp_path / "e")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    rows = shards.read(str(tmp_path / "e"), "scores").table.to_pylist()
+    expected = []
+    for key in dict.fromkeys(row["id"] for row in rows):
+        samples = [row for row in rows if row["id"] == key]
+        votes = [row["reward/pred"] for row in samples]
+        top = max(votes, key=lambda answer: (votes.count(answer), -votes.index(answer)))
+        expected.append(next(row["reward"] for row in samples if row["reward/pred"] == top))
+    assert summary[0]["majority"] == pytest.approx(sum(expected) / len(expected), abs=1e-6)
+    assert shards.read(str(tmp_path / "e"), "scores").manifest.metrics["eval/maj@5"] == summary[0]["majority"]
+    assert "maj@5" in cli(*args).stdout
+
+
+def test_a_stage_configs_reward_and_tool_files_are_relative_to_the_config_file(cli, tmp_path, scored):
+    """`--config DIR/c.toml` reads `reward = "r.py:fn"` as DIR/r.py, as a pipeline config does
+    (so `rlctl eval --config examples/tool_use.toml` finds its tool and reward from anywhere)."""
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "r.py").write_text("def three(responses):\n    return [3.0 for _ in responses]\n")
+    (folder / "c.toml").write_text('[score]\nreward = "r.py:three"\n')
+    result = cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "s3", "--config", folder / "c.toml")
+    assert result.exit_code == 0, result.stderr
+    assert set(shards.read(str(tmp_path / "s3"), "scores").table.column("reward").to_pylist()) == {3.0}
+    result = cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "s4", "--config", folder / "c.toml", "--reward", "builtin:length")
+    assert result.exit_code == 0, result.stderr  # a flag is the command line's: it overrides the file's value as given

@@ -78,3 +78,11 @@ def test_validation_scores_the_mean_of_every_sample_and_the_mean_of_each_prompts
         "val/score/y": 0.0, "val/best_of_3/y": 0.0,
     }
     assert validation_metrics(scores(["a", "b"], [1, 0]), 1) == {"val/score": 0.5}  # one greedy sample: no best of
+
+
+def test_validation_votes_where_the_answers_are_known():
+    from rlctl.evaluate import Answers
+
+    table = scores(["a", "a", "a", "b", "b", "b"], [0, 1, 1, 1, 0, 0]).append_column("data_source", pa.array(["x", "x", "x", "y", "y", "y"]))
+    metrics = validation_metrics(table, 3, Answers(["5", "6", "6", "2", "9", "9"], str.__eq__))
+    assert metrics["val/maj_of_3"] == 0.5 and metrics["val/maj_of_3/x"] == 1.0 and metrics["val/maj_of_3/y"] == 0.0  # a: 6 wins; b: 9 wins
