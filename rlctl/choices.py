@@ -22,7 +22,7 @@ RUN_CHECKS = ("truncated", "constant_reward", "equal_rewards", "engine_mismatch"
 ESTIMATORS = ("gae", "gpg", "grpo", "grpo_passk", "opo", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo")
 KL_ESTIMATORS = ("abs", "abs+", "k1", "k1+", "k2", "k2+", "k3", "k3+", "kl", "kl+", "low_var_kl", "low_var_kl+", "mse", "mse+")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "kl_cov", "gmpo", "clip_cov", "gpg")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "kl_cov", "gmpo", "clip_cov", "gpg", "sapo")
 REJECTION_RULES = (  # update.rollout_rs (rlctl.algos.rejection): verl's rollout_rs options
     "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
     "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",

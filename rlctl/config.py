@@ -229,12 +229,14 @@ class UpdateConfig:
     clip_ratio_low: float = 0.2  # PPO clip below: ratio ≥ 1 - clip_ratio_low
     clip_ratio_high: float = 0.2  # PPO clip above: ratio ≤ 1 + clip_ratio_high (DAPO's clip-higher: 0.28)
     clip_ratio_c: float = 3.0  # dual clip for negative advantages; 0 disables (PPO only)
-    policy_loss: str = "ppo"  # ppo | gspo (sequence-level ratio: set clip_ratio_low/high ≈ 3e-4/4e-4, loss_agg_mode seq-mean-token-mean) | cispo (the importance weight clipped, every token keeps a gradient: set clip_ratio_low = 1, tune clip_ratio_high) | kl_cov (no clip; a KL term on the tokens of largest covariance: kl_cov_ratio, kl_cov_coef) | gmpo (a sequence's geometric-mean ratio, each token's log-ratio clipped: set clip_ratio_low/high = 0.4, loss_agg_mode seq-mean-token-mean) | clip_cov (PPO's clip, and a few tokens of high covariance drawn to have no gradient: clip_cov_ratio, clip_cov_lb, clip_cov_ub) | gpg (the plain policy gradient −A·log p, no ratio, no clip: with advantage.estimator = gpg)
+    policy_loss: str = "ppo"  # ppo | gspo (sequence-level ratio: set clip_ratio_low/high ≈ 3e-4/4e-4, loss_agg_mode seq-mean-token-mean) | cispo (the importance weight clipped, every token keeps a gradient: set clip_ratio_low = 1, tune clip_ratio_high) | kl_cov (no clip; a KL term on the tokens of largest covariance: kl_cov_ratio, kl_cov_coef) | gmpo (a sequence's geometric-mean ratio, each token's log-ratio clipped: set clip_ratio_low/high = 0.4, loss_agg_mode seq-mean-token-mean) | clip_cov (PPO's clip, and a few tokens of high covariance drawn to have no gradient: clip_cov_ratio, clip_cov_lb, clip_cov_ub) | gpg (the plain policy gradient −A·log p, no ratio, no clip: with advantage.estimator = gpg) | sapo (a smooth gate instead of the clip: sapo_tau_pos, sapo_tau_neg; loss_agg_mode seq-mean-token-mean)
     kl_cov_ratio: float = 2e-4  # kl_cov: the share of a pass's tokens, those of largest advantage × log-prob covariance, that get the KL term (verl's kl_cov_ratio)
     kl_cov_coef: float = 1.0  # kl_cov: the weight of that |log p - log p_old| term (verl's ppo_kl_coef)
     clip_cov_ratio: float = 2e-4  # clip_cov: the share of a pass's tokens drawn to have no gradient (one at least; verl's clip_cov_ratio)
     clip_cov_lb: float = 1.0  # clip_cov: the draw is among the tokens whose advantage × log-prob covariance is above this ...
     clip_cov_ub: float = 5.0  # ... and below this (verl's clip_cov_lb, clip_cov_ub)
+    sapo_tau_pos: float = 1.0  # sapo: the gate's temperature for tokens of positive advantage (verl's tau_pos)
+    sapo_tau_neg: float = 1.05  # sapo: ... of the others; larger than sapo_tau_pos, so negative updates fade sooner (verl's tau_neg)
     top_entropy_quantile: float = 1.0  # the policy gradient of each forward pass's highest-entropy tokens only, this share of them (0.2: Wang et al.'s "80/20"; TRL's top_entropy_quantile); 1 = every token
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     rollout_is: str = "off"  # off | token | sequence: truncated importance weights engine → trainer (verl's rollout_is)
@@ -278,6 +280,7 @@ class UpdateConfig:
             "kl_cov_ratio": lambda v: None if 0 < v <= 1 else "must be in (0, 1]", "kl_cov_coef": at_least(0.0),
             "top_entropy_quantile": lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
             "clip_cov_ratio": lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
+            "sapo_tau_pos": above(0.0), "sapo_tau_neg": above(0.0),
             "rollout_is": one_of("off", "token", "sequence"), "rollout_is_threshold": above(1.0),
             "rollout_rs": lambda v: None if v == "off" or (v.strip() and all(part.strip() in REJECTION_RULES for part in v.split(",") if part.strip()))
             else f"must be off or rules from {', '.join(REJECTION_RULES)}, comma-separated",

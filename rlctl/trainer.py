@@ -459,6 +459,7 @@ class Trainer:
         loss_settings = {  # the settings only one policy loss takes
             "kl_cov": {"kl_cov_ratio": cfg.kl_cov_ratio, "kl_cov_coef": cfg.kl_cov_coef},
             "clip_cov": {"clip_cov_ratio": cfg.clip_cov_ratio, "clip_cov_lb": cfg.clip_cov_lb, "clip_cov_ub": cfg.clip_cov_ub},
+            "sapo": {"sapo_tau_pos": cfg.sapo_tau_pos, "sapo_tau_neg": cfg.sapo_tau_neg},
         }.get(cfg.policy_loss, {})
         pg = POLICY_LOSSES[cfg.policy_loss](
             logprobs=logp, old_logprobs=old, advantages=take(batch.advantages), response_mask=m,

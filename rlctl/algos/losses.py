@@ -263,7 +263,31 @@ def gpg_policy_loss(
     return PolicyLoss(torch.where(response_mask, loss, 0), none, torch.where(response_mask, -log_ratio, 0), none)
 
 
-POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "kl_cov": kl_cov_policy_loss, "gmpo": gmpo_policy_loss, "clip_cov": clip_cov_policy_loss, "gpg": gpg_policy_loss}
+def sapo_policy_loss(
+    *,
+    logprobs: torch.Tensor,  # [B, T] current policy
+    old_logprobs: torch.Tensor,  # [B, T] behaviour policy
+    advantages: torch.Tensor,  # [B, T]
+    response_mask: torch.Tensor,  # [B, T] bool
+    clip_ratio_low: float = 0.0,  # unused: SAPO's gate replaces the clip
+    clip_ratio_high: float = 0.0,
+    clip_ratio_c: float = 0.0,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
+) -> PolicyLoss:
+    """SAPO (Gao et al. 2025, Soft Adaptive Policy Optimization; verl's `sapo`): PPO's hard clip
+    replaced by a smooth gate, −A · f(r) with f(r) = σ(τ(r − 1)) · 4/τ per token, τ = `sapo_tau_pos`
+    where A > 0 and `sapo_tau_neg` elsewhere (larger: negative updates fade sooner). Its gradient
+    −A · 4σ(1 − σ) · r · ∇log p is PPO's at r = 1 and fades smoothly as r leaves 1, instead of
+    stopping at a bound; nothing is clipped (`clipped` is all False, as verl reports 0)."""
+    log_ratio = torch.clamp(logprobs - old_logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    tau = torch.where(advantages > 0, sapo_tau_pos, sapo_tau_neg).to(log_ratio.dtype)
+    gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * (4.0 / tau)
+    none = torch.zeros_like(response_mask)
+    return PolicyLoss(torch.where(response_mask, -advantages * gate, 0), none, torch.where(response_mask, -log_ratio, 0), none)
+
+
+POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "kl_cov": kl_cov_policy_loss, "gmpo": gmpo_policy_loss, "clip_cov": clip_cov_policy_loss, "gpg": gpg_policy_loss, "sapo": sapo_policy_loss}
 
 
 def high_entropy_tokens(entropy: torch.Tensor, response_mask: torch.Tensor, top_quantile: float) -> torch.Tensor:

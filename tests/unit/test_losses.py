@@ -389,3 +389,27 @@ def test_gpg_is_minus_the_advantage_times_the_log_prob_and_its_gradient_minus_th
     on_policy = old.clone().requires_grad_()  # on the data's own policy its gradient is PPO's
     ppo_policy_loss(logprobs=on_policy, old_logprobs=old, advantages=adv, response_mask=mask, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0).loss.sum().backward()
     torch.testing.assert_close(on_policy.grad, lp.grad, atol=1e-12, rtol=0)
+
+
+def test_sapo_gates_each_tokens_advantage_smoothly_by_its_ratio_with_the_signs_temperature():
+    from rlctl.algos.losses import ppo_policy_loss, sapo_policy_loss
+
+    mask, lengths, r = tensors(seed=16)
+    old = r(0.5) - 2
+    lp = (old + r(0.8)).requires_grad_()
+    adv = r(1.0)
+    out = sapo_policy_loss(logprobs=lp, old_logprobs=old, advantages=adv, response_mask=mask, sapo_tau_pos=1.0, sapo_tau_neg=1.5)
+    out.loss.sum().backward()
+    for i, n in enumerate(lengths):
+        for t in range(n):
+            a, ratio = adv[i][t].item(), math.exp(lp[i][t].item() - old[i][t].item())
+            tau = 1.0 if a > 0 else 1.5
+            sig = 1 / (1 + math.exp(-tau * (ratio - 1)))
+            assert out.loss[i][t].item() == pytest.approx(-a * sig * 4 / tau, abs=1e-9)
+            assert lp.grad[i][t].item() == pytest.approx(-a * 4 * sig * (1 - sig) * ratio, abs=1e-9)  # d/dlog p of the gate
+    assert not out.clipped.any() and (out.loss[~mask] == 0).all()
+    at_one = old.clone().requires_grad_()  # at r = 1 the gradient is PPO's, whatever the temperatures
+    sapo_policy_loss(logprobs=at_one, old_logprobs=old, advantages=adv, response_mask=mask, sapo_tau_pos=2.0, sapo_tau_neg=3.0).loss.sum().backward()
+    ppo = old.clone().requires_grad_()
+    ppo_policy_loss(logprobs=ppo, old_logprobs=old, advantages=adv, response_mask=mask, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0).loss.sum().backward()
+    torch.testing.assert_close(at_one.grad, ppo.grad, atol=1e-12, rtol=0)

@@ -37,7 +37,7 @@ def policy(tiny_model):
     return HFPolicy.load(tiny_model, "cpu")
 
 
-@pytest.mark.parametrize("mode,policy_loss", [(mode, "ppo") for mode in LOSS_AGG_MODES] + [("seq-mean-token-mean", "gspo"), ("seq-mean-token-mean", "gmpo"), ("token-mean", "cispo"), ("token-mean", "gpg")])
+@pytest.mark.parametrize("mode,policy_loss", [(mode, "ppo") for mode in LOSS_AGG_MODES] + [("seq-mean-token-mean", "gspo"), ("seq-mean-token-mean", "gmpo"), ("token-mean", "cispo"), ("token-mean", "gpg"), ("seq-mean-token-mean", "sapo")])
 def test_micro_batch_sizes_give_the_same_gradient(policy, mode, policy_loss):
     batch = make_batch()
     grads = []
@@ -770,3 +770,19 @@ def test_rejected_tokens_and_rows_leave_the_loss_and_its_divisor_as_if_never_sam
     assert trained["rollout_rs/seq_masked_fraction"] > trained["rollout_rs/seq_max_k2/seq_masked_fraction"] > 0
     with pytest.raises(InputError, match="rollout_rs compares the old policy's log-probs with the engine's"):
         Trainer(policy, UpdateConfig(**settings)).train(batch)
+
+
+def test_the_sapo_temperatures_reach_the_loss(policy, monkeypatch):
+    import rlctl.trainer as trainer_module
+    from rlctl.algos.losses import sapo_policy_loss
+
+    seen = []
+
+    def recorded(**kwargs):
+        seen.append((kwargs["sapo_tau_pos"], kwargs["sapo_tau_neg"]))
+        return sapo_policy_loss(**kwargs)
+
+    monkeypatch.setitem(trainer_module.POLICY_LOSSES, "sapo", recorded)
+    batch = make_batch(seed=6)
+    Trainer(policy, UpdateConfig(micro_batch_size=8, policy_loss="sapo", sapo_tau_pos=1.5, sapo_tau_neg=2.5)).accumulate_gradients(batch, torch.arange(batch.size))
+    assert seen == [(1.5, 2.5)]
