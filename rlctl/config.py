@@ -241,6 +241,7 @@ class UpdateConfig:
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     rollout_is: str = "off"  # off | token | sequence: truncated importance weights engine → trainer (verl's rollout_is)
     rollout_is_threshold: float = 2.0  # the truncation of those weights
+    rollout_is_batch_normalize: bool = False  # scale those weights to a mean of 1 over the batch's tokens (sequence level: its sequences), after the truncation (verl's rollout_is_batch_normalize)
     rollout_rs: str = "off"  # off | rejection rules, comma-separated: token_k1, token_k2, token_k3, seq_sum_k1..k3, seq_mean_k1..k3, seq_max_k2, seq_max_k3: tokens or sequences whose old policy strays too far from the engine's leave the loss (verl's rollout_rs; docs/algorithms.md)
     rollout_rs_threshold: str = ""  # each rule's bound, comma-separated (or one for all): k1 lower_upper on π_rollout/π_old (e.g. 0.5_2.0; upper alone: lower = 1/upper), k2/k3 an upper bound
     loss_horizon: int = 0  # seq-mean-token-sum-norm divisor; 0 = longest response in the batch

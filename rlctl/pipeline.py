@@ -185,6 +185,8 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
         raise ConfigError(f"estimator {cfg.advantage.estimator} needs a critic: set model.critic")
     if cfg.advantage.estimator in NEEDS_BASELINES and not cfg.rollout.greedy_baseline:
         raise ConfigError(f"estimator {cfg.advantage.estimator} needs each prompt's greedy reward: set rollout.greedy_baseline = true")
+    if cfg.update.rollout_is != "off" and cfg.update.rollout_is_batch_normalize and old_logprobs_source(cfg) == "update":
+        raise ConfigError("update.rollout_is_batch_normalize needs the whole batch's weights before the update: set score.old_logprobs = recompute (or auto), not update")
     if cfg.update.rollout_rs != "off" and old_logprobs_source(cfg) != "recompute":
         raise ConfigError(
             f"update.rollout_rs compares the trainer's old log-probs with the engine's: with score.old_logprobs = {cfg.score.old_logprobs} "
@@ -840,7 +842,7 @@ class Pipeline:
             **({"critic_warmup": train["critic_warmup"]} if "critic_warmup" in train else {}),  # the share of steps that trained only the critic
             **({"truncated_masked": train["truncated_masked"]} if "truncated_masked" in train else {}),  # update.mask_truncated: the share of rows out of the loss
             **({"entropy_tokens_kept": train["entropy_tokens_kept"]} if "entropy_tokens_kept" in train else {}),  # update.top_entropy_quantile: the share of tokens in the policy gradient
-            **{k: v for k, v in train.items() if k.startswith("rollout_rs/")},  # update.rollout_rs: the shares of tokens and rows rejected
+            **{k: v for k, v in train.items() if k.startswith("rollout_rs/") or k == "rollout_is_batch_mean"},  # update.rollout_rs: the shares rejected; the IS weights' batch mean before normalizing
             "torch_threads": train.get("torch_threads"),
             "seconds/io": io["seconds"],
             **reward_component_means(scores),
@@ -949,8 +951,8 @@ def old_logprobs_source(cfg: Config) -> str:
     must be decided (`resolve_dtypes`) before this is asked."""
     if cfg.score.old_logprobs != "auto":
         return cfg.score.old_logprobs
-    if cfg.update.rollout_rs != "off":  # its rules compare the trainer's old log-probs with the engine's
-        return "recompute"
+    if cfg.update.rollout_rs != "off" or (cfg.update.rollout_is != "off" and cfg.update.rollout_is_batch_normalize):
+        return "recompute"  # rejection compares the trainer's old log-probs with the engine's; the normalizer is the whole batch's weights
     if cfg.rollout.backend == "hf" and cfg.rollout.dtype == "fp32" and cfg.update.bf16 == "false":
         return "rollout"
     return "update" if one_step_on_policy(cfg) and not kl_in_reward(cfg) else "recompute"

@@ -60,6 +60,7 @@ class TrainBatch:
     returns: torch.Tensor | None  # [N, T]
     rollout_logprobs: torch.Tensor | None = None  # [N, T] the engine's, for rollout importance sampling
     truncated: torch.Tensor | None = None  # [N] bool: cut at the length limit (finish_reason "length")
+    rollout_is_scale: float = 1.0  # update.rollout_is_batch_normalize: 1 / the batch's mean truncated weight
 
     @property
     def size(self) -> int:
@@ -80,6 +81,20 @@ class TrainBatch:
             raise InputError("update.rollout_rs compares the old policy's log-probs with the engine's: the batch needs old_logprobs (score.old_logprobs = recompute) and rollout_logprobs")
         kept, metrics = kept_tokens(rules, old_logprobs=self.old_logprobs, rollout_logprobs=self.rollout_logprobs, response_mask=self.response_mask)
         return replace(self, response_mask=kept), metrics
+
+    def with_normalized_weights(self, level: str, threshold: float) -> TrainBatch:
+        """update.rollout_is_batch_normalize (verl's rollout_is_batch_normalize): the truncated
+        importance weights scaled so that their mean over the batch is 1 — over its tokens, or
+        with sequence-level weights over its sequences (those with tokens in the loss)."""
+        if self.old_logprobs is None or self.rollout_logprobs is None:
+            raise InputError("update.rollout_is_batch_normalize needs the whole batch's weights before the update: old_logprobs (score.old_logprobs = recompute) and rollout_logprobs")
+        weights = rollout_is_weights(old_logprobs=self.old_logprobs, rollout_logprobs=self.rollout_logprobs, response_mask=self.response_mask, level=level, threshold=threshold)
+        if level == "sequence":
+            rows = self.response_mask.any(-1)
+            mean = float(weights[rows].amax(-1).double().mean()) if rows.any() else 1.0  # a row's one weight, on each of its tokens
+        else:
+            mean = float(weights[self.response_mask].double().mean()) if self.response_mask.any() else 1.0
+        return replace(self, rollout_is_scale=1.0 / mean)
 
     @classmethod
     def from_table(cls, table: pa.Table, *, own_old_logprobs: bool = False) -> TrainBatch:
@@ -328,9 +343,12 @@ class Trainer:
         if cfg.mask_truncated:
             batch = batch.without_truncated()
             masked_rows = float(batch.truncated.float().mean()) if batch.truncated is not None else 0.0
-        rejected: dict[str, float] = {}
+        correction: dict[str, float] = {}  # the rollout correction's batch-wide figures
         if cfg.rollout_rs != "off":  # on every rank alike: the whole batch's rows and tokens
-            batch, rejected = batch.without_rejected(parse_rules(cfg.rollout_rs, cfg.rollout_rs_threshold))
+            batch, correction = batch.without_rejected(parse_rules(cfg.rollout_rs, cfg.rollout_rs_threshold))
+        if self.policy is not None and cfg.rollout_is != "off" and cfg.rollout_is_batch_normalize:
+            batch = batch.with_normalized_weights(cfg.rollout_is, cfg.rollout_is_threshold)
+            correction["rollout_is_batch_mean"] = 1.0 / batch.rollout_is_scale
         started = time.perf_counter()
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
         totals: dict[str, float] = {}
@@ -363,7 +381,7 @@ class Trainer:
         metrics.update({"step": self.step, "lr": self.lr_at(self.step - 1), "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)})
         if masked_rows is not None:
             metrics["truncated_masked"] = masked_rows  # the share of the batch's rows out of the loss
-        metrics.update(rejected)
+        metrics.update(correction)
         return metrics
 
     def accumulate_gradients(self, batch: TrainBatch, indices: torch.Tensor) -> dict[str, float]:
@@ -474,7 +492,7 @@ class Trainer:
             weights = rollout_is_weights(
                 old_logprobs=old, rollout_logprobs=take(batch.rollout_logprobs), response_mask=m,
                 level=cfg.rollout_is, threshold=cfg.rollout_is_threshold,
-            )
+            ) * batch.rollout_is_scale
             token_loss = token_loss * weights
             stats["rollout_is_weight"] += weight * float(torch.where(m, weights, 0).sum()) / tokens
         pg_loss = aggregate(loss=token_loss, response_mask=m, mode=cfg.loss_agg_mode, **norms)

@@ -185,6 +185,13 @@ def test_pipeline_rejection_with_the_engines_own_log_probs_as_the_old_policys(cl
     check(cli("pipeline", config, "--run-dir", tmp_path / "out"), tmp_path / "out", "update.rollout_rs compares", "score.old_logprobs = rollout", "recompute")
 
 
+def test_pipeline_normalized_importance_weights_with_the_updates_own_old_log_probs(cli, tmp_path):
+    config = tmp_path / "c.toml"
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "x"}\n')
+    config.write_text('[data]\nprompts = "p.jsonl"\n[update]\nrollout_is = "token"\nrollout_is_batch_normalize = true\n[score]\nold_logprobs = "update"\n')
+    check(cli("pipeline", config, "--run-dir", tmp_path / "out"), tmp_path / "out", "rollout_is_batch_normalize needs the whole batch's weights", "not update")
+
+
 def test_pipeline_iterations_below_one(cli, tmp_path):
     config = tmp_path / "c.toml"
     config.write_text("[pipeline]\niterations = 0\n")

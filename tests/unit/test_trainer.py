@@ -786,3 +786,36 @@ def test_the_sapo_temperatures_reach_the_loss(policy, monkeypatch):
     batch = make_batch(seed=6)
     Trainer(policy, UpdateConfig(micro_batch_size=8, policy_loss="sapo", sapo_tau_pos=1.5, sapo_tau_neg=2.5)).accumulate_gradients(batch, torch.arange(batch.size))
     assert seen == [(1.5, 2.5)]
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_normalized_importance_weights_are_the_truncated_ones_over_their_batch_mean(policy, tiny_model, level):
+    """update.rollout_is_batch_normalize: the policy gradient is the unnormalized one divided by
+    the mean truncated weight over the batch's tokens (sequence level: its sequences); an
+    engine that is off by the same amount everywhere then weighs nothing at all."""
+    from dataclasses import replace
+
+    from rlctl.algos.losses import rollout_is_weights
+    from rlctl.errors import InputError
+
+    batch = make_batch(seed=7)
+    g = torch.Generator().manual_seed(7)
+    data = replace(batch, rollout_logprobs=batch.old_logprobs + torch.where(batch.response_mask, torch.randn(batch.old_logprobs.shape, generator=g) * 0.4, 0))
+    grads = {}
+    for name, normalize, rows in (("raw", False, data), ("normalized", True, data), ("off", False, batch), ("uniform", True, replace(data, rollout_logprobs=batch.old_logprobs - 0.5))):
+        cfg = UpdateConfig(micro_batch_size=8, rollout_is="off" if name == "off" else level, rollout_is_threshold=1.5, rollout_is_batch_normalize=normalize)
+        trainer = Trainer(policy, cfg)
+        trainer.accumulate_gradients(rows.with_normalized_weights(level, 1.5) if normalize else rows, torch.arange(rows.size))
+        grads[name] = flat_gradients(policy.model)
+    weights = rollout_is_weights(old_logprobs=data.old_logprobs, rollout_logprobs=data.rollout_logprobs, response_mask=data.response_mask, level=level, threshold=1.5)
+    mean = float(weights[data.response_mask].mean()) if level == "token" else float(weights.amax(-1).mean())
+    assert 0.5 < mean < 1.4 and (weights[data.response_mask] == 1.5).any()  # some truncated, so the mean is not 1
+    scale = np.abs(grads["raw"]).max()
+    np.testing.assert_allclose(grads["normalized"], grads["raw"] / mean, atol=1e-6 * scale, rtol=1e-5)
+    np.testing.assert_allclose(grads["uniform"], grads["off"], atol=1e-6 * np.abs(grads["off"]).max(), rtol=1e-5)
+    metrics = Trainer(HFPolicy.load(tiny_model, "cpu"), UpdateConfig(lr=1e-3, rollout_is=level, rollout_is_threshold=1.5, rollout_is_batch_normalize=True)).train(data)
+    assert metrics["rollout_is_batch_mean"] == pytest.approx(mean, rel=1e-5)
+    if level == "token":  # the reported weight is a token mean: 1 once normalized over the tokens
+        assert metrics["rollout_is_weight"] == pytest.approx(1.0, rel=1e-4)
+    with pytest.raises(InputError, match="rollout_is_batch_normalize needs the whole batch's weights"):
+        replace(data, old_logprobs=None).with_normalized_weights(level, 1.5)
