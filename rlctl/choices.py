@@ -17,7 +17,7 @@ RESHARD_TARGETS = ("hf",)
 OLD_LOGPROBS = ("auto", "recompute", "rollout", "update")
 PIPELINE_STAGES = ("rollout", "score", "advantage", "update")
 SHOW_LAYOUTS = ("auto", "table", "records")
-RUN_CHECKS = ("truncated", "constant_reward", "equal_rewards", "engine_mismatch", "skipped_steps")  # rlctl.run_checks' findings
+RUN_CHECKS = ("truncated", "constant_reward", "equal_rewards", "engine_mismatch", "rejected", "skipped_steps")  # rlctl.run_checks' findings
 
 ESTIMATORS = ("gae", "gpg", "grpo", "grpo_passk", "opo", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo")
 KL_ESTIMATORS = ("abs", "abs+", "k1", "k1+", "k2", "k2+", "k3", "k3+", "kl", "kl+", "low_var_kl", "low_var_kl+", "mse", "mse+")

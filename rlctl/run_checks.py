@@ -1,8 +1,9 @@
 """Signs in a run's metrics that its training is not doing what the practitioner thinks, each
 with what to change: responses cut at the length limit, a reward that gives every sample one
 value, prompt groups that carry no signal,
-an engine that samples from other probabilities than the trainer computes, optimizer steps
-skipped for a non-finite gradient. `rlctl show RUN` lists them, and a pipeline says each the
+an engine that samples from other probabilities than the trainer computes, a rollout
+correction that rejects most of what was sampled, optimizer steps skipped for a non-finite
+gradient. `rlctl show RUN` lists them, and a pipeline says each the
 first time it shows; `pipeline.ignore_checks` leaves out those a run expects (a reward that
 wants long responses is not hurt by the length limit). Each rule reads only metrics.jsonl rows
 (and the run's resolved config where there is one), so it judges a finished run and a running
@@ -22,7 +23,8 @@ TRUNCATED_SHARE = 0.2  # of the last iteration's responses cut at max_new_tokens
 EQUAL_REWARDS_SHARE = 0.9  # of the prompt groups, in each of the last EQUAL_REWARDS_WINDOW iterations
 EQUAL_REWARDS_WINDOW = 3
 MISMATCHED_TOKENS = 0.01  # of the last iteration's tokens beyond pipeline.rollout_is_threshold
-GROUP_RELATIVE = ("grpo", "rloo", "opo", "grpo_passk")  # estimators whose advantage is 0 for a group of equal rewards
+GROUP_RELATIVE = ("grpo", "rloo", "opo", "grpo_passk", "gpg")  # estimators whose advantage is 0 for a group of equal rewards
+REJECTED_SHARE = 0.5  # of the responses update.rollout_rs rejected, in each of the last EQUAL_REWARDS_WINDOW iterations
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ def run_findings(rows: list[dict[str, Any]], cfg: Config | None = None, run_dir:
         return []
     window = rows[-EQUAL_REWARDS_WINDOW:]
     constant = constant_reward(window, run_dir, rows)  # then every group is equal too: one finding, not two
-    found = [truncated(rows[-1], cfg), constant or equal_rewards(window, cfg), engine_mismatch(rows[-1], cfg), skipped_steps(rows)]
+    found = [truncated(rows[-1], cfg), constant or equal_rewards(window, cfg), engine_mismatch(rows[-1], cfg), rejected(window), skipped_steps(rows)]
     ignored = cfg.pipeline.ignore_checks if cfg is not None else ()
     return [f for f in found if f is not None and f.check not in ignored]
 
@@ -109,6 +111,22 @@ def engine_mismatch(row: dict[str, Any], cfg: Config | None) -> Finding | None:
         f"iteration {row['iteration']}: {share:.1%} of the tokens have a trainer/engine probability ratio beyond pipeline.rollout_is_threshold"
         f"{threshold}: the engine samples from other probabilities than the trainer computes (bf16, vLLM, stale weights); "
         'update.rollout_is = "token" weights the update for it'
+    ))
+
+
+def rejected(rows: list[dict[str, Any]]) -> Finding | None:
+    """update.rollout_rs rejected most responses in each of the last iterations: most of every
+    batch trains nothing, whatever the estimator."""
+    shares = [r.get("rollout_rs/seq_masked_fraction") for r in rows]
+    if len(rows) < EQUAL_REWARDS_WINDOW or any(s is None or s < REJECTED_SHARE for s in shares):
+        return None
+    first, last = rows[0]["iteration"], rows[-1]["iteration"]
+    mismatch = rows[-1].get("logprob_mismatch")
+    measured = f" (logprob_mismatch {mismatch:.3g} at iteration {last})" if mismatch is not None else ""
+    return Finding("rejected", tuple(r["iteration"] for r in rows), (
+        f"iterations {first}-{last}: update.rollout_rs rejected {min(shares):.0%}-{max(shares):.0%} of the responses, so most of each batch "
+        f"trained nothing: the engine and the trainer disagree beyond its bounds{measured}; look for stale weights or a lower-precision "
+        "engine (rollout.dtype, vllm.dtype), or loosen update.rollout_rs_threshold"
     ))
 
 

@@ -97,6 +97,25 @@ def test_two_workers_make_the_update_one_process_makes(ray_session, tiny_model, 
         assert moved > 1e-4  # the update did something
 
 
+def test_two_workers_reject_and_normalize_the_rollout_correction_as_one_process_does(ray_session, tiny_model, gae_batch, tmp_path):
+    """update.rollout_rs and rollout_is_batch_normalize are the whole batch's: each rank drops
+    the same tokens and rows and divides by the same mean, so the split trains what one process does."""
+    batch = TrainBatch.from_table(shards.read(gae_batch, "batch").table)
+    g = torch.Generator().manual_seed(3)
+    batch = replace(batch, rollout_logprobs=batch.old_logprobs + torch.where(batch.response_mask, torch.randn(batch.old_logprobs.shape, generator=g) * 0.3, 0))
+    settings = {"rollout_rs": "token_k1,seq_max_k2", "rollout_rs_threshold": "0.75_1.33,0.15", "rollout_is": "token", "rollout_is_batch_normalize": True}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        local = trained_weights(config(tiny_model, workers=1, backend="local", **settings), tiny_model, batch, tmp_path / "local")
+        plain = trained_weights(config(tiny_model, workers=1, backend="local"), tiny_model, batch, tmp_path / "plain")
+    finally:
+        torch.set_num_threads(threads)
+    got = trained_weights(config(tiny_model, workers=2, **settings), tiny_model, batch, tmp_path / "ray2")
+    assert max(float((got[k] - local[k]).abs().max()) for k in local) < SPLIT_ROUNDING
+    assert max(float((plain[k] - local[k]).abs().max()) for k in local) > 1e-4  # the correction changed the update
+
+
 def test_two_workers_with_gradient_checkpointing_make_the_update_one_process_makes(ray_session, tiny_model, gae_batch, tmp_path, monkeypatch):
     """FSDP2's hooks and the checkpointed layers' recompute together: the update of one
     process without checkpointing, policy and critic."""

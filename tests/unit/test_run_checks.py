@@ -78,6 +78,23 @@ def test_tokens_the_engine_and_trainer_disagree_on_point_to_rollout_is():
     assert run_findings(mismatched, load_config(overrides=['update.rollout_is="token"'])) == []  # already corrected
 
 
+def test_a_rollout_correction_that_rejects_most_responses_three_iterations_running_says_why():
+    history = rows(4, **{"rollout_rs/seq_masked_fraction": 0.8, "logprob_mismatch": 0.012})
+    history[0]["rollout_rs/seq_masked_fraction"] = 0.1  # before the window
+    history[2]["rollout_rs/seq_masked_fraction"] = 0.55
+    (found,) = run_findings(history)
+    assert found.check == "rejected" and found.iterations == (2, 3, 4)
+    assert found.message.startswith("iterations 2-4: update.rollout_rs rejected 55%-80% of the responses") and "logprob_mismatch 0.012" in found.message
+    assert "update.rollout_rs_threshold" in found.message
+    history[3]["rollout_rs/seq_masked_fraction"] = 0.3
+    assert run_findings(history) == []  # one iteration under half breaks the run of three
+
+
+def test_gpg_groups_of_equal_rewards_carry_no_signal_either():
+    equal = rows(3, **{"groups/equal_rewards": 1.0})
+    assert checks(run_findings(equal, load_config(overrides=['advantage.estimator="gpg"']))) == ["equal_rewards"]
+
+
 def test_skipped_optimizer_steps_are_counted_over_the_whole_run():
     history = rows(5)
     history[1]["skipped_steps"] = 2
@@ -129,6 +146,6 @@ def test_a_run_whose_every_sample_earns_its_best_reward_is_told_the_task_looks_l
 
 
 def test_every_check_is_named_in_the_choices():
-    every = rows(3, **{"response_length/clip_ratio": 1.0, "groups/equal_rewards": 1.0, "rollout_is/frac_beyond_threshold": 0.5, "skipped_steps": 1})
+    every = rows(3, **{"response_length/clip_ratio": 1.0, "groups/equal_rewards": 1.0, "rollout_is/frac_beyond_threshold": 0.5, "skipped_steps": 1, "rollout_rs/seq_masked_fraction": 0.9})
     flat = rows(3, reward_max=1.0, reward_min=1.0)
     assert sorted({*checks(run_findings(every)), *checks(run_findings(flat))}) == sorted(RUN_CHECKS)
