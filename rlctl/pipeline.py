@@ -641,6 +641,7 @@ class Pipeline:
             *([f"sampling      dynamic: groups with equal rewards dropped, up to {cfg.pipeline.max_sampling_rounds} rounds (prompts-rN, rollout-rN, score-rN)"]
               if cfg.pipeline.dynamic_sampling else []),
             f"optimizer     AdamW, {describe_schedule(cfg.update, cfg.data.batch_size * cfg.rollout.n)}",
+            *([f"correction    {describe_correction(cfg)}"] if cfg.update.rollout_is != "off" or cfg.update.rollout_rs != "off" else []),
             f"checkpoints   {self.run_dir}/checkpoints/ every {cfg.pipeline.save_every or 'run end'}, keep {cfg.pipeline.keep_checkpoints or 'all'}",
         ]
         committed = [
@@ -944,11 +945,12 @@ def committed_checkpoints(run_dir: Path) -> list[Path]:
 def old_logprobs_source(cfg: Config) -> str:
     """Where the update's old log-probs come from: "rollout" (the engine's own), "recompute"
     (score's policy forward) or "update" (the update's own forward, detached, as TRL does).
-    auto picks the cheapest exact one (a recompute with update.rollout_rs): the rollout's when the engine is the training module in
+    auto picks the cheapest exact one: the rollout's when the engine is the training module in
     fp32 and training is fp32 too (they are the trainer's to ~3e-7); the update's own when it
     makes one optimizer step on the batch and the advantage needs no policy log-probs (no KL in
-    the reward): before that step the policy is the old policy; else a recompute. The dtypes
-    must be decided (`resolve_dtypes`) before this is asked."""
+    the reward): before that step the policy is the old policy; else a recompute — always with
+    update.rollout_rs or rollout_is_batch_normalize, which need them before the update. The
+    dtypes must be decided (`resolve_dtypes`) before this is asked."""
     if cfg.score.old_logprobs != "auto":
         return cfg.score.old_logprobs
     if cfg.update.rollout_rs != "off" or (cfg.update.rollout_is != "off" and cfg.update.rollout_is_batch_normalize):
@@ -1033,6 +1035,23 @@ def check_resume_config(run_dir: Path, cfg: Config, *, allow: bool) -> dict[str,
     if changes:
         notice(f"rlctl: resuming {run_dir} with changed keys: {', '.join(changes)} (recorded in the next checkpoint)")
     return changes
+
+
+def describe_correction(cfg: Config) -> str:
+    """The plan's line for the rollout correction: `token importance weights truncated at 2,
+    over their batch mean; rejected: token_k1 where π_rollout/π_old leaves [0.5, 2], ...`."""
+    from rlctl.algos.rejection import parse_rules
+
+    update, parts = cfg.update, []
+    if update.rollout_is != "off":
+        parts.append(f"{update.rollout_is} importance weights truncated at {update.rollout_is_threshold:g}" + (", over their batch mean" if update.rollout_is_batch_normalize else ""))
+    if update.rollout_rs != "off":
+        rules = [
+            f"{rule.name} where π_rollout/π_old leaves [{rule.lower:g}, {rule.upper:g}]" if rule.lower is not None else f"{rule.name} above {rule.upper:g}"
+            for rule in parse_rules(update.rollout_rs, update.rollout_rs_threshold)
+        ]
+        parts.append("rejected: " + ", ".join(rules))
+    return "; ".join(parts) + f" (engine vs the old log-probs: {old_logprobs_source(cfg)})"
 
 
 def describe_handover(cfg: Config) -> str:

@@ -328,6 +328,14 @@ def test_dry_run_prints_the_plan_and_writes_nothing(cli, tmp_path, tiny_model):
     result = cli("pipeline", config, "--dry-run", "--run-dir", tmp_path / "run")
     assert result.exit_code == 0, result.stderr
     assert "iterations    1..4 of 4" in result.stdout and "rollout → score → advantage → update" in result.stdout
+    assert "correction" not in result.stdout
+    corrected = cli(
+        "pipeline", config, "--dry-run", "--run-dir", tmp_path / "run", "--set", 'update.rollout_is="token"', "--set", "update.rollout_is_batch_normalize=true",
+        "--set", 'update.rollout_rs="token_k1,seq_max_k3"', "--set", 'update.rollout_rs_threshold="0.5_2,0.01"',
+    )
+    assert corrected.exit_code == 0, corrected.stderr
+    assert ("correction    token importance weights truncated at 2, over their batch mean; rejected: token_k1 where π_rollout/π_old leaves [0.5, 2], "
+            "seq_max_k3 above 0.01 (engine vs the old log-probs: recompute)") in corrected.stdout
     assert not (tmp_path / "run").exists()
 
 
