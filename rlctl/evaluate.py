@@ -70,11 +70,15 @@ def majority_reward(answers: list[str | None], rewards: np.ndarray, same: Callab
     return float(rewards[winner[0]])
 
 
-def majority_mean(scored: pa.Table, answers: Answers, rows: np.ndarray) -> float:
-    """maj@n over the prompts of `rows` (indices into `scored`, whole prompts): the mean over
-    them of `majority_reward`."""
-    ids = np.asarray(scored.column("id").to_pylist(), dtype=object).astype(str)[rows]
-    rewards = np.asarray(scored.column("reward").to_pylist(), dtype=np.float64)[rows]
+def sample_columns(scored: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """The rows' prompt ids (as text) and rewards, as arrays."""
+    return np.asarray(scored.column("id").to_pylist(), dtype=object).astype(str), np.asarray(scored.column("reward").to_pylist(), dtype=np.float64)
+
+
+def majority_mean(ids: np.ndarray, rewards: np.ndarray, answers: Answers, rows: np.ndarray) -> float:
+    """maj@n over the prompts of `rows` (indices into the rows `ids`, `rewards` and `answers`
+    describe, whole prompts): the mean over them of `majority_reward`."""
+    ids, rewards = ids[rows], rewards[rows]
     values = [answers.values[i] for i in rows]
     groups = [np.flatnonzero(ids == key) for key in dict.fromkeys(ids)]
     return float(np.mean([majority_reward([values[i] for i in group], rewards[group], answers.same) for group in groups]))
@@ -83,8 +87,7 @@ def majority_mean(scored: pa.Table, answers: Answers, rows: np.ndarray) -> float
 def evaluation(scored: pa.Table, *, threshold: float, answers: Answers | None = None) -> list[EvalRow]:
     """One row over every prompt ("all"), then one per data_source (where there are several);
     with `answers` (one per row of `scored`) each row's maj@n too."""
-    ids = np.asarray(scored.column("id").to_pylist(), dtype=object).astype(str)
-    rewards = np.asarray(scored.column("reward").to_pylist(), dtype=np.float64)
+    ids, rewards = sample_columns(scored)
     sources = np.asarray(
         [s or "unknown" for s in scored.column("data_source").to_pylist()] if "data_source" in scored.column_names else ["all"] * len(ids), dtype=object,
     )
@@ -102,7 +105,7 @@ def evaluation(scored: pa.Table, *, threshold: float, answers: Answers | None = 
             source=name, prompts=len(keys), samples=n, mean=float(np.mean(np.concatenate(per_prompt))),
             best=float(np.mean([r.max() for r in per_prompt])),
             pass_at={k: float(np.mean([pass_at_k(len(r), int((r >= threshold).sum()), k) for r in per_prompt])) for k in ks_up_to(n)},
-            majority=None if answers is None else majority_mean(scored, answers, np.concatenate([groups[key] for key in keys])),
+            majority=None if answers is None else majority_mean(ids, rewards, answers, np.concatenate([groups[key] for key in keys])),
         ))
     return out
 

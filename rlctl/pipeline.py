@@ -769,6 +769,7 @@ class Pipeline:
         scored with the same reward. Its manifest names the checkpoint about to hold these
         weights (`weights_kept`: this iteration saves one), or `weights_source` (the initial
         weights, validated before training), so `rlctl replay` can re-run it."""
+        from rlctl.evaluate import known_answers
         from rlctl.stages.rollout import rollout_table
         from rlctl.stages.score import ScoringModels, score_table
 
@@ -777,8 +778,6 @@ class Pipeline:
         sampling = replace(self.cfg.rollout, n=settings.val_n, temperature=settings.val_temperature, seed=0, greedy_baseline=False)
         table = rollout_table(self.val_dataset, self.workers.engine, sampling, self.cfg.data, policy_version=self.workers.trainer.step)
         scored = score_table(table, self.reward, ScoringModels(), self.cfg.score)
-        from rlctl.evaluate import known_answers
-
         metrics = validation_metrics(scored, settings.val_n, known_answers(scored, self.reward.spec) if settings.val_n > 1 else None)
         state = {
             "iteration": i, "policy_version": self.workers.trainer.step, **compute_state,

@@ -100,8 +100,9 @@ def validation_metrics(scored: pa.Table, samples: int, answers=None) -> dict[str
     of their best sample's reward (verl's best@N; pass@N for a 0/1 reward), and with the
     samples' `answers` (rlctl.evaluate.Answers, one per row) `val/maj_of_N`: the mean over
     prompts of their most common answer's reward (verl's maj@N)."""
-    from rlctl.evaluate import majority_mean
+    from rlctl.evaluate import majority_mean, sample_columns
 
+    ids, rewards = sample_columns(scored) if answers is not None else (None, None)
     everything = np.arange(scored.num_rows)
     parts = {"": everything}
     if "data_source" in scored.column_names:
@@ -114,5 +115,5 @@ def validation_metrics(scored: pa.Table, samples: int, answers=None) -> dict[str
         if samples > 1:
             out[f"val/best_of_{samples}{suffix}"] = float(group_extremes(part)[0].mean())
             if answers is not None:
-                out[f"val/maj_of_{samples}{suffix}"] = majority_mean(scored, answers, rows)
+                out[f"val/maj_of_{samples}{suffix}"] = majority_mean(ids, rewards, answers, rows)
     return out
