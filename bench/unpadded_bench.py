@@ -40,7 +40,7 @@ def training_pass(policy, prompts: list[list[int]], responses: list[list[int]], 
         for micro in batches_by_prompt(prompts, responses, micro_batch):
             length = max(len(prompts[i]) + len(responses[i]) for i in micro)
             with training_forward(policy.model, policy.device, bf16, rows=len(micro), length=length):
-                logp, entropy = policy.forward_sharing_prompts([prompts[i] for i in micro], [responses[i] for i in micro], temperature=1.0, with_entropy=True)
+                logp, entropy = policy.forward_sharing_prompts([prompts[i] for i in micro], [responses[i] for i in micro], temperature=1.0, statistic="entropy")
             (logp.sum() + entropy.sum()).backward()
     finally:
         policy.model.zero_grad(set_to_none=True)

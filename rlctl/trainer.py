@@ -468,9 +468,9 @@ class Trainer:
         cfg = self.cfg
         with forward_context(self.policy.model):
             if shared_rows is not None:
-                logp, entropy = self.policy.forward_sharing_prompts(*shared_rows, temperature=self.temperature, with_entropy=True)
+                logp, entropy = self.policy.forward_sharing_prompts(*shared_rows, temperature=self.temperature, statistic="entropy")
             else:
-                logp, entropy = self.policy.forward(packed, temperature=self.temperature, with_entropy=True)
+                logp, entropy = self.policy.forward(packed, temperature=self.temperature, statistic="entropy")
         old = take(batch.old_logprobs) if batch.old_logprobs is not None else logp.detach().float()
         if batch.old_logprobs is None and batch.rollout_logprobs is not None:
             stats["logprob_mismatch"] += weight * float(torch.where(m, (old - take(batch.rollout_logprobs)).abs(), 0).sum()) / tokens

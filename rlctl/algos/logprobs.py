@@ -30,46 +30,66 @@ CHUNK_ELEMENTS = 1 << 24
 
 def token_logprobs(*, logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """logits [..., V], tokens [...] → log-probs [...] (float32 math)."""
-    return logprobs_and_entropy(logits=logits, tokens=tokens, temperature=temperature, with_entropy=False)[0]
+    return logprobs_and_statistic(logits=logits, tokens=tokens, temperature=temperature, statistic=None)[0]
 
 
-def logprobs_and_entropy(
-    *, logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool = True,
+def entropy_of(logp: torch.Tensor) -> torch.Tensor:
+    """H = −Σ p log p of log-softmax rows [..., V]."""
+    return -(logp.exp() * logp).sum(-1)
+
+
+def sum_pi_squared_of(logp: torch.Tensor) -> torch.Tensor:
+    """Σ p² of log-softmax rows [..., V]: with a token's own p, 1 − 2p + Σ p² is the squared norm
+    of its log-prob's gradient in the logits, ‖onehot − p‖² (the optimal token baseline's weight)."""
+    return (2 * logp).exp().sum(-1)
+
+
+# the per-position statistics of the distribution a forward can return beside the log-probs
+POSITION_STATISTICS = {"entropy": entropy_of, "sum_pi_squared": sum_pi_squared_of}
+
+
+def logprobs_and_statistic(
+    *, logits: torch.Tensor, tokens: torch.Tensor, temperature: float, statistic: str | None = "entropy",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [..., V], tokens [...] → (log-probs [...], entropy [...] or None) from one
-    log_softmax per position, in float32. Past one chunk's size a chunk of positions at a time
+    """logits [..., V], tokens [...] → (log-probs [...], the `statistic` of each position's
+    distribution [...] (POSITION_STATISTICS: its entropy, or Σ p²) or None) from one log_softmax
+    per position, in float32. Past one chunk's size a chunk of positions at a time
     (`ChunkedLogSoftmax`): the [..., V] float32 tensors live one chunk at a time, forward and
-    backward (the same values bit for bit; below it autograd's fused kernels are ~3% faster)."""
+    backward (the same values bit for bit; below it autograd's fused kernels are ~3% faster).
+    Only the entropy has a chunked backward (the update's); Σ p² is score's, without gradient."""
     shape = tokens.shape
     temperature = effective_temperature(temperature)
+    measure = POSITION_STATISTICS[statistic] if statistic is not None else None
     if logits.numel() <= CHUNK_ELEMENTS:
         logp = torch.log_softmax(scaled(logits, temperature), dim=-1)
-        entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
-        return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), entropy
+        return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), (measure(logp) if measure is not None else None)
     flat_logits, flat_tokens = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)
     if torch.is_grad_enabled() and flat_logits.requires_grad:
-        logp, entropy = ChunkedLogSoftmax.apply(flat_logits, flat_tokens, temperature)
+        if statistic not in (None, "entropy"):
+            raise ValueError(f"{statistic} has no chunked backward: compute it without gradient")
+        logp, value = ChunkedLogSoftmax.apply(flat_logits, flat_tokens, temperature)
     else:
-        logp, entropy = _chunked_forward(flat_logits, flat_tokens, temperature, with_entropy)
-    return logp.reshape(shape), (entropy.reshape(shape) if with_entropy else None)
+        logp, value = _chunked_forward(flat_logits, flat_tokens, temperature, measure)
+    return logp.reshape(shape), (value.reshape(shape) if measure is not None else None)
 
 
 def _chunk_rows(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(vocab, 1))
 
 
-def _chunked_forward(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, V] → (log-prob of each token [N], entropy [N]: zeros unless `with_entropy`)."""
+def _chunked_forward(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, measure) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] → (log-prob of each token [N], `measure` of each row's log-softmax [N]:
+    zeros when it is None)."""
     logp = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-    entropy = torch.zeros_like(logp)
+    value = torch.zeros_like(logp)
     step = _chunk_rows(logits.shape[-1])
     for start in range(0, logits.shape[0], step):
         rows = slice(start, start + step)
         chunk = torch.log_softmax(scaled(logits[rows], temperature), dim=-1)
         logp[rows] = chunk.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)
-        if with_entropy:
-            entropy[rows] = -(chunk.exp() * chunk).sum(-1)
-    return logp, entropy
+        if measure is not None:
+            value[rows] = measure(chunk)
+    return logp, value
 
 
 class ChunkedLogSoftmax(torch.autograd.Function):
@@ -84,7 +104,7 @@ class ChunkedLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
-        logp, entropy = _chunked_forward(logits, tokens, temperature, True)
+        logp, entropy = _chunked_forward(logits, tokens, temperature, entropy_of)
         ctx.save_for_backward(logits, tokens, entropy)
         ctx.temperature = temperature
         ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not zeros

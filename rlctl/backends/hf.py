@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from rlctl import cpu_linear
-from rlctl.algos.logprobs import logprobs_and_entropy, row_uniforms, sample_next
+from rlctl.algos.logprobs import logprobs_and_statistic, row_uniforms, sample_next
 from rlctl.backends import unpadded
 from rlctl.backends.base import Generation, SamplingParams, stream_rows
 from rlctl.backends.stop_strings import StopStrings
@@ -357,12 +357,20 @@ def batches_by_prompt(
 def scored_rows(prompt_ids, response_ids, batch_size: int, pad_id: int, device, score, batch_tokens: int = 0) -> list[list[float]]:
     """`score(packed batch)` → [B, T] over length-ordered batches (`batches_by_length`), each row
     cut to its response length and put back in the caller's order."""
-    results: list[list[float]] = [[] for _ in prompt_ids]
+    return scored_rows_each(prompt_ids, response_ids, batch_size, pad_id, device, lambda batch: (score(batch),), batch_tokens)[0]
+
+
+def scored_rows_each(
+    prompt_ids, response_ids, batch_size: int, pad_id: int, device, score, batch_tokens: int = 0, *, outputs: int = 1,
+) -> tuple[list[list[float]], ...]:
+    """`scored_rows` for a `score` that returns `outputs` [B, T] tensors: a list of rows each."""
+    results: tuple[list[list[float]], ...] = tuple([[] for _ in prompt_ids] for _ in range(outputs))
     for rows in batches_by_length(prompt_ids, response_ids, batch_size, batch_tokens):
         batch = pack([prompt_ids[i] for i in rows], [response_ids[i] for i in rows], pad_id, device)
         lengths = batch.response_mask.sum(-1).tolist()
-        for i, row, n in zip(rows, score(batch).float().cpu().tolist(), lengths):
-            results[i] = row[:n]
+        for result, tensor in zip(results, score(batch)):
+            for i, row, n in zip(rows, tensor.float().cpu().tolist(), lengths):
+                result[i] = row[:n]
     return results
 
 
@@ -650,8 +658,9 @@ class HFPolicy:
 
     # -- scoring and training ---------------------------------------------------------
 
-    def forward(self, batch: PackedBatch, *, temperature: float, with_entropy: bool = False, model=None):
-        """Differentiable (log-probs [B, T], entropy [B, T] or None) of the response tokens.
+    def forward(self, batch: PackedBatch, *, temperature: float, statistic: str | None = None, model=None):
+        """Differentiable (log-probs [B, T], each position's `statistic` [B, T] or None: its
+        entropy, or Σ p² (rlctl.algos.logprobs.POSITION_STATISTICS)) of the response tokens.
         Over the real tokens only where rlctl.backends.unpadded applies (the LM head at the
         predicting positions only); otherwise transformers' forward, its LM head from the first
         position that predicts a response token on (`logits_to_keep`): never [B, L, V] over the
@@ -660,55 +669,69 @@ class HFPolicy:
         direct = unpadded.for_model(model)
         if direct is not None:
             return unpadded.run_as_forward(
-                model, lambda: direct.logprobs(direct.states(batch), batch.response_ids, batch.response_mask, temperature=temperature, with_entropy=with_entropy),
+                model, lambda: direct.logprobs(direct.states(batch), batch.response_ids, batch.response_mask, temperature=temperature, statistic=statistic),
             )
         start = first_response_logit(batch)
         kept = positions_to_keep(start, batch.input_ids.shape[1], self.device) if start and self._keeps_logits else {}
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False, **kept)
         logits = response_logits(out.logits, batch, offset=start if kept else 0)
         del out  # the model's logits: the response positions' copy is all that is needed
-        return logprobs_and_entropy(logits=logits, tokens=batch.response_ids, temperature=temperature, with_entropy=with_entropy)
+        return logprobs_and_statistic(logits=logits, tokens=batch.response_ids, temperature=temperature, statistic=statistic)
 
-    @torch.no_grad()
     def logprobs(
         self, prompt_ids, response_ids, *, temperature: float, batch_size: int = 16, compute_dtype: str = "fp32", as_trained: bool = False,
         batch_tokens: int = 0,
     ) -> list[list[float]]:
-        """Log-probs of the responses, in passes of at most `batch_size` rows and `batch_tokens`
-        padded tokens (0: no cap). In bf16 they come from a bf16 copy of the weights (the
-        reference: 30% faster than autocast, measured; on the CPU with the update's eager
-        attention for short sequences, 7% faster than SDPA's kernel), or with `as_trained` under bf16
-        autocast over the fp32 weights, as the update computes them (the old log-probs a PPO
-        ratio divides by; a LoRA reference, the policy's module with its adapters disabled).
-        Rows that share a prompt (GRPO's groups) run it once (`forward_sharing_prompts`), as
-        the update does."""
+        """Log-probs of the responses (`logprobs_with_statistic` without a statistic)."""
+        return self.logprobs_with_statistic(
+            prompt_ids, response_ids, statistic=None, temperature=temperature, batch_size=batch_size, compute_dtype=compute_dtype,
+            as_trained=as_trained, batch_tokens=batch_tokens,
+        )[0]
+
+    @torch.no_grad()
+    def logprobs_with_statistic(
+        self, prompt_ids, response_ids, *, statistic: str | None, temperature: float, batch_size: int = 16, compute_dtype: str = "fp32",
+        as_trained: bool = False, batch_tokens: int = 0,
+    ) -> tuple[list[list[float]], list[list[float]] | None]:
+        """Log-probs of the responses and, from the same forward, each position's `statistic`
+        (None: none; "sum_pi_squared": Σ p², the optimal token baseline's), in passes of at
+        most `batch_size` rows and `batch_tokens` padded tokens (0: no cap). In bf16 they come
+        from a bf16 copy of the weights (the reference: 30% faster than autocast, measured; on
+        the CPU with the update's eager attention for short sequences, 7% faster than SDPA's
+        kernel), or with `as_trained` under bf16 autocast over the fp32 weights, as the update
+        computes them (the old log-probs a PPO ratio divides by; a LoRA reference, the policy's
+        module with its adapters disabled). Rows that share a prompt (GRPO's groups) run it
+        once (`forward_sharing_prompts`), as the update does."""
         bf16 = decide_dtype(self.device, compute_dtype) == "bf16"
         model = self._bf16.of(self.model) if bf16 and not as_trained and self._scores_from_copy else None
+        outputs = 1 if statistic is None else 2
 
-        def score(batch: PackedBatch) -> torch.Tensor:
+        def score(batch: PackedBatch) -> tuple[torch.Tensor, ...]:
             rows, length = batch.input_ids.shape
             if model is not None:  # the bf16 copy: bf16 weights, the update's bf16 attention
                 with bf16_attention(model, self.device, rows=rows, length=length):
-                    return self.forward(batch, temperature=temperature, model=model)[0]
+                    return self.forward(batch, temperature=temperature, statistic=statistic, model=model)[:outputs]
             with training_forward(self.model, self.device, bf16, rows=rows, length=length):
-                return self.forward(batch, temperature=temperature)[0]
+                return self.forward(batch, temperature=temperature, statistic=statistic)[:outputs]
 
-        def score_sharing_prompts(prompts, responses) -> torch.Tensor:
+        def score_sharing_prompts(prompts, responses) -> tuple[torch.Tensor, ...]:
             rows, length = len(prompts), max(len(p) + len(r) for p, r in zip(prompts, responses))
             if model is not None:
                 with bf16_attention(model, self.device, rows=rows, length=length):
-                    return self.forward_sharing_prompts(prompts, responses, temperature=temperature, model=model)[0]
+                    return self.forward_sharing_prompts(prompts, responses, temperature=temperature, statistic=statistic, model=model)[:outputs]
             with training_forward(self.model, self.device, bf16, rows=rows, length=length):
-                return self.forward_sharing_prompts(prompts, responses, temperature=temperature)[0]
+                return self.forward_sharing_prompts(prompts, responses, temperature=temperature, statistic=statistic)[:outputs]
 
         if self.shares_prompts(prompt_ids):  # as the update runs such rows (Trainer)
-            results: list[list[float]] = [[] for _ in prompt_ids]
+            results = tuple([[] for _ in prompt_ids] for _ in range(outputs))
             for rows in batches_by_prompt(prompt_ids, response_ids, batch_size, batch_tokens):
                 scores = score_sharing_prompts([prompt_ids[i] for i in rows], [response_ids[i] for i in rows])
-                for i, row in zip(rows, scores.float().cpu().tolist()):
-                    results[i] = row[: len(response_ids[i])]
-            return results
-        return scored_rows(prompt_ids, response_ids, batch_size, self.pad_id, self.device, score, batch_tokens)
+                for result, tensor in zip(results, scores):
+                    for i, row in zip(rows, tensor.float().cpu().tolist()):
+                        result[i] = row[: len(response_ids[i])]
+        else:
+            results = scored_rows_each(prompt_ids, response_ids, batch_size, self.pad_id, self.device, score, batch_tokens, outputs=outputs)
+        return results[0], (results[1] if statistic is not None else None)
 
     def shares_prompts(self, prompt_ids) -> bool:
         """Whether rows with these prompts run each distinct prompt once (`worth_sharing_prompts`)."""
@@ -717,7 +740,7 @@ class HFPolicy:
         return worth_sharing_prompts(prompt_ids, parameters=self._parameters, device_type=self.device.type)
 
     def forward_sharing_prompts(
-        self, prompt_ids, response_ids, *, temperature: float, with_entropy: bool = False, model=None,
+        self, prompt_ids, response_ids, *, temperature: float, statistic: str | None = None, model=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward` for rows given as token lists, each distinct prompt's forward run once
         (`_prompt_pass`): its KV cache is copied to the prompt's rows and the responses run on
@@ -739,10 +762,10 @@ class HFPolicy:
 
             def compute():
                 states = direct.states_sharing_prompts(left_padded(distinct, self.pad_id, self.device), source, responses, response_mask)
-                return direct.logprobs(states, responses, response_mask, temperature=temperature, with_entropy=with_entropy)
+                return direct.logprobs(states, responses, response_mask, temperature=temperature, statistic=statistic)
 
-            logp, entropy = unpadded.run_as_forward(model, compute)
-            return logp[:, :length], (entropy[:, :length] if with_entropy else None)
+            logp, value = unpadded.run_as_forward(model, compute)
+            return logp[:, :length], (value[:, :length] if statistic is not None else None)
         first, cache, prompt_mask, prompt_positions = self._prompt_pass(model, prompt_ids)
         positions = prompt_positions[:, -1:] + 1 + torch.arange(width, device=self.device)
         out = model(
@@ -751,7 +774,7 @@ class HFPolicy:
         )
         logits = torch.cat([first.unsqueeze(1), out.logits[:, : length - 1]], dim=1)[:, :length]  # position t predicts token t + 1
         del out, first
-        return logprobs_and_entropy(logits=logits, tokens=responses[:, :length], temperature=temperature, with_entropy=with_entropy)
+        return logprobs_and_statistic(logits=logits, tokens=responses[:, :length], temperature=temperature, statistic=statistic)
 
 
 class ValueModel(torch.nn.Module):

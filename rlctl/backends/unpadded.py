@@ -35,7 +35,7 @@ from typing import TypeVar
 
 import torch
 
-from rlctl.algos.logprobs import logprobs_and_entropy
+from rlctl.algos.logprobs import logprobs_and_statistic
 from rlctl.backends import compiled_layers, decode_attention, grouped_attention
 from rlctl.backends.llama_layers import MODEL_CLASSES, SCORER_CLASSES, layout_class, llama_layout
 from rlctl.errors import InputError
@@ -185,13 +185,14 @@ class UnpaddedForward:
         return self.decoder.norm(candidates.index_select(0, where[response_mask.bool()]))
 
     def logprobs(
-        self, states: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, *, temperature: float, with_entropy: bool,
+        self, states: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, *, temperature: float, statistic: str | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The LM head on `states` [M, D] (`states`' output for the M response tokens of `mask`
-        [B, T]): (log-probs, entropy or None) [B, T], zeros in the padded slots."""
+        [B, T]): (log-probs, the `statistic` (its entropy, Σ p²) or None) [B, T], zeros in the
+        padded slots."""
         mask = mask.bool()
-        logp, entropy = logprobs_and_entropy(logits=self.lm_head(states), tokens=tokens[mask], temperature=temperature, with_entropy=with_entropy)
-        return scattered(mask, logp), (scattered(mask, entropy) if with_entropy else None)
+        logp, value = logprobs_and_statistic(logits=self.lm_head(states), tokens=tokens[mask], temperature=temperature, statistic=statistic)
+        return scattered(mask, logp), (scattered(mask, value) if statistic is not None else None)
 
     def hidden(
         self, ids: torch.Tensor, slots: Slots, positions: torch.Tensor, *, past: Past | None = None, keep_kv: bool = False,

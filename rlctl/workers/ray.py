@@ -463,6 +463,18 @@ class _PolicyProxy:
         """`as_trained` is the rank's to decide: the policy's log-probs always are."""
         return self._workers._split("logprobs", [list(prompt_ids), list(response_ids)], self._which, temperature, batch_size, compute_dtype, batch_tokens)
 
+    def logprobs_with_statistic(
+        self, prompt_ids, response_ids, *, statistic: str | None, temperature: float, batch_size: int = 16, compute_dtype: str = "fp32",
+        as_trained: bool = False, batch_tokens: int = 0,
+    ) -> tuple[list[list[float]], list[list[float]] | None]:
+        """`HFPolicy.logprobs_with_statistic` over the ranks: each row comes back as its pair."""
+        if statistic is None:
+            return self.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=batch_size, compute_dtype=compute_dtype, batch_tokens=batch_tokens), None
+        pairs = self._workers._split(
+            "logprobs", [list(prompt_ids), list(response_ids)], self._which, temperature, batch_size, compute_dtype, batch_tokens, statistic,
+        )
+        return [logp for logp, _ in pairs], [value for _, value in pairs]
+
 
 class _RewardModelProxy:
     """An `rm:` reward model held by every rank: the samples split over the ranks, each scoring
@@ -627,9 +639,15 @@ class RankWorker:
         out = (self.generator or self.engine).generate(prompt_ids, SamplingParams(**params), batch_size=batch_size, compute_dtype=compute_dtype, row_ids=streams)
         return [(g.response_ids, g.logprobs, g.finish_reason) for g in out]
 
-    def logprobs(self, rows: list, start: int, which: str, temperature: float, batch_size: int, compute_dtype: str, batch_tokens: int = 0) -> list:
+    def logprobs(
+        self, rows: list, start: int, which: str, temperature: float, batch_size: int, compute_dtype: str, batch_tokens: int = 0, statistic: str | None = None,
+    ) -> list:
+        """The rows' log-probs; with a policy `statistic`, each row's (log-probs, statistic)."""
         prompt_ids, response_ids = rows
         passes = {"batch_size": batch_size, "batch_tokens": batch_tokens, "compute_dtype": compute_dtype}
+        if which == "policy" and statistic is not None:
+            logprobs, values = self.engine.logprobs_with_statistic(prompt_ids, response_ids, statistic=statistic, temperature=temperature, as_trained=True, **passes)
+            return list(zip(logprobs, values))
         if which == "policy":
             return self.engine.logprobs(prompt_ids, response_ids, temperature=temperature, as_trained=True, **passes)
         with self._reference() as ref:

@@ -76,9 +76,9 @@ def test_the_lm_head_runs_only_from_the_first_response_position_with_the_same_re
     batch = pack(prompt_ids, response_ids, policy.pad_id, policy.device)
     assert first_response_logit(batch) == 2  # the shortest prompt's last position
     assert policy._keeps_logits
-    kept_logp, kept_entropy = policy.forward(batch, temperature=0.8, with_entropy=True)
+    kept_logp, kept_entropy = policy.forward(batch, temperature=0.8, statistic="entropy")
     policy._keeps_logits = False  # the full [B, L, V] logits, as before
-    full_logp, full_entropy = policy.forward(batch, temperature=0.8, with_entropy=True)
+    full_logp, full_entropy = policy.forward(batch, temperature=0.8, statistic="entropy")
     mask = batch.response_mask
     assert torch.equal(kept_logp[mask], full_logp[mask]) and torch.equal(kept_entropy[mask], full_entropy[mask])
 
@@ -238,6 +238,33 @@ def test_scoring_rows_that_share_prompts_runs_each_prompt_once_and_gives_the_ful
         np.testing.assert_allclose(got, want, atol=0.1)
 
 
+@pytest.mark.parametrize("share", ["always", "never"])
+@pytest.mark.parametrize("forward", ["rlctl", "transformers"])
+def test_scoring_with_sum_pi_squared_gives_the_same_logprobs_and_each_positions_squared_probabilities(policy, monkeypatch, forward, share):
+    """score's Σπ² comes from the forward of the old log-probs, whichever way the rows run (a
+    prompt once for its rows, or length-ordered batches; rlctl's unpadded forward or
+    transformers'): the same log-probs as without it, and Σπ² of one full forward's softmax."""
+    from rlctl.backends import unpadded
+    from rlctl.backends.hf import pack
+
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", share)
+    monkeypatch.setenv(unpadded.OVERRIDE_ENV, forward)
+    g = torch.Generator().manual_seed(4)
+    distinct = [torch.randint(3, 500, (2 + i,), generator=g).tolist() for i in range(3)]
+    prompt_ids = [distinct[i % 3] for i in range(7)]
+    response_ids = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 0, 6, 2, 5, 3, 1)]
+    logprobs, sum_pi_squared = policy.logprobs_with_statistic(prompt_ids, response_ids, statistic="sum_pi_squared", temperature=0.8, batch_size=3)
+    assert logprobs == policy.logprobs(prompt_ids, response_ids, temperature=0.8, batch_size=3)
+    batch = pack(prompt_ids, response_ids, policy.pad_id, "cpu")
+    with torch.no_grad():
+        logits = policy.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).logits
+    probs = torch.softmax(logits.gather(1, batch.logit_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])) / 0.8, -1)
+    for got, want, r in zip(sum_pi_squared, probs.square().sum(-1).tolist(), response_ids):
+        assert len(got) == len(r)
+        np.testing.assert_allclose(got, want[: len(r)], atol=1e-5)
+    assert policy.logprobs_with_statistic(prompt_ids, response_ids, statistic=None, temperature=0.8)[1] is None
+
+
 def full_forward_logprobs(policy, prompt_ids, response_ids, *, temperature: float) -> list[list[float]]:
     """One full-sequence forward per row (prompt and response together)."""
     from rlctl.backends.hf import pack
@@ -266,8 +293,8 @@ def test_rows_sharing_a_prompt_train_with_the_gradients_of_one_full_forward_per_
         loss.backward()
         return {name: p.grad.clone() for name, p in policy.model.named_parameters() if p.grad is not None}
 
-    full = policy.forward(packed, temperature=0.9, with_entropy=True)
-    shared = policy.forward_sharing_prompts(prompt_ids, response_ids, temperature=0.9, with_entropy=True)
+    full = policy.forward(packed, temperature=0.9, statistic="entropy")
+    shared = policy.forward_sharing_prompts(prompt_ids, response_ids, temperature=0.9, statistic="entropy")
     m = packed.response_mask
     assert shared[0].shape == full[0].shape == shared[1].shape
     torch.testing.assert_close(shared[0][m], full[0][m], atol=1e-5, rtol=0)

@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from rlctl.algos.logprobs import logprobs_and_entropy, sample_next, token_logprobs, truncate_logits
+from rlctl.algos.logprobs import (
+    logprobs_and_statistic,
+    sample_next,
+    token_logprobs,
+    truncate_logits,
+)
 
 
 def test_greedy_picks_argmax_and_reports_temperature_one_logprob():
@@ -27,13 +32,35 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     assert torch.isfinite(truncate_logits(logits=logits, top_p=0.5, top_k=0)).tolist() == [[True, False, False, False]]
 
 
-def test_logprobs_and_entropy_share_one_definition():
+def test_logprobs_and_statistic_share_one_definition():
     g = torch.Generator().manual_seed(1)
     logits, tokens = torch.randn(3, 5, 9, generator=g), torch.randint(0, 9, (3, 5), generator=g)
-    logp, entropy = logprobs_and_entropy(logits=logits, tokens=tokens, temperature=0.5)
+    logp, entropy = logprobs_and_statistic(logits=logits, tokens=tokens, temperature=0.5)
     assert torch.allclose(logp, token_logprobs(logits=logits, tokens=tokens, temperature=0.5))
     probs = torch.softmax(logits / 0.5, -1)
     assert torch.allclose(entropy, -(probs * probs.log()).sum(-1), atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_elements", [None, 2 * 9])
+def test_sum_pi_squared_is_the_squared_probabilities_sum_whole_or_a_chunk_at_a_time(monkeypatch, chunk_elements):
+    """Σπ² of each position's distribution at the temperature, beside the same log-probs; with
+    its token's π, 1 − 2π + Σπ² is ‖onehot − π‖², the log-prob gradient's squared norm in the
+    logits. Only the entropy has a chunked backward: Σπ² under gradient there is refused."""
+    from rlctl.algos import logprobs
+
+    if chunk_elements:
+        monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", chunk_elements)
+    g = torch.Generator().manual_seed(2)
+    logits, tokens = torch.randn(3, 5, 9, generator=g) * 2, torch.randint(0, 9, (3, 5), generator=g)
+    logp, sum_pi_squared = logprobs_and_statistic(logits=logits, tokens=tokens, temperature=0.7, statistic="sum_pi_squared")
+    probs = torch.softmax(logits / 0.7, -1)
+    torch.testing.assert_close(sum_pi_squared, probs.square().sum(-1), atol=1e-6, rtol=1e-6)
+    assert torch.equal(logp, token_logprobs(logits=logits, tokens=tokens, temperature=0.7))
+    norm = (torch.nn.functional.one_hot(tokens, 9) - probs).square().sum(-1)
+    torch.testing.assert_close(1 - 2 * logp.exp() + sum_pi_squared, norm, atol=1e-6, rtol=1e-6)
+    if chunk_elements:
+        with pytest.raises(ValueError, match="no chunked backward"):
+            logprobs_and_statistic(logits=logits.requires_grad_(True), tokens=tokens, temperature=0.7, statistic="sum_pi_squared")
 
 
 def test_inverse_cdf_sampling_follows_the_distribution_and_never_picks_a_truncated_token():
@@ -108,7 +135,7 @@ def test_log_probs_and_entropy_a_chunk_at_a_time_have_the_values_and_gradients_o
     tokens = torch.randint(0, 13, (2, 5), generator=g)
     w_logp, w_entropy = torch.randn(2, 5, generator=g), torch.randn(2, 5, generator=g)
     grads = {}
-    for name, fn in (("chunked", lambda x: logprobs_and_entropy(logits=x, tokens=tokens, temperature=temperature)),
+    for name, fn in (("chunked", lambda x: logprobs_and_statistic(logits=x, tokens=tokens, temperature=temperature)),
                      ("reference", lambda x: reference_logprobs_and_entropy(x, tokens, temperature))):
         for uses in ("both", "logp", "entropy"):
             x = logits.clone().requires_grad_(True)
@@ -145,7 +172,7 @@ def test_at_temperature_one_nothing_is_divided(monkeypatch, chunk_elements):
     logits = torch.randn(2, 5, 13, requires_grad=True)
     tokens = torch.randint(0, 13, (2, 5))
     with Divisions():
-        logp, entropy = logprobs_and_entropy(logits=logits, tokens=tokens, temperature=1.0)
+        logp, entropy = logprobs_and_statistic(logits=logits, tokens=tokens, temperature=1.0)
         (logp.sum() + entropy.sum()).backward()
         sample_next(logits=logits.detach()[0], temperature=1.0, top_p=0.9, top_k=5, uniform=torch.rand(5))
     assert Divisions.count == 0

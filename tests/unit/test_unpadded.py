@@ -39,9 +39,9 @@ def forward_and_gradients(monkeypatch, policy, choice: str, *, shared: bool, bf1
         batch = pack(prompts, responses, policy.pad_id, policy.device)
         with training_forward(model, policy.device, bf16, rows=len(prompts), length=batch.input_ids.shape[1]):
             if shared:
-                logp, entropy = policy.forward_sharing_prompts(prompts, responses, temperature=0.7, with_entropy=True)
+                logp, entropy = policy.forward_sharing_prompts(prompts, responses, temperature=0.7, statistic="entropy")
             else:
-                logp, entropy = policy.forward(batch, temperature=0.7, with_entropy=True)
+                logp, entropy = policy.forward(batch, temperature=0.7, statistic="entropy")
         m = batch.response_mask
         weights = torch.linspace(-1.0, 1.0, m.numel()).view(m.shape)
         (torch.where(m, logp * weights + 0.1 * entropy, 0).sum()).backward()
@@ -272,7 +272,7 @@ def test_an_fsdp2_critic_values_and_reduces_as_the_plain_critic(monkeypatch, tin
 def test_a_pass_without_response_tokens_adds_nothing(tiny_model):
     policy = HFPolicy.load(tiny_model, "cpu")
     policy.model.train()
-    logp, entropy = policy.forward_sharing_prompts([[5, 6, 7], [5, 6, 7]], [[], []], temperature=1.0, with_entropy=True)
+    logp, entropy = policy.forward_sharing_prompts([[5, 6, 7], [5, 6, 7]], [[], []], temperature=1.0, statistic="entropy")
     assert logp.shape == entropy.shape == (2, 0)
     (logp.sum() + entropy.sum()).backward()
     assert all(p.grad is None or not p.grad.any() for p in policy.model.parameters())
