@@ -32,14 +32,14 @@ _rlctl() {
         "reshard") opts="--check --checkpoint --config --dtype --force --help --json --merge-lora --out --set --to" ;;
         "reward-model") opts="--batch-size --config --data --device --epochs --eval --force --help --json --lr --model --out --set --val-data" ;;
         "rollout") opts="--address --backend --chat-template --config --device --dtype --force --format --greedy-baseline --help --json --max-new-tokens --max-prompt-tokens --model --n --no-chat-template --no-greedy-baseline --out --prompts --rows-per-part --seed --set --stop --temperature --top-k --top-p --truncate --workers --workers-backend" ;;
-        "score") opts="--address --batch-size --config --critic --device --dtype --force --format --help --json --out --policy --ref --reward --reward-timeout --rollouts --rows-per-part --set --workers --workers-backend" ;;
+        "score") opts="--address --batch-size --config --critic --device --dtype --force --format --help --json --no-sum-pi-squared --out --policy --ref --reward --reward-timeout --rollouts --rows-per-part --set --sum-pi-squared --workers --workers-backend" ;;
         "sft") opts="--batch-size --config --data --device --epochs --eval --force --help --json --lr --model --out --set --val-data" ;;
         "show") opts="--columns --help --json --layout --rows --sort --where --width" ;;
         "update") opts="--address --batch --bf16 --config --critic --device --epochs --force --help --json --loss-agg-mode --lr --micro-batch-size --mini-batch-size --model --no-bf16 --out --seed --set --workers --workers-backend" ;;
         *) opts="--help" ;;
     esac
     case "$cmd $prev" in
-        "advantage --estimator") values="gae gpg grpo grpo_passk opo reinforce_pp reinforce_pp_baseline remax rloo" ;;
+        "advantage --estimator") values="gae gpg grpo grpo_passk opo optimal_token_baseline reinforce_pp reinforce_pp_baseline remax rloo" ;;
         "advantage --kl-estimator") values="abs abs+ k1 k1+ k2 k2+ k3 k3+ kl kl+ low_var_kl low_var_kl+ mse mse+" ;;
         "advantage --std-scope") values="group batch" ;;
         "advantage --kl-controller") values="fixed adaptive" ;;

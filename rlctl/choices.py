@@ -19,7 +19,7 @@ PIPELINE_STAGES = ("rollout", "score", "advantage", "update")
 SHOW_LAYOUTS = ("auto", "table", "records")
 RUN_CHECKS = ("truncated", "constant_reward", "equal_rewards", "engine_mismatch", "rejected", "skipped_steps")  # rlctl.run_checks' findings
 
-ESTIMATORS = ("gae", "gpg", "grpo", "grpo_passk", "opo", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo")
+ESTIMATORS = ("gae", "gpg", "grpo", "grpo_passk", "opo", "optimal_token_baseline", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo")
 KL_ESTIMATORS = ("abs", "abs+", "k1", "k1+", "k2", "k2+", "k3", "k3+", "kl", "kl+", "low_var_kl", "low_var_kl+", "mse", "mse+")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "kl_cov", "gmpo", "clip_cov", "gpg", "sapo")

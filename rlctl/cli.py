@@ -202,6 +202,7 @@ def score(
     ref: Annotated[Optional[str], typer.Option("--ref", help="Reference model → ref_logprobs.")] = None,
     critic: Annotated[Optional[str], typer.Option("--critic", help="Critic (causal LM + value head) → values.")] = None,
     policy: Annotated[Optional[str], typer.Option("--policy", help="Policy model → old_logprobs.")] = None,
+    sum_pi_squared: Annotated[Optional[bool], typer.Option("--sum-pi-squared/--no-sum-pi-squared", help="With --policy: each token's Σπ² too (the optimal_token_baseline estimator's)." + _default("score.sum_pi_squared"))] = None,
     reward_timeout: Annotated[Optional[float], typer.Option("--reward-timeout", help="Seconds a reward call may take." + _default("score.reward_timeout"))] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per forward pass at most (fewer where score.batch_tokens caps its tokens)." + _default("score.batch_size"))] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype of the forward passes." + _default("score.dtype"), metavar=_choices(choices.COMPUTE_DTYPES))] = None,
@@ -221,7 +222,7 @@ def score(
     from rlctl.stages import score as stage
 
     cfg = _stage_config(config, set_)
-    score_cfg = override_section(cfg.score, reward=reward, reward_timeout=reward_timeout, batch_size=batch_size, dtype=dtype)
+    score_cfg = override_section(cfg.score, reward=reward, reward_timeout=reward_timeout, batch_size=batch_size, dtype=dtype, sum_pi_squared=sum_pi_squared)
     manifest = stage.run(
         rollouts=rollouts, out=_output(out, fmt, rows_per_part, as_json), cfg=score_cfg,
         ref=ref, critic=critic, policy=policy, device=device or cfg.model.device, force=force,

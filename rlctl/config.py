@@ -170,6 +170,7 @@ class ScoreConfig:
     http_retries: int = 2  # http rewards: more tries of a request that timed out or got 429/5xx
     dtype: str = "auto"  # compute dtype of the ref/policy/critic forward passes and an rm: reward model: auto (bf16 where native, else fp32) | fp32 | bf16 (the reference from a bf16 copy of its weights; policy, critic and reward model under autocast)
     old_logprobs: str = "auto"  # in a pipeline: recompute (a policy forward) | rollout (the engine's own) | update (the update's own forward, one optimizer step per batch) | auto: rollout when engine and trainer are fp32, else update when exact, else recompute
+    sum_pi_squared: bool = False  # also write each response token's Σπ² under the policy, from the old log-probs' forward (the optimal_token_baseline estimator's; a pipeline sets it for that estimator)
     overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last N tokens before max_new_tokens; 0 = off
     overlong_penalty: float = 1.0  # the penalty at max_new_tokens (it grows linearly over the buffer)
 
@@ -183,10 +184,11 @@ class ScoreConfig:
 class AdvantageConfig:
     """Rewards → advantages and returns (pure math), with the optional KL penalty."""
 
-    estimator: str = "grpo"  # gae | gpg (α·(score − group mean), with update.policy_loss = gpg) | grpo | rloo | opo | grpo_passk | reinforce_pp | reinforce_pp_baseline | remax (with rollout.greedy_baseline; docs/algorithms.md)
+    estimator: str = "grpo"  # gae | gpg (α·(score − group mean), with update.policy_loss = gpg) | grpo | rloo | opo | grpo_passk | reinforce_pp | reinforce_pp_baseline | remax (with rollout.greedy_baseline) | optimal_token_baseline (with score's old log-probs and Σπ²; docs/algorithms.md)
     gamma: float = 1.0  # discount of GAE and REINFORCE++ returns
     lam: float = 1.0  # GAE's lambda
     norm_by_std: bool = True  # GRPO: divide by the group's reward std (false = Dr. GRPO)
+    otb_zero_tail: bool = False  # optimal_token_baseline: no baseline for a group's one longest sample past its second longest (verl's handle_zero_tail)
     std_scope: str = "group"  # GRPO with norm_by_std: the std of the prompt's group, or of the whole batch (TRL's scale_rewards="batch", Lite PPO)
     kl_coef: float = 0.0  # KL penalty in the per-token reward (needs model.ref); 0 = off
     kl_estimator: str = "k1"  # k1 | k2 | k3 | abs (verl's kl, mse, low_var_kl; + suffix: k2's gradient)

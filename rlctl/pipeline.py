@@ -86,6 +86,15 @@ def resolve_pass_tokens(cfg: Config, recorded: Config | None) -> Config:
     return replace(cfg, update=replace(cfg.update, micro_batch_tokens=value))
 
 
+def resolve_score_columns(cfg: Config) -> Config:
+    """`score.sum_pi_squared` on where the advantage estimator reads it (optimal_token_baseline)."""
+    from rlctl.algos.advantages import NEEDS_SUM_PI_SQUARED
+
+    if cfg.advantage.estimator in NEEDS_SUM_PI_SQUARED and not cfg.score.sum_pi_squared:
+        return replace(cfg, score=replace(cfg.score, sum_pi_squared=True))
+    return cfg
+
+
 # The warm starts before iteration 1, in the order they run: each trains the weights the one
 # before it left (model.path for the first) on its section's data into RUN/<name>, and the
 # last one's folder is the run's initial policy.
@@ -144,7 +153,12 @@ def warm_start_base(cfg: Config, run_dir: Path, name: str) -> str:
 
 def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | None = None) -> None:
     """Everything that can be checked before any work: fails with one line, exit code 2."""
-    from rlctl.algos.advantages import ESTIMATORS, NEEDS_BASELINES, NEEDS_VALUES
+    from rlctl.algos.advantages import (
+        ESTIMATORS,
+        NEEDS_BASELINES,
+        NEEDS_SUM_PI_SQUARED,
+        NEEDS_VALUES,
+    )
     from rlctl.stages.advantage import check_config
     from rlctl.tool_turns import check_tool
     from rlctl.trainer import check_update_config
@@ -187,6 +201,13 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
         raise ConfigError(f"estimator {cfg.advantage.estimator} needs each prompt's greedy reward: set rollout.greedy_baseline = true")
     if cfg.update.rollout_is != "off" and cfg.update.rollout_is_batch_normalize and old_logprobs_source(cfg) == "update":
         raise ConfigError("update.rollout_is_batch_normalize needs the whole batch's weights before the update: set score.old_logprobs = recompute (or auto), not update")
+    if cfg.advantage.estimator in NEEDS_SUM_PI_SQUARED and not cfg.score.sum_pi_squared:
+        raise ConfigError(f"estimator {cfg.advantage.estimator} needs each token's Σπ²: set score.sum_pi_squared = true")
+    if cfg.score.sum_pi_squared and old_logprobs_source(cfg) != "recompute":
+        raise ConfigError(
+            f"score.sum_pi_squared comes from the policy's forward that recomputes the old log-probs: with score.old_logprobs = {cfg.score.old_logprobs} "
+            "there is none; set it to recompute (or auto)"
+        )
     if cfg.update.rollout_rs != "off" and old_logprobs_source(cfg) != "recompute":
         raise ConfigError(
             f"update.rollout_rs compares the trainer's old log-probs with the engine's: with score.old_logprobs = {cfg.score.old_logprobs} "
@@ -239,7 +260,7 @@ class Pipeline:
         self.run_dir = Path(run_dir or cfg.pipeline.run_dir)
         cfg = resolve_model_paths(paths_relative_to(cfg, base_dir), self.run_dir)
         recorded = recorded_config(self.run_dir)
-        cfg = resolve_pass_tokens(resolve_dtypes(cfg, recorded), recorded)
+        cfg = resolve_score_columns(resolve_pass_tokens(resolve_dtypes(cfg, recorded), recorded))
         validate(cfg, from_stage=from_stage, until_stage=until_stage)
         self.config_changes = check_resume_config(self.run_dir, cfg, allow=resume_with_changes)
         self.cfg = cfg
@@ -948,12 +969,15 @@ def old_logprobs_source(cfg: Config) -> str:
     fp32 and training is fp32 too (they are the trainer's to ~3e-7); the update's own when it
     makes one optimizer step on the batch and the advantage needs no policy log-probs (no KL in
     the reward): before that step the policy is the old policy; else a recompute — always with
-    update.rollout_rs or rollout_is_batch_normalize, which need them before the update. The
+    update.rollout_rs or rollout_is_batch_normalize, which need them before the update, and
+    with score.sum_pi_squared, which comes from their forward. The
     dtypes must be decided (`resolve_dtypes`) before this is asked."""
     if cfg.score.old_logprobs != "auto":
         return cfg.score.old_logprobs
     if cfg.update.rollout_rs != "off" or (cfg.update.rollout_is != "off" and cfg.update.rollout_is_batch_normalize):
         return "recompute"  # rejection compares the trainer's old log-probs with the engine's; the normalizer is the whole batch's weights
+    if cfg.score.sum_pi_squared:
+        return "recompute"  # Σπ² comes from that forward (the optimal token baseline's)
     if cfg.rollout.backend == "hf" and cfg.rollout.dtype == "fp32" and cfg.update.bf16 == "false":
         return "rollout"
     return "update" if one_step_on_policy(cfg) and not kl_in_reward(cfg) else "recompute"

@@ -15,6 +15,7 @@ import torch
 from rlctl.algos.advantages import (
     ESTIMATORS,
     NEEDS_BASELINES,
+    NEEDS_SUM_PI_SQUARED,
     NEEDS_VALUES,
     masked_mean,
     sequence_mean,
@@ -76,6 +77,8 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
         raise InputError(f"estimator {cfg.estimator} needs critic values: score with --critic")
     if cfg.estimator in NEEDS_BASELINES and "baseline_reward" not in names:
         raise InputError(f"estimator {cfg.estimator} needs baseline_reward: roll out with rollout.greedy_baseline = true (--greedy-baseline), then score")
+    if cfg.estimator in NEEDS_SUM_PI_SQUARED and any(name not in names or table.column(name).null_count for name in ("old_logprobs", "sum_pi_squared")):
+        raise InputError(f"estimator {cfg.estimator} needs the policy's old_logprobs and sum_pi_squared: score with --policy and --sum-pi-squared")
     kl_coef = state.kl_coef
     if kl_coef > 0 and ("ref_logprobs" not in names or table.column("ref_logprobs").null_count):
         raise InputError("kl_coef > 0 needs ref_logprobs: score with --ref")
@@ -112,6 +115,8 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
         token_rewards=token_rewards, response_mask=mask, values=values, group_index=torch.from_numpy(group_index.astype(np.int64)),
         gamma=cfg.gamma, lam=cfg.lam, norm_by_std=cfg.norm_by_std, std_scope=cfg.std_scope,
         baselines=torch.from_numpy(table.column("baseline_reward").to_numpy().astype(np.float64)) if cfg.estimator in NEEDS_BASELINES else None,
+        **({"old_logprobs": policy(padded(table.column("old_logprobs"), width=width)), "sum_pi_squared": policy(padded(table.column("sum_pi_squared"), width=width)),
+            "zero_tail": cfg.otb_zero_tail} if cfg.estimator in NEEDS_SUM_PI_SQUARED else {}),
     )
     advantages, returns = result.advantages, result.returns
     if tokens is not None:

@@ -44,6 +44,8 @@ def run(
 ) -> Manifest:
     from rlctl.backends.hf import HFPolicy, ValueModel, check_model_dir, resolve_device
 
+    if cfg.sum_pi_squared and not policy:
+        raise InputError("score.sum_pi_squared comes from the policy's forward: give --policy")
     cfg = replace(cfg, dtype=compute_dtype(cfg.dtype, models_device(device, workers)))  # "auto" decided, and recorded
     source = read(rollouts, "rollouts")
     model_uris = {"ref": ref, "policy": policy, "critic": critic}
@@ -177,7 +179,13 @@ def with_model_columns(
     if ref_logprobs is not None:
         new["ref_logprobs"] = list_column(ref_logprobs, pa.float32())
     if models.policy is not None:
-        new["old_logprobs"] = list_column(models.policy.logprobs(prompt_ids, response_ids, temperature=temperature, batch_size=cfg.batch_size, batch_tokens=cfg.batch_tokens, compute_dtype=cfg.dtype, as_trained=True), pa.float32())
+        old_logprobs, sum_pi_squared = models.policy.logprobs_with_statistic(
+            prompt_ids, response_ids, statistic="sum_pi_squared" if cfg.sum_pi_squared else None, temperature=temperature,
+            batch_size=cfg.batch_size, batch_tokens=cfg.batch_tokens, compute_dtype=cfg.dtype, as_trained=True,
+        )
+        new["old_logprobs"] = list_column(old_logprobs, pa.float32())
+        if sum_pi_squared is not None:
+            new["sum_pi_squared"] = list_column(sum_pi_squared, pa.float32())
     if models.critic is not None:
         pad_id = models.policy.pad_id if models.policy is not None else 0
         values = models.critic.values(prompt_ids, response_ids, pad_id=pad_id, batch_size=cfg.batch_size, batch_tokens=cfg.batch_tokens, compute_dtype=cfg.dtype)

@@ -6,7 +6,7 @@ of each sequence (samples of one prompt share it), and returns advantages and re
 Positions where `response_mask` is 0 never influence any output and come out as 0.
 
 Groups of one (one sample of a prompt) give advantage 0 for `grpo`, `rloo`, `opo`,
-`grpo_passk`, `gpg` and `reinforce_pp_baseline`: with nothing to compare against, the sample carries no signal, so it
+`grpo_passk`, `gpg`, `optimal_token_baseline` and `reinforce_pp_baseline`: with nothing to compare against, the sample carries no signal, so it
 contributes no policy gradient (verl differs: a singleton's baseline is 0 there, and for grpo
 its std is 1, so its raw score becomes its advantage).
 """
@@ -40,12 +40,16 @@ class AdvantageEstimator(Protocol):
         norm_by_std: bool,
         std_scope: str = "group",  # grpo's divisor with norm_by_std: its group's std, or the batch's
         baselines: torch.Tensor | None = None,  # [B]: each sequence's own baseline (remax: its prompt's greedy reward)
+        old_logprobs: torch.Tensor | None = None,  # [B, T]: the policy's log-probs of the tokens (optimal_token_baseline)
+        sum_pi_squared: torch.Tensor | None = None,  # [B, T]: Σπ² of the policy at each token (optimal_token_baseline)
+        zero_tail: bool = False,  # optimal_token_baseline: no baseline where the group's longest sample is alone
     ) -> AdvantageOutput: ...
 
 
 ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 NEEDS_VALUES = {"gae"}
 NEEDS_BASELINES = {"remax"}
+NEEDS_SUM_PI_SQUARED = {"optimal_token_baseline"}  # and the policy's old log-probs, from the same forward
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -88,7 +92,7 @@ def group_stats(scores: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.
 
 
 @ESTIMATORS.register("gae")
-def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None) -> AdvantageOutput:
+def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, old_logprobs=None, sum_pi_squared=None, zero_tail=False) -> AdvantageOutput:
     """Generalised advantage estimation with a critic; advantages whitened over the batch.
 
     Masked positions are skipped, as if absent: the recursion carries over them unchanged.
@@ -112,7 +116,7 @@ def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_b
 
 
 @ESTIMATORS.register("grpo")
-def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None) -> AdvantageOutput:
+def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, old_logprobs=None, sum_pi_squared=None, zero_tail=False) -> AdvantageOutput:
     """Group-relative outcome advantage: (score - group mean) [/ std], on every token. The std
     is the group's, or with `std_scope="batch"` every sequence's of the batch (TRL's
     `scale_rewards="batch"`, Lite PPO's group mean with batch std). `norm_by_std=False` (with the
@@ -130,7 +134,7 @@ def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_
 
 
 @ESTIMATORS.register("rloo")
-def rloo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None) -> AdvantageOutput:
+def rloo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, old_logprobs=None, sum_pi_squared=None, zero_tail=False) -> AdvantageOutput:
     """Leave-one-out baseline: score - mean of the other samples of the same prompt."""
     scores = sequence_scores(token_rewards, response_mask)
     mean, _, size = group_stats(scores, group_index)
@@ -152,14 +156,14 @@ def discounted_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor,
 
 
 @ESTIMATORS.register("reinforce_pp")
-def reinforce_pp(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None) -> AdvantageOutput:
+def reinforce_pp(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, old_logprobs=None, sum_pi_squared=None, zero_tail=False) -> AdvantageOutput:
     """REINFORCE++: discounted per-token returns, whitened over the whole batch."""
     returns = discounted_returns(token_rewards, response_mask, gamma)
     return AdvantageOutput(masked_whiten(returns, response_mask), returns)
 
 
 @ESTIMATORS.register("reinforce_pp_baseline")
-def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None) -> AdvantageOutput:
+def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, old_logprobs=None, sum_pi_squared=None, zero_tail=False) -> AdvantageOutput:
     """REINFORCE++ with a group-mean baseline: (score - group mean) on every token, whitened
     over the batch. Groups of one carry no signal (advantage 0) and stay out of the whitening
     statistics, as for grpo and rloo; verl instead uses a baseline of 0 for them, so their
@@ -173,7 +177,7 @@ def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, 
 
 
 @ESTIMATORS.register("opo")
-def opo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None) -> AdvantageOutput:
+def opo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, old_logprobs=None, sum_pi_squared=None, zero_tail=False) -> AdvantageOutput:
     """OPO's optimal baseline (Hao et al. 2025): score - the group's length-weighted mean
     score Σ|o|·s / Σ|o|, on every token; no std. With exactly on-policy training the variance
     of the gradient is smallest for this baseline."""
@@ -190,7 +194,7 @@ def opo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_b
 
 
 @ESTIMATORS.register("grpo_passk")
-def grpo_passk(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None) -> AdvantageOutput:
+def grpo_passk(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, old_logprobs=None, sum_pi_squared=None, zero_tail=False) -> AdvantageOutput:
     """Pass@k training (verl's grpo_passk, after Chen et al. 2025): only each group's best sample
     gets an advantage, its margin over the runner-up (best - second best) [/ the group's std],
     on every token; the others 0. It pushes the best of k up, not the average."""
@@ -210,7 +214,7 @@ def grpo_passk(*, token_rewards, response_mask, values, group_index, gamma, lam,
 
 
 @ESTIMATORS.register("remax")
-def remax(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None) -> AdvantageOutput:
+def remax(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, old_logprobs=None, sum_pi_squared=None, zero_tail=False) -> AdvantageOutput:
     """ReMax (Li et al. 2023): the reward-to-go of each token (undiscounted, as verl's) less
     the reward of the prompt's greedy response, decoded beside the samples and not trained on;
     no critic, no group needed (one sample a prompt is enough), no whitening."""
@@ -222,7 +226,7 @@ def remax(*, token_rewards, response_mask, values, group_index, gamma, lam, norm
 
 
 @ESTIMATORS.register("gpg")
-def gpg(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None) -> AdvantageOutput:
+def gpg(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, old_logprobs=None, sum_pi_squared=None, zero_tail=False) -> AdvantageOutput:
     """GPG (Chu et al. 2025, Group Policy Gradient): α·(score − group mean) on every token, no
     std (the paper's F_norm = 1, as verl's), where α = B / (B − M) for the batch's B samples of
     which M are in groups whose samples all scored alike (or alone): the batch-mean gradient
@@ -239,3 +243,43 @@ def gpg(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_b
     adv = torch.where(signal, alpha * (scores - mean), 0)
     advantages = torch.where(response_mask, adv.unsqueeze(-1), 0)
     return AdvantageOutput(advantages, advantages.clone())
+
+
+@ESTIMATORS.register("optimal_token_baseline")
+def optimal_token_baseline(
+    *, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None,
+    old_logprobs=None, sum_pi_squared=None, zero_tail=False,
+) -> AdvantageOutput:
+    """The optimal token baseline (verl's optimal_token_baseline): each token's reward-to-go G_t
+    (undiscounted) less a baseline of its prompt's group at its position t,
+    B_t = Σ_i G_t·W_t / Σ_i W_t over the group's samples that reach t, each weighted by its
+    path's W_t = Σ_{j≤t} (1 − 2π_j + Σπ²_j): the accumulated squared norm of the log-prob
+    gradients in the logits (‖onehot − π‖², never below 0; rounding's negatives count as 0),
+    the weights under which a baseline leaves the policy gradient the least variance. Positions
+    count the policy's tokens in order (a tool's tokens are not positions: verl's
+    tir_optimal_token_baseline). Groups of one: 0. `zero_tail`: where the group's one longest
+    sample is alone (past the second longest), it takes no baseline — alone, its baseline is
+    its own return and its advantage 0 — so those tokens carry their return."""
+    if old_logprobs is None or sum_pi_squared is None:
+        raise ValueError("optimal_token_baseline needs each token's old log-prob and Σπ²")
+    dtype = token_rewards.dtype
+    returns = discounted_returns(token_rewards, response_mask, 1.0)
+    weight = (1 - 2 * old_logprobs.to(dtype).exp() + sum_pi_squared.to(dtype)).clamp(min=0)
+    path = torch.where(response_mask, torch.where(response_mask, weight, 0).cumsum(-1), 0)
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    groups, width = (int(inverse.max()) + 1 if inverse.numel() else 0), token_rewards.shape[1]
+    numerator = torch.zeros((groups, width), dtype=dtype).index_add_(0, inverse, returns * path)
+    denominator = torch.zeros((groups, width), dtype=dtype).index_add_(0, inverse, path)
+    baseline = (numerator / (denominator + 1e-8))[inverse]  # verl's epsilon: a path without weight takes baseline 0
+    size = torch.zeros(groups, dtype=torch.long).index_add_(0, inverse, torch.ones_like(inverse))[inverse]
+    if zero_tail:
+        lengths = response_mask.sum(-1)
+        longest = torch.zeros(groups, dtype=lengths.dtype).scatter_reduce(0, inverse, lengths, "amax")[inverse]
+        at_longest = lengths == longest
+        count_longest = torch.zeros(groups, dtype=torch.long).index_add_(0, inverse, at_longest.long())[inverse]
+        second = torch.zeros(groups, dtype=lengths.dtype).scatter_reduce(0, inverse, torch.where(at_longest, 0, lengths), "amax")[inverse]
+        alone = at_longest & (count_longest == 1) & (size > 1)
+        tail = alone.unsqueeze(-1) & (torch.arange(width) >= second.unsqueeze(-1))
+        baseline = torch.where(tail, 0, baseline)
+    advantages = torch.where(response_mask & (size > 1).unsqueeze(-1), returns - baseline, 0)
+    return AdvantageOutput(advantages, returns)

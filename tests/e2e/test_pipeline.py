@@ -339,6 +339,34 @@ def test_dry_run_prints_the_plan_and_writes_nothing(cli, tmp_path, tiny_model):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_run_with_the_optimal_token_baseline_scores_sum_pi_squared_and_its_stages_replay(cli, tmp_path, tiny_model):
+    """advantage.estimator = optimal_token_baseline turns score.sum_pi_squared on (recorded in
+    the run's resolved config) and makes score recompute the old log-probs beside it; the
+    advantage is the estimator's on those columns; score and advantage replay identically."""
+    from rlctl.algos.kl import KLControllerState
+    from rlctl.config import recorded_config
+    from rlctl.stages.advantage import advantage_table
+
+    config = write_config(
+        tmp_path, tiny_model, model={"critic": ""}, advantage={"estimator": "optimal_token_baseline", "kl_coef": 0.0, "kl_controller": "fixed"},
+        update={"epochs": 1}, pipeline={"iterations": 2, "val_every": 0},
+    )
+    pipeline = Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"])
+    rows = pipeline.run()
+    assert len(rows) == 2 and recorded_config(tmp_path / "run").score.sum_pi_squared
+    for i in (1, 2):
+        folder = tmp_path / "run" / f"iter-{i:04d}"
+        scores = shards.read(str(folder / "score"), "scores").table
+        assert [len(r) for r in scores.column("sum_pi_squared").to_pylist()] == [len(r) for r in scores.column("response_ids").to_pylist()]
+        expected, _, _ = advantage_table(scores, pipeline.cfg.advantage, KLControllerState(0.0))
+        recorded = shards.read(str(folder / "advantage"), "batch").table
+        assert recorded.column("advantages").to_pylist() == expected.column("advantages").to_pylist()
+        assert any(a != 0 for row in recorded.column("advantages").to_pylist() for a in row)
+    for stage in ("score", "advantage"):
+        replayed = cli("replay", tmp_path / "run" / "iter-0002" / stage, "--check")
+        assert replayed.exit_code == 0 and "identical" in replayed.stdout, replayed.stderr
+
+
 def test_keep_shards_prunes_old_stage_outputs(tmp_path, tiny_model):
     config = write_config(tmp_path, tiny_model, pipeline={"iterations": 3, "keep_shards": 1, "keep_checkpoints": 1, "val_every": 0})
     Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"]).run()

@@ -147,6 +147,7 @@ def test_rows_spread_over_ranks_come_back_as_one_process_writes_them(ray_session
             results[backend] = (
                 [g.response_ids for g in generated], [g.logprobs for g in generated],
                 workers.ref.logprobs(prompt_ids, response_ids, temperature=1.0), workers.critic.values(prompt_ids, response_ids, pad_id=0),
+                *workers.policy.logprobs_with_statistic(prompt_ids, response_ids, statistic="sum_pi_squared", temperature=0.8),
             )
         finally:
             workers.close()
@@ -219,14 +220,14 @@ def test_a_two_worker_run_replays_identical_and_resumes_on_one_worker_and_locall
 
 
 def test_stage_commands_on_two_workers_write_what_one_process_writes(ray_session, cli, tmp_path, tiny_model, prompts_file):
-    """rollout (with greedy baselines), score and update with --workers 2 against the same
-    commands run locally."""
+    """rollout (with greedy baselines), score (with Σπ²) and update with --workers 2 against the
+    same commands run locally."""
     runs = {}
     for name, flags in (("local", []), ("ray", ["--workers-backend", "ray", "--workers", "2"])):
         out = tmp_path / name
         for args in (
             ["rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", out / "r", "--n", "3", "--max-new-tokens", "5", "--seed", "4", "--greedy-baseline"],
-            ["score", "--rollouts", out / "r", "--out", out / "s", "--reward", "builtin:length", "--ref", tiny_model, "--policy", tiny_model, "--critic", tiny_model],
+            ["score", "--rollouts", out / "r", "--out", out / "s", "--reward", "builtin:length", "--ref", tiny_model, "--policy", tiny_model, "--critic", tiny_model, "--sum-pi-squared"],
             ["advantage", "--scores", out / "s", "--out", out / "b", "--estimator", "gae"],
             ["update", "--batch", out / "b", "--model", tiny_model, "--critic", tiny_model, "--out", out / "c", "--lr", "1e-3", "--mini-batch-size", "3", "--micro-batch-size", "2"],
         ):
@@ -243,7 +244,7 @@ def test_stage_commands_on_two_workers_write_what_one_process_writes(ray_session
         local_metrics, ray_metrics = (shards.read_manifest(str(runs[name] / stage))[0].metrics for name in ("local", "ray"))
         assert ray_metrics == local_metrics and ray_metrics, stage
     local_s, ray_s = shards.read(str(runs["local"] / "s")).table, shards.read(str(runs["ray"] / "s")).table
-    for column in ("ref_logprobs", "old_logprobs", "values", "rollout_logprobs"):
+    for column in ("ref_logprobs", "old_logprobs", "sum_pi_squared", "values", "rollout_logprobs"):
         a, b = local_s.column(column).to_pylist(), ray_s.column(column).to_pylist()
         assert max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)) < 1e-5, column
     local_w, ray_w = load_file(str(runs["local"] / "c" / "model.safetensors")), load_file(str(runs["ray"] / "c" / "model.safetensors"))

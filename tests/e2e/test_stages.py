@@ -2,6 +2,7 @@
 piping, skip-when-current, and bad input."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -319,6 +320,35 @@ def test_gpg_advantages_scale_the_group_centred_rewards_by_the_batch_over_the_ro
     assert result.exit_code == 0, result.stderr
     metrics = json.loads(result.stdout)["metrics"]
     assert metrics["pg_clipfrac"] == 0 and metrics["grad_norm"] > 0
+
+
+def test_the_optimal_token_baseline_weighs_each_groups_returns_by_the_policys_gradient_norms_and_trains(cli, tmp_path, tiny_model, scored):
+    """score --policy --sum-pi-squared writes each token's Σπ² beside its old log-prob (so that
+    1 − 2π + Σπ², a squared gradient norm, lies in [0, 2]); advantage --estimator
+    optimal_token_baseline subtracts, at the first token, the group's returns weighted by it;
+    update trains on it. Without the column the estimator is refused, as is --sum-pi-squared
+    without a policy."""
+    result = cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "s-otb", "--reward", "builtin:length", "--policy", tiny_model, "--sum-pi-squared")
+    assert result.exit_code == 0, result.stderr
+    rows = shards.read(str(tmp_path / "s-otb"), "scores").table.to_pylist()
+    for row in rows:
+        assert len(row["sum_pi_squared"]) == len(row["old_logprobs"]) == len(row["response_ids"])
+        assert all(0 <= 1 - 2 * math.exp(lp) + sq <= 2 + 1e-6 and 0 < sq <= 1 + 1e-6 for lp, sq in zip(row["old_logprobs"], row["sum_pi_squared"]))
+    result = cli("advantage", "--scores", tmp_path / "s-otb", "--out", tmp_path / "b", "--estimator", "optimal_token_baseline")
+    assert result.exit_code == 0, result.stderr
+    batch = shards.read(str(tmp_path / "b"), "batch").table.to_pylist()
+    for row in batch:
+        group = [other for other in batch if other["id"] == row["id"] and other["response_ids"]]
+        weights = [max(0.0, 1 - 2 * math.exp(other["old_logprobs"][0]) + other["sum_pi_squared"][0]) for other in group]
+        baseline = sum(w * other["reward"] for w, other in zip(weights, group)) / (sum(weights) + 1e-8)
+        if row["response_ids"]:
+            assert row["advantages"][0] == pytest.approx(row["reward"] - baseline if len(group) > 1 else 0.0, abs=1e-5)
+    assert any(abs(row["advantages"][0]) > 1e-3 for row in batch if row["response_ids"])
+    result = cli("update", "--batch", tmp_path / "b", "--model", tiny_model, "--out", tmp_path / "c", "--lr", "1e-3", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["metrics"]["grad_norm"] > 0
+    bad(cli("advantage", "--scores", scored, "--out", tmp_path / "o", "--estimator", "optimal_token_baseline"), tmp_path / "o", "sum_pi_squared", "--sum-pi-squared")
+    bad(cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "o", "--reward", "builtin:length", "--sum-pi-squared"), tmp_path / "o", "--policy")
 
 
 def test_update_rejects_the_tokens_whose_old_policy_strays_from_the_engines_and_says_how_many(cli, tmp_path, tiny_model, scored):

@@ -1,6 +1,7 @@
 """Each advantage estimator against a straightforward loop implementation (float64, 1e-6),
 plus the masked-GAE invariance property and the defined result for groups of one."""
 
+import itertools
 import math
 
 import numpy as np
@@ -25,11 +26,22 @@ def random_batch(seed=0, B=7, T=6, groups=(0, 0, 0, 1, 1, 2, 3)):
     return rewards, mask, values, torch.tensor(groups[:B]), lengths
 
 
-def call(name, rewards, mask, values, groups, gamma=0.9, lam=0.8, norm_by_std=True, std_scope="group", baselines=None):
+def call(name, rewards, mask, values, groups, gamma=0.9, lam=0.8, norm_by_std=True, std_scope="group", baselines=None, **policy):
     return ESTIMATORS.get(name)(
         token_rewards=rewards, response_mask=mask, values=values, group_index=groups, gamma=gamma, lam=lam, norm_by_std=norm_by_std, std_scope=std_scope,
-        baselines=baselines,
+        baselines=baselines, **policy,
     )
+
+
+def policy_statistics(seed, mask, vocab=5):
+    """What score's policy forward gives the optimal token baseline: each token's log-prob and
+    its distribution's Σπ², from random logits (junk at masked positions)."""
+    g = torch.Generator().manual_seed(seed + 100)
+    probs = torch.softmax(torch.randn(*mask.shape, vocab, generator=g, dtype=torch.float64) * 2, dim=-1)
+    tokens = torch.randint(0, vocab, mask.shape, generator=g)
+    logp = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()
+    junk = torch.randn(mask.shape, generator=g, dtype=torch.float64) * 50
+    return {"old_logprobs": torch.where(mask, logp, junk), "sum_pi_squared": torch.where(mask, probs.square().sum(-1), junk)}
 
 
 # -- reference implementations: plain Python over valid tokens only --------------------------
@@ -258,10 +270,79 @@ def test_gpg_calls_rounding_equal_scores_equal_and_a_batch_without_signal_all_ze
     assert (out.advantages == 0).all()
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo", "opo", "grpo_passk", "gpg", "reinforce_pp_baseline"])
+def ref_optimal_token_baseline(rewards, lengths, groups, logp, sum_pi_squared, zero_tail=False):
+    """Per group and position t over the group's samples that reach t: the baseline
+    Σ G_t·W_t / (Σ W_t + 1e-8), W_t = Σ_{j≤t} ‖onehot − π_j‖²; groups of one get 0."""
+    B = len(lengths)
+    returns = [[sum(rewards[i][t:lengths[i]]) for t in range(lengths[i])] for i in range(B)]
+    path = [list(itertools.accumulate(1 - 2 * math.exp(logp[i][j]) + sum_pi_squared[i][j] for j in range(lengths[i]))) for i in range(B)]
+    out = []
+    for i in range(B):
+        members = [k for k in range(B) if groups[k] == groups[i]]
+        if len(members) == 1:
+            out.append([0.0] * lengths[i])
+            continue
+        by_length = sorted(lengths[k] for k in members)
+        alone_longest = lengths[i] == by_length[-1] > by_length[-2]
+        row = []
+        for t in range(lengths[i]):
+            reach = [k for k in members if lengths[k] > t]
+            baseline = sum(returns[k][t] * path[k][t] for k in reach) / (sum(path[k][t] for k in reach) + 1e-8)
+            if zero_tail and alone_longest and t >= by_length[-2]:
+                baseline = 0.0
+            row.append(returns[i][t] - baseline)
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("zero_tail", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_optimal_token_baseline_matches_loop(seed, zero_tail):
+    rewards, mask, _, groups, lengths = random_batch(seed)
+    stats = policy_statistics(seed, mask)
+    out = call("optimal_token_baseline", rewards, mask, None, groups, zero_tail=zero_tail, **stats)
+    expected = ref_optimal_token_baseline(rewards.tolist(), lengths, groups.tolist(), stats["old_logprobs"].tolist(), stats["sum_pi_squared"].tolist(), zero_tail)
+    assert_rows(out.advantages, expected, lengths, mask)
+    assert_rows(out.returns, ref_discounted(rewards.tolist(), lengths, 1.0), lengths, mask)
+
+
+def test_optimal_token_baseline_with_equal_paths_is_the_mean_return_of_the_samples_that_reach_each_position():
+    """Where every token's gradient norm is alike, W_t is the same for every sample at t: the
+    baseline is the plain mean of the returns there (a sample alone at t has advantage 0)."""
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    rewards = torch.tensor([[0.0, 0.0, 3.0], [0.0, 1.0, 0.0], [2.0, 0.0, 0.0]], dtype=torch.float64)
+    uniform = {"old_logprobs": torch.full((3, 3), math.log(0.25), dtype=torch.float64), "sum_pi_squared": torch.full((3, 3), 0.25, dtype=torch.float64)}
+    out = call("optimal_token_baseline", rewards, mask, None, torch.zeros(3, dtype=torch.long), **uniform)
+    expected = [[3 - 2, 3 - 2, 0.0], [1 - 2, 1 - 2, 0.0], [2 - 2, 0.0, 0.0]]  # means 2, 2, 3
+    torch.testing.assert_close(out.advantages, torch.tensor(expected, dtype=torch.float64), atol=1e-7, rtol=0)
+    tail = call("optimal_token_baseline", rewards, mask, None, torch.zeros(3, dtype=torch.long), zero_tail=True, **uniform)
+    assert tail.advantages[0].tolist() == pytest.approx([1.0, 1.0, 3.0])  # past the second longest: its return
+
+
+def test_optimal_token_baseline_weighs_each_sample_by_its_paths_gradient_norm():
+    """A sample whose tokens were near-certain (π ≈ 1: a gradient norm ≈ 0) hardly moves the
+    baseline: the other sample's return sets it."""
+    mask = torch.ones(2, 1, dtype=torch.bool)
+    rewards = torch.tensor([[1.0], [0.0]], dtype=torch.float64)
+    certain, spread = (0.999, 0.999**2 + 0.001**2), (0.5, 0.5)  # (π of the token, Σπ²): w = 1e-6·2, 0.5
+    stats = {"old_logprobs": torch.tensor([[math.log(certain[0])], [math.log(spread[0])]], dtype=torch.float64),
+             "sum_pi_squared": torch.tensor([[certain[1]], [spread[1]]], dtype=torch.float64)}
+    out = call("optimal_token_baseline", rewards, mask, None, torch.zeros(2, dtype=torch.long), **stats)
+    w = (1 - 2 * 0.999 + certain[1], 0.5)
+    baseline = w[0] / (w[0] + w[1] + 1e-8)
+    assert out.advantages[:, 0].tolist() == pytest.approx([1 - baseline, -baseline], abs=1e-9) and baseline < 1e-5
+
+
+def test_optimal_token_baseline_needs_the_policys_statistics():
+    rewards, mask, _, groups, _ = random_batch(0)
+    with pytest.raises(ValueError, match="old log-prob and Σπ²"):
+        call("optimal_token_baseline", rewards, mask, None, groups)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "opo", "grpo_passk", "gpg", "reinforce_pp_baseline", "optimal_token_baseline"])
 def test_groups_of_one_get_zero_advantage(name):
     rewards, mask, _, _, lengths = random_batch(5)
-    out = call(name, rewards, mask, None, torch.arange(7))
+    out = call(name, rewards, mask, None, torch.arange(7), **(policy_statistics(5, mask) if name == "optimal_token_baseline" else {}))
     assert (out.advantages == 0).all()
 
 
@@ -296,7 +377,7 @@ def test_the_kl_fed_to_the_controller_averages_tokens_then_sequences():
 def test_unknown_estimator_lists_the_known_ones():
     from rlctl.errors import InputError
 
-    with pytest.raises(InputError, match="available: gae, gpg, grpo, grpo_passk, opo, reinforce_pp, reinforce_pp_baseline, remax, rloo"):
+    with pytest.raises(InputError, match="available: gae, gpg, grpo, grpo_passk, opo, optimal_token_baseline, reinforce_pp, reinforce_pp_baseline, remax, rloo"):
         ESTIMATORS.get("ppo2")
 
 
@@ -305,7 +386,7 @@ def test_registry_refuses_duplicates():
         ESTIMATORS.register("gae")(lambda **kw: None)
 
 
-@pytest.mark.parametrize("estimator", ["gae", "grpo", "reinforce_pp"])
+@pytest.mark.parametrize("estimator", ["gae", "grpo", "reinforce_pp", "optimal_token_baseline"])
 def test_a_tools_tokens_are_context_the_advantage_skips(estimator):
     """Rows whose responses hold a tool's tokens (loss_mask False) get the advantages, returns
     and per-token rewards the same rows would get without those tokens, and 0 at them: the
@@ -323,6 +404,8 @@ def test_a_tools_tokens_are_context_the_advantage_skips(estimator):
         return torch.randn(n, generator=g).tolist()
 
     columns = {name: [rand(len(m)) for m in masks] for name in ("old_logprobs", "ref_logprobs", "values")}
+    columns["old_logprobs"] = [[-abs(v) for v in row] for row in columns["old_logprobs"]]
+    columns["sum_pi_squared"] = [[0.3 + abs(v) / 10 for v in row] for row in columns["values"]]
     full = pa.table({
         "id": ["a", "a", "b", "b"], "response_ids": [list(range(len(m))) for m in masks], "reward": pa.array([1.0, 0.0, 0.5, 2.0], pa.float32()),
         **{name: pa.array(values, pa.list_(pa.float32())) for name, values in columns.items()}, "loss_mask": pa.array(masks, pa.list_(pa.bool_())),

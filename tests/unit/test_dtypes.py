@@ -77,6 +77,7 @@ def test_update_bf16_reads_booleans_as_before():
     ({"update": {"rollout_rs": "token_k1", "rollout_rs_threshold": "2"}}, "recompute"),  # its rules compare the trainer's with the engine's
     ({"rollout": {"dtype": "bf16"}, "update": {"rollout_is": "token", "rollout_is_batch_normalize": True}}, "recompute"),  # the whole batch's weights first
     ({"rollout": {"dtype": "bf16"}, "update": {"rollout_is": "token"}}, "update"),
+    ({"score": {"sum_pi_squared": True}}, "recompute"),  # Σπ² comes from that forward (the optimal token baseline's)
 ])
 def test_auto_old_logprobs_take_the_cheapest_exact_source(sets, source):
     from rlctl.pipeline import old_logprobs_source
