@@ -19,7 +19,7 @@ _rlctl() {
     fi
     [[ -n "$words" ]] && cmd="$cmd ${COMP_WORDS[2]}"
     case "$cmd" in
-        "advantage") opts="--config --estimator --force --format --gamma --help --json --kl-coef --kl-controller --kl-estimator --kl-state --lam --no-norm-by-std --norm-by-std --out --rows-per-part --scores --set --std-scope" ;;
+        "advantage") opts="--config --estimator --force --format --gamma --help --json --kl-coef --kl-controller --kl-estimator --kl-state --lam --no-norm-by-std --norm-by-std --out --pf-ppo --rows-per-part --scores --set --std-scope" ;;
         "config diff") opts="--help --json" ;;
         "config show") opts="--help --json --set" ;;
         "dpo") opts="--batch-size --beta --config --data --device --epochs --eval --force --help --json --loss --lr --model --out --ref --set --val-data" ;;
@@ -43,6 +43,7 @@ _rlctl() {
         "advantage --kl-estimator") values="abs abs+ k1 k1+ k2 k2+ k3 k3+ kl kl+ low_var_kl low_var_kl+ mse mse+" ;;
         "advantage --std-scope") values="group batch" ;;
         "advantage --kl-controller") values="fixed adaptive" ;;
+        "advantage --pf-ppo") values="off pow max_min max_random" ;;
         "advantage --format") values="arrow parquet" ;;
         "dpo --loss") values="sigmoid robust ipo hinge simpo orpo" ;;
         "model init --preset") values="tiny small medium" ;;

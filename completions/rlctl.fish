@@ -15,6 +15,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from advantage' -l lam
 complete -c rlctl -n '__fish_seen_subcommand_from advantage' -l no-norm-by-std
 complete -c rlctl -n '__fish_seen_subcommand_from advantage' -l norm-by-std
 complete -c rlctl -n '__fish_seen_subcommand_from advantage' -l out
+complete -c rlctl -n '__fish_seen_subcommand_from advantage' -l pf-ppo -xa 'off pow max_min max_random'
 complete -c rlctl -n '__fish_seen_subcommand_from advantage' -l rows-per-part
 complete -c rlctl -n '__fish_seen_subcommand_from advantage' -l scores
 complete -c rlctl -n '__fish_seen_subcommand_from advantage' -l set

@@ -24,7 +24,7 @@ _rlctl() {
   local cmd="${words[2]}"
   [[ "${words[2]}" == model ]] && cmd="model-${words[3]}"
   case $cmd in
-    advantage) _arguments '*:file:_files' '--config' '--estimator:estimator:(gae gpg grpo grpo_passk opo optimal_token_baseline reinforce_pp reinforce_pp_baseline remax rloo)' '--force' '--format:format:(arrow parquet)' '--gamma' '--help' '--json' '--kl-coef' '--kl-controller:kl-controller:(fixed adaptive)' '--kl-estimator:kl-estimator:(abs abs+ k1 k1+ k2 k2+ k3 k3+ kl kl+ low_var_kl low_var_kl+ mse mse+)' '--kl-state' '--lam' '--no-norm-by-std' '--norm-by-std' '--out' '--rows-per-part' '--scores' '--set' '--std-scope:std-scope:(group batch)' ;;
+    advantage) _arguments '*:file:_files' '--config' '--estimator:estimator:(gae gpg grpo grpo_passk opo optimal_token_baseline reinforce_pp reinforce_pp_baseline remax rloo)' '--force' '--format:format:(arrow parquet)' '--gamma' '--help' '--json' '--kl-coef' '--kl-controller:kl-controller:(fixed adaptive)' '--kl-estimator:kl-estimator:(abs abs+ k1 k1+ k2 k2+ k3 k3+ kl kl+ low_var_kl low_var_kl+ mse mse+)' '--kl-state' '--lam' '--no-norm-by-std' '--norm-by-std' '--out' '--pf-ppo:pf-ppo:(off pow max_min max_random)' '--rows-per-part' '--scores' '--set' '--std-scope:std-scope:(group batch)' ;;
     config-diff) _arguments '*:file:_files' '--help' '--json' ;;
     config-show) _arguments '*:file:_files' '--help' '--json' '--set' ;;
     dpo) _arguments '*:file:_files' '--batch-size' '--beta' '--config' '--data' '--device' '--epochs' '--eval' '--force' '--help' '--json' '--loss:loss:(sigmoid robust ipo hinge simpo orpo)' '--lr' '--model' '--out' '--ref' '--set' '--val-data' ;;

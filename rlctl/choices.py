@@ -11,6 +11,7 @@ WORKER_BACKENDS = ("local", "ray")
 TRUNCATE = ("error", "left")
 KL_CONTROLLERS = ("fixed", "adaptive")
 STD_SCOPES = ("group", "batch")
+PF_PPO = ("off", "pow", "max_min", "max_random")  # advantage.pf_ppo (rlctl.algos.filtration): verl's reweight_method
 TOOL_FORMATS = ("text", "chat")
 SHARD_FORMATS = ("arrow", "parquet")
 RESHARD_TARGETS = ("hf",)

@@ -243,6 +243,7 @@ def advantage(
     norm_by_std: Annotated[Optional[bool], typer.Option("--norm-by-std/--no-norm-by-std", help="GRPO: divide by the group's std." + _default("advantage.norm_by_std"))] = None,
     std_scope: Annotated[Optional[str], typer.Option("--std-scope", help="GRPO's std with --norm-by-std: the group's or the batch's." + _default("advantage.std_scope"), metavar=_choices(choices.STD_SCOPES))] = None,
     kl_controller: Annotated[Optional[str], typer.Option("--kl-controller", help="KL coefficient: fixed, or adaptive towards a target KL." + _default("advantage.kl_controller"), metavar=_choices(choices.KL_CONTROLLERS))] = None,
+    pf_ppo: Annotated[Optional[str], typer.Option("--pf-ppo", help="Policy filtration: redraw the batch by a weight of each reward (PF-PPO)." + _default("advantage.pf_ppo"), metavar=_choices(choices.PF_PPO))] = None,
     kl_state: Annotated[Optional[str], typer.Option("--kl-state", help="A previous advantage output whose KL controller state to continue.")] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -256,7 +257,7 @@ def advantage(
     from rlctl.stages import advantage as stage
 
     cfg = _stage_config(config, set_)
-    adv_cfg = override_section(cfg.advantage, estimator=estimator, gamma=gamma, lam=lam, kl_coef=kl_coef, kl_estimator=kl_estimator, norm_by_std=norm_by_std, std_scope=std_scope, kl_controller=kl_controller)
+    adv_cfg = override_section(cfg.advantage, estimator=estimator, gamma=gamma, lam=lam, kl_coef=kl_coef, kl_estimator=kl_estimator, norm_by_std=norm_by_std, std_scope=std_scope, kl_controller=kl_controller, pf_ppo=pf_ppo)
     manifest = stage.run(scores=scores, out=_output(out, fmt, rows_per_part, as_json), cfg=adv_cfg, kl_state=kl_state, force=force)
     _report(manifest, as_json)
 

@@ -29,6 +29,7 @@ from rlctl.choices import (
     KL_CONTROLLERS,
     LR_SCHEDULES,
     OLD_LOGPROBS,
+    PF_PPO,
     POLICY_LOSSES,
     REJECTION_RULES,
     RESHARD_DTYPES,
@@ -191,6 +192,9 @@ class AdvantageConfig:
     otb_zero_tail: bool = False  # optimal_token_baseline: no baseline for a group's one longest sample past its second longest (verl's handle_zero_tail)
     std_scope: str = "group"  # GRPO with norm_by_std: the std of the prompt's group, or of the whole batch (TRL's scale_rewards="batch", Lite PPO)
     kl_coef: float = 0.0  # KL penalty in the per-token reward (needs model.ref); 0 = off
+    pf_ppo: str = "off"  # policy filtration (PF-PPO, verl's use_pf_ppo): train on the batch redrawn with replacement by a weight of each reward: pow (|reward|^pf_ppo_weight_pow) | max_min (the batch's best and worst) | max_random (the best 4× the others) | off
+    pf_ppo_weight_pow: float = 2.0  # pf_ppo = pow: the power of |reward|
+    pf_ppo_seed: int = 0  # pf_ppo's draw: this seed with the batch's ids and rewards (a replay draws the same rows)
     kl_estimator: str = "k1"  # k1 | k2 | k3 | abs (verl's kl, mse, low_var_kl; + suffix: k2's gradient)
     kl_controller: str = "fixed"  # fixed | adaptive
     kl_target: float = 0.1  # adaptive controller: the KL it steers towards
@@ -199,7 +203,8 @@ class AdvantageConfig:
     def __post_init__(self) -> None:
         check_ranges(self, "advantage", {
             "gamma": between(0.0, 1.0), "lam": between(0.0, 1.0), "kl_coef": at_least(0.0), "kl_controller": one_of(*KL_CONTROLLERS),
-            "kl_target": above(0.0), "kl_horizon": at_least(1), "std_scope": one_of(*STD_SCOPES),
+            "kl_target": above(0.0), "kl_horizon": at_least(1), "std_scope": one_of(*STD_SCOPES), "pf_ppo": one_of(*PF_PPO),
+            "pf_ppo_weight_pow": at_least(0.0),
         })
 
 

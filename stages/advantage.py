@@ -20,6 +20,7 @@ from rlctl.algos.advantages import (
     masked_mean,
     sequence_mean,
 )
+from rlctl.algos.filtration import filtered_rows
 from rlctl.algos.kl import KL_ESTIMATORS, KLControllerState, next_kl_state
 from rlctl.config import AdvantageConfig, to_dict
 from rlctl.errors import InputError
@@ -130,4 +131,15 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
         "advantages": unpad(advantages, lengths),
         "returns": unpad(returns, lengths),
     })
+    if cfg.pf_ppo != "off":
+        table, filtration = filtered(table, rewards.numpy(), cfg)
+        stats.update(filtration)
     return table, next_state, stats
+
+
+def filtered(table: pa.Table, rewards: np.ndarray, cfg: AdvantageConfig) -> tuple[pa.Table, dict]:
+    """The batch redrawn by policy filtration (rlctl.algos.filtration), and what it kept: the
+    share of the rows drawn at least once and the mean reward of the rows drawn."""
+    rows = filtered_rows(table.column("id").to_pylist(), rewards, method=cfg.pf_ppo, power=cfg.pf_ppo_weight_pow, seed=cfg.pf_ppo_seed)
+    kept = {"pf_ppo/distinct_rows": len(np.unique(rows)) / len(rows) if len(rows) else 0.0, "pf_ppo/reward_mean": float(rewards[rows].mean()) if len(rows) else 0.0}
+    return table.take(pa.array(rows, pa.int64())), kept

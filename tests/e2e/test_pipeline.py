@@ -367,6 +367,18 @@ def test_a_run_with_the_optimal_token_baseline_scores_sum_pi_squared_and_its_sta
         assert replayed.exit_code == 0 and "identical" in replayed.stdout, replayed.stderr
 
 
+def test_a_run_with_policy_filtration_reports_what_it_drew_and_replays_its_draw(cli, tmp_path, tiny_model):
+    config = write_config(tmp_path, tiny_model, model={"critic": ""}, advantage={"estimator": "grpo", "pf_ppo": "pow", "kl_coef": 0.0, "kl_controller": "fixed"},
+                          pipeline={"iterations": 2, "val_every": 0})
+    rows = Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"]).run()
+    for row in rows:
+        batch = shards.read(str(tmp_path / "run" / f"iter-{row['iteration']:04d}" / "advantage"), "batch").table
+        assert row["pf_ppo/reward_mean"] == pytest.approx(np.mean(batch.column("reward").to_pylist()))
+        assert 0 < row["pf_ppo/distinct_rows"] <= 1
+    replayed = cli("replay", tmp_path / "run" / "iter-0002" / "advantage", "--check")
+    assert replayed.exit_code == 0 and "identical" in replayed.stdout, replayed.stderr
+
+
 def test_keep_shards_prunes_old_stage_outputs(tmp_path, tiny_model):
     config = write_config(tmp_path, tiny_model, pipeline={"iterations": 3, "keep_shards": 1, "keep_checkpoints": 1, "val_every": 0})
     Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"]).run()

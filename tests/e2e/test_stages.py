@@ -351,6 +351,22 @@ def test_the_optimal_token_baseline_weighs_each_groups_returns_by_the_policys_gr
     bad(cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "o", "--reward", "builtin:length", "--sum-pi-squared"), tmp_path / "o", "--policy")
 
 
+def test_policy_filtration_trains_on_the_batch_redrawn_from_its_best_and_worst_samples(cli, tmp_path, tiny_model, scored):
+    """advantage --pf-ppo max_min: as many rows as scored, each a scored row with its
+    advantages, all with the batch's highest or lowest reward; the manifest says how many
+    distinct rows were drawn. An unknown method is one line, exit 2."""
+    result = cli("advantage", "--scores", scored, "--out", tmp_path / "b", "--estimator", "gae", "--pf-ppo", "max_min", "--json")
+    assert result.exit_code == 0, result.stderr
+    metrics = json.loads(result.stdout)["metrics"]
+    assert cli("advantage", "--scores", scored, "--out", tmp_path / "whole", "--estimator", "gae").exit_code == 0
+    whole = {(r["id"], r["sample"]): r for r in shards.read(str(tmp_path / "whole"), "batch").table.to_pylist()}
+    rows = shards.read(str(tmp_path / "b"), "batch").table.to_pylist()
+    rewards = [r["reward"] for r in whole.values()]
+    assert len(rows) == len(whole) and all(row == whole[row["id"], row["sample"]] and row["reward"] in (max(rewards), min(rewards)) for row in rows)
+    assert metrics["pf_ppo/distinct_rows"] == len({(r["id"], r["sample"]) for r in rows}) / len(rows)
+    bad(cli("advantage", "--scores", scored, "--out", tmp_path / "o", "--pf-ppo", "best"), tmp_path / "o", "advantage.pf_ppo", "max_min")
+
+
 def test_update_rejects_the_tokens_whose_old_policy_strays_from_the_engines_and_says_how_many(cli, tmp_path, tiny_model, scored):
     """update.rollout_rs on a batch whose old log-probs were scored in bf16 (the fp32 engine's
     differ): tight bounds reject tokens and the manifest's metrics say the share; a batch
