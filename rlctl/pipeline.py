@@ -864,7 +864,7 @@ class Pipeline:
             **({"truncated_masked": train["truncated_masked"]} if "truncated_masked" in train else {}),  # update.mask_truncated: the share of rows out of the loss
             **({"entropy_tokens_kept": train["entropy_tokens_kept"]} if "entropy_tokens_kept" in train else {}),  # update.top_entropy_quantile: the share of tokens in the policy gradient
             **{k: v for k, v in train.items() if k.startswith("rollout_rs/") or k == "rollout_is_batch_mean"},  # update.rollout_rs: the shares rejected; the IS weights' batch mean before normalizing
-            **{k: v for k, v in adv_stats.items() if k.startswith("pf_ppo/")},  # advantage.pf_ppo: the share of rows drawn, their mean reward
+            **{k: v for k, v in adv_stats.items() if k.startswith(("pf_ppo/", "variance_proxy/"))},  # advantage.pf_ppo: the share of rows drawn, their mean reward; with Σπ²: the gradient's variance proxies
             "torch_threads": train.get("torch_threads"),
             "seconds/io": io["seconds"],
             **reward_component_means(scores),

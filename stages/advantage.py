@@ -126,6 +126,10 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
         state, controller=cfg.kl_controller, observed_kl=observed_kl or 0.0, batch_sequences=len(lengths), target=cfg.kl_target, horizon=cfg.kl_horizon
     )
     stats.update({"kl": observed_kl, "kl_coef": kl_coef, "advantage_mean": float(masked_mean(result.advantages, mask))})
+    if all(name in names and not table.column(name).null_count for name in ("old_logprobs", "sum_pi_squared")):
+        stats.update(variance_proxy(
+            result.advantages, mask, policy(padded(table.column("old_logprobs"), width=width)), policy(padded(table.column("sum_pi_squared"), width=width)),
+        ))
     table = set_columns(table, {
         "token_rewards": unpad(token_rewards, lengths),
         "advantages": unpad(advantages, lengths),
@@ -135,6 +139,23 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
         table, filtration = filtered(table, rewards.numpy(), cfg)
         stats.update(filtration)
     return table, next_state, stats
+
+
+def variance_proxy(advantages: torch.Tensor, mask: torch.Tensor, old_logprobs: torch.Tensor, sum_pi_squared: torch.Tensor) -> dict:
+    """verl's variance proxies of the policy gradient where score wrote Σπ²: with Ā a sequence's
+    mean advantage and W(τ) = Σ_t (1 − 2π_t + Σπ²_t) its summed squared log-prob gradient norms
+    in the logits, E[Ā² W] over the batch's sequences approximates E‖ĝ_τ‖², the gradient's total
+    power (on-policy: no importance weights), beside its factors E[Ā²] and E[W]."""
+    lengths = mask.sum(-1).clamp(min=1)
+    mean_advantage = torch.where(mask, advantages, 0).sum(-1) / lengths
+    w = torch.where(mask, (1 - 2 * old_logprobs.exp() + sum_pi_squared).clamp(min=0), 0).sum(-1)
+    if not len(w):
+        return {}
+    return {
+        "variance_proxy/total_power": float((mean_advantage.square() * w).mean()),
+        "variance_proxy/expected_a_squared": float(mean_advantage.square().mean()),
+        "variance_proxy/expected_w": float(w.mean()),
+    }
 
 
 def filtered(table: pa.Table, rewards: np.ndarray, cfg: AdvantageConfig) -> tuple[pa.Table, dict]:

@@ -354,6 +354,7 @@ def test_a_run_with_the_optimal_token_baseline_scores_sum_pi_squared_and_its_sta
     pipeline = Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"])
     rows = pipeline.run()
     assert len(rows) == 2 and recorded_config(tmp_path / "run").score.sum_pi_squared
+    assert all(row["variance_proxy/total_power"] > 0 and row["variance_proxy/expected_w"] > 0 for row in rows)
     for i in (1, 2):
         folder = tmp_path / "run" / f"iter-{i:04d}"
         scores = shards.read(str(folder / "score"), "scores").table

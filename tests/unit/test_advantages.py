@@ -423,3 +423,28 @@ def test_a_tools_tokens_are_context_the_advantage_skips(estimator):
         for got, expected, m in zip(with_tool.column(name).to_pylist(), plain.column(name).to_pylist(), masks):
             assert [v for v, keep in zip(got, m) if keep] == pytest.approx(expected, abs=1e-6), name
             assert all(v == 0.0 for v, keep in zip(got, m) if not keep), name
+
+
+def test_where_score_wrote_sum_pi_squared_the_advantage_reports_the_gradients_variance_proxies():
+    """verl's proxies: over sequences, E[Ā²·W] with Ā the sequence's mean advantage and
+    W = Σ_t (1 − 2π_t + Σπ²_t), beside E[Ā²] and E[W]; without Σπ² none are reported."""
+    import pyarrow as pa
+
+    from rlctl.algos.kl import KLControllerState
+    from rlctl.config import AdvantageConfig
+    from rlctl.stages.advantage import advantage_table
+
+    logprobs = [[-0.1, -2.0, -0.5], [-1.0], [-0.3, -0.7]]
+    sum_pi_squared = [[0.85, 0.2, 0.5], [0.4], [0.6, 0.3]]  # each at least its token's π²: a distribution's
+    table = pa.table({
+        "id": ["a", "a", "b"], "response_ids": [[1, 2, 3], [4], [5, 6]], "reward": pa.array([1.0, 0.0, 0.5], pa.float32()),
+        "old_logprobs": pa.array(logprobs, pa.list_(pa.float32())), "sum_pi_squared": pa.array(sum_pi_squared, pa.list_(pa.float32())),
+    })
+    out, _, stats = advantage_table(table, AdvantageConfig(estimator="grpo"), KLControllerState(0.0))
+    means = [sum(row) / len(row) for row in out.column("advantages").to_pylist()]
+    w = [sum(1 - 2 * math.exp(lp) + sq for lp, sq in zip(lps, sqs)) for lps, sqs in zip(logprobs, sum_pi_squared)]
+    assert stats["variance_proxy/total_power"] == pytest.approx(np.mean([a * a * x for a, x in zip(means, w)]), rel=1e-5)
+    assert stats["variance_proxy/expected_a_squared"] == pytest.approx(np.mean([a * a for a in means]), rel=1e-5)
+    assert stats["variance_proxy/expected_w"] == pytest.approx(np.mean(w), rel=1e-5)
+    _, _, plain = advantage_table(table.drop_columns(["sum_pi_squared"]), AdvantageConfig(estimator="grpo"), KLControllerState(0.0))
+    assert not any(key.startswith("variance_proxy/") for key in plain)
