@@ -11,7 +11,8 @@ WORKER_BACKENDS = ("local", "ray")
 TRUNCATE = ("error", "left")
 KL_CONTROLLERS = ("fixed", "adaptive")
 STD_SCOPES = ("group", "batch")
-PF_PPO = ("off", "pow", "max_min", "max_random")  # advantage.pf_ppo (rlctl.algos.filtration): verl's reweight_method
+PF_PPO = ("off", "pow", "max_min", "max_random")
+OTB_ROLLOUT_IS = ("auto", "off", "token", "sequence")  # advantage.otb_rollout_is  # advantage.pf_ppo (rlctl.algos.filtration): verl's reweight_method
 TOOL_FORMATS = ("text", "chat")
 SHARD_FORMATS = ("arrow", "parquet")
 RESHARD_TARGETS = ("hf",)
@@ -21,6 +22,7 @@ SHOW_LAYOUTS = ("auto", "table", "records")
 RUN_CHECKS = ("truncated", "constant_reward", "equal_rewards", "engine_mismatch", "rejected", "skipped_steps")  # rlctl.run_checks' findings
 
 ESTIMATORS = ("gae", "gpg", "grpo", "grpo_passk", "opo", "optimal_token_baseline", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo")
+SUM_PI_SQUARED_ESTIMATORS = ("optimal_token_baseline",)  # estimators that read score's Σπ² and old log-probs
 KL_ESTIMATORS = ("abs", "abs+", "k1", "k1+", "k2", "k2+", "k3", "k3+", "kl", "kl+", "low_var_kl", "low_var_kl+", "mse", "mse+")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "kl_cov", "gmpo", "clip_cov", "gpg", "sapo")

@@ -6,6 +6,7 @@ function, print. `main()` is the one place that maps typed errors to exit codes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -253,11 +254,12 @@ def advantage(
     force: ForceOpt = False,
 ) -> None:
     """Turn rewards into per-token rewards, advantages and returns (pure math, no model)."""
-    from rlctl.config import override_section
+    from rlctl.config import override_section, resolve_estimator_inputs
     from rlctl.stages import advantage as stage
 
     cfg = _stage_config(config, set_)
     adv_cfg = override_section(cfg.advantage, estimator=estimator, gamma=gamma, lam=lam, kl_coef=kl_coef, kl_estimator=kl_estimator, norm_by_std=norm_by_std, std_scope=std_scope, kl_controller=kl_controller, pf_ppo=pf_ppo)
+    adv_cfg = resolve_estimator_inputs(dataclasses.replace(cfg, advantage=adv_cfg)).advantage  # otb_rollout_is = auto: the config's [update]
     manifest = stage.run(scores=scores, out=_output(out, fmt, rows_per_part, as_json), cfg=adv_cfg, kl_state=kl_state, force=force)
     _report(manifest, as_json)
 

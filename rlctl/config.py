@@ -29,6 +29,7 @@ from rlctl.choices import (
     KL_CONTROLLERS,
     LR_SCHEDULES,
     OLD_LOGPROBS,
+    OTB_ROLLOUT_IS,
     PF_PPO,
     POLICY_LOSSES,
     REJECTION_RULES,
@@ -36,6 +37,7 @@ from rlctl.choices import (
     ROLLOUT_BACKENDS,
     RUN_CHECKS,
     STD_SCOPES,
+    SUM_PI_SQUARED_ESTIMATORS,
     TOOL_FORMATS,
     TRUNCATE,
     WORKER_BACKENDS,
@@ -190,6 +192,8 @@ class AdvantageConfig:
     lam: float = 1.0  # GAE's lambda
     norm_by_std: bool = True  # GRPO: divide by the group's reward std (false = Dr. GRPO)
     otb_zero_tail: bool = False  # optimal_token_baseline: no baseline for a group's one longest sample past its second longest (verl's handle_zero_tail)
+    otb_rollout_is: str = "auto"  # optimal_token_baseline: weigh paths by the squared truncated IS weights π_old/π_rollout the update applies (verl's, with rollout correction): auto (update.rollout_is and its threshold, where the config has an [update]: a pipeline, --config) | off | token | sequence
+    otb_rollout_is_threshold: float = 2.0  # the truncation of those weights (auto: update.rollout_is_threshold)
     std_scope: str = "group"  # GRPO with norm_by_std: the std of the prompt's group, or of the whole batch (TRL's scale_rewards="batch", Lite PPO)
     kl_coef: float = 0.0  # KL penalty in the per-token reward (needs model.ref); 0 = off
     pf_ppo: str = "off"  # policy filtration (PF-PPO, verl's use_pf_ppo): train on the batch redrawn with replacement by a weight of each reward: pow (|reward|^pf_ppo_weight_pow) | max_min (the batch's best and worst) | max_random (the best 4× the others) | off
@@ -204,6 +208,7 @@ class AdvantageConfig:
         check_ranges(self, "advantage", {
             "gamma": between(0.0, 1.0), "lam": between(0.0, 1.0), "kl_coef": at_least(0.0), "kl_controller": one_of(*KL_CONTROLLERS),
             "kl_target": above(0.0), "kl_horizon": at_least(1), "std_scope": one_of(*STD_SCOPES), "pf_ppo": one_of(*PF_PPO),
+            "otb_rollout_is": one_of(*OTB_ROLLOUT_IS), "otb_rollout_is_threshold": above(1.0),
             "pf_ppo_weight_pow": at_least(0.0),
         })
 
@@ -586,6 +591,18 @@ SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 
 
 RESOLVED_CONFIG = "config.resolved.toml"  # what a pipeline run folder records it runs with
+
+
+def resolve_estimator_inputs(cfg: Config) -> Config:
+    """What the optimal token baseline reads, decided from the rest of the config: score's Σπ²
+    on (`score.sum_pi_squared`), and `advantage.otb_rollout_is = auto` as the update's
+    importance weights. Other estimators' configs are returned as they are."""
+    if cfg.advantage.estimator not in SUM_PI_SQUARED_ESTIMATORS:
+        return cfg
+    advantage = cfg.advantage
+    if advantage.otb_rollout_is == "auto":
+        advantage = replace(advantage, otb_rollout_is=cfg.update.rollout_is, otb_rollout_is_threshold=cfg.update.rollout_is_threshold)
+    return replace(cfg, score=replace(cfg.score, sum_pi_squared=True), advantage=advantage)
 
 
 def recorded_config(run_dir: str | Path) -> Config | None:

@@ -48,6 +48,7 @@ from rlctl.config import (
     load_config,
     paths_relative_to,
     recorded_config,
+    resolve_estimator_inputs,
     to_dict,
     to_toml,
 )
@@ -84,15 +85,6 @@ def resolve_pass_tokens(cfg: Config, recorded: Config | None) -> Config:
         critic = (ModelShape.of_folder(cfg.model.critic) or shape) if cfg.model.critic else None
         value = decided_micro_batch_tokens(value, models_device(cfg.model.device, cfg.workers), shape, critic=critic, ranks=ranks_at_once(cfg.workers))
     return replace(cfg, update=replace(cfg.update, micro_batch_tokens=value))
-
-
-def resolve_score_columns(cfg: Config) -> Config:
-    """`score.sum_pi_squared` on where the advantage estimator reads it (optimal_token_baseline)."""
-    from rlctl.algos.advantages import NEEDS_SUM_PI_SQUARED
-
-    if cfg.advantage.estimator in NEEDS_SUM_PI_SQUARED and not cfg.score.sum_pi_squared:
-        return replace(cfg, score=replace(cfg.score, sum_pi_squared=True))
-    return cfg
 
 
 # The warm starts before iteration 1, in the order they run: each trains the weights the one
@@ -260,7 +252,7 @@ class Pipeline:
         self.run_dir = Path(run_dir or cfg.pipeline.run_dir)
         cfg = resolve_model_paths(paths_relative_to(cfg, base_dir), self.run_dir)
         recorded = recorded_config(self.run_dir)
-        cfg = resolve_score_columns(resolve_pass_tokens(resolve_dtypes(cfg, recorded), recorded))
+        cfg = resolve_estimator_inputs(resolve_pass_tokens(resolve_dtypes(cfg, recorded), recorded))
         validate(cfg, from_stage=from_stage, until_stage=until_stage)
         self.config_changes = check_resume_config(self.run_dir, cfg, allow=resume_with_changes)
         self.cfg = cfg

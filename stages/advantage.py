@@ -17,11 +17,13 @@ from rlctl.algos.advantages import (
     NEEDS_BASELINES,
     NEEDS_SUM_PI_SQUARED,
     NEEDS_VALUES,
+    PathWeights,
     masked_mean,
     sequence_mean,
 )
 from rlctl.algos.filtration import filtered_rows
 from rlctl.algos.kl import KL_ESTIMATORS, KLControllerState, next_kl_state
+from rlctl.algos.losses import rollout_is_weights
 from rlctl.config import AdvantageConfig, to_dict
 from rlctl.errors import InputError
 from rlctl.lineage import make_manifest, shards_ref, up_to_date
@@ -116,8 +118,7 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
         token_rewards=token_rewards, response_mask=mask, values=values, group_index=torch.from_numpy(group_index.astype(np.int64)),
         gamma=cfg.gamma, lam=cfg.lam, norm_by_std=cfg.norm_by_std, std_scope=cfg.std_scope,
         baselines=torch.from_numpy(table.column("baseline_reward").to_numpy().astype(np.float64)) if cfg.estimator in NEEDS_BASELINES else None,
-        **({"old_logprobs": policy(padded(table.column("old_logprobs"), width=width)), "sum_pi_squared": policy(padded(table.column("sum_pi_squared"), width=width)),
-            "zero_tail": cfg.otb_zero_tail} if cfg.estimator in NEEDS_SUM_PI_SQUARED else {}),
+        paths=path_weights(table, cfg, policy, width, mask) if cfg.estimator in NEEDS_SUM_PI_SQUARED else None,
     )
     advantages, returns = result.advantages, result.returns
     if tokens is not None:
@@ -139,6 +140,20 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
         table, filtration = filtered(table, rewards.numpy(), cfg)
         stats.update(filtration)
     return table, next_state, stats
+
+
+def path_weights(table: pa.Table, cfg: AdvantageConfig, policy, width: int, mask: torch.Tensor) -> PathWeights:
+    """The optimal token baseline's inputs from score's columns (the policy's tokens only, as
+    `policy` compacts them), with the update's truncated importance weights where
+    `otb_rollout_is` says (auto unresolved, without an [update] to read: none)."""
+    old_logprobs = policy(padded(table.column("old_logprobs"), width=width))
+    is_weights = None
+    if cfg.otb_rollout_is in ("token", "sequence"):
+        is_weights = rollout_is_weights(
+            old_logprobs=old_logprobs, rollout_logprobs=policy(padded(table.column("rollout_logprobs"), width=width)), response_mask=mask,
+            level=cfg.otb_rollout_is, threshold=cfg.otb_rollout_is_threshold,
+        )
+    return PathWeights(old_logprobs, policy(padded(table.column("sum_pi_squared"), width=width)), is_weights, cfg.otb_zero_tail)
 
 
 def variance_proxy(advantages: torch.Tensor, mask: torch.Tensor, old_logprobs: torch.Tensor, sum_pi_squared: torch.Tensor) -> dict:

@@ -18,6 +18,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from rlctl.algos.registry import Registry
+from rlctl.choices import SUM_PI_SQUARED_ESTIMATORS
 
 EPS = 1e-6
 
@@ -25,6 +26,18 @@ EPS = 1e-6
 class AdvantageOutput(NamedTuple):
     advantages: torch.Tensor  # [B, T]
     returns: torch.Tensor  # [B, T]
+
+
+class PathWeights(NamedTuple):
+    """What the optimal token baseline weighs each sample's path by: the old policy's log-prob of
+    each token and its distribution's Σπ² (score's), optionally the truncated importance weights
+    the update will apply (the baseline of least variance under them), and whether a group's one
+    longest sample takes no baseline where it is alone."""
+
+    old_logprobs: torch.Tensor  # [B, T]
+    sum_pi_squared: torch.Tensor  # [B, T]
+    is_weights: torch.Tensor | None = None  # [B, T]: W scaled by their squares (verl's, with rollout correction)
+    zero_tail: bool = False
 
 
 class AdvantageEstimator(Protocol):
@@ -40,16 +53,14 @@ class AdvantageEstimator(Protocol):
         norm_by_std: bool,
         std_scope: str = "group",  # grpo's divisor with norm_by_std: its group's std, or the batch's
         baselines: torch.Tensor | None = None,  # [B]: each sequence's own baseline (remax: its prompt's greedy reward)
-        old_logprobs: torch.Tensor | None = None,  # [B, T]: the policy's log-probs of the tokens (optimal_token_baseline)
-        sum_pi_squared: torch.Tensor | None = None,  # [B, T]: Σπ² of the policy at each token (optimal_token_baseline)
-        zero_tail: bool = False,  # optimal_token_baseline: no baseline where the group's longest sample is alone
+        paths: PathWeights | None = None,  # optimal_token_baseline: what weighs each sample's path
     ) -> AdvantageOutput: ...
 
 
 ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 NEEDS_VALUES = {"gae"}
 NEEDS_BASELINES = {"remax"}
-NEEDS_SUM_PI_SQUARED = {"optimal_token_baseline"}  # and the policy's old log-probs, from the same forward
+NEEDS_SUM_PI_SQUARED = set(SUM_PI_SQUARED_ESTIMATORS)  # and the policy's old log-probs, from the same forward
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -92,7 +103,7 @@ def group_stats(scores: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.
 
 
 @ESTIMATORS.register("gae")
-def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, old_logprobs=None, sum_pi_squared=None, zero_tail=False) -> AdvantageOutput:
+def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
     """Generalised advantage estimation with a critic; advantages whitened over the batch.
 
     Masked positions are skipped, as if absent: the recursion carries over them unchanged.
@@ -116,7 +127,7 @@ def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_b
 
 
 @ESTIMATORS.register("grpo")
-def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, old_logprobs=None, sum_pi_squared=None, zero_tail=False) -> AdvantageOutput:
+def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
     """Group-relative outcome advantage: (score - group mean) [/ std], on every token. The std
     is the group's, or with `std_scope="batch"` every sequence's of the batch (TRL's
     `scale_rewards="batch"`, Lite PPO's group mean with batch std). `norm_by_std=False` (with the
@@ -134,7 +145,7 @@ def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_
 
 
 @ESTIMATORS.register("rloo")
-def rloo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, old_logprobs=None, sum_pi_squared=None, zero_tail=False) -> AdvantageOutput:
+def rloo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
     """Leave-one-out baseline: score - mean of the other samples of the same prompt."""
     scores = sequence_scores(token_rewards, response_mask)
     mean, _, size = group_stats(scores, group_index)
@@ -156,14 +167,14 @@ def discounted_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor,
 
 
 @ESTIMATORS.register("reinforce_pp")
-def reinforce_pp(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, old_logprobs=None, sum_pi_squared=None, zero_tail=False) -> AdvantageOutput:
+def reinforce_pp(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
     """REINFORCE++: discounted per-token returns, whitened over the whole batch."""
     returns = discounted_returns(token_rewards, response_mask, gamma)
     return AdvantageOutput(masked_whiten(returns, response_mask), returns)
 
 
 @ESTIMATORS.register("reinforce_pp_baseline")
-def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, old_logprobs=None, sum_pi_squared=None, zero_tail=False) -> AdvantageOutput:
+def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
     """REINFORCE++ with a group-mean baseline: (score - group mean) on every token, whitened
     over the batch. Groups of one carry no signal (advantage 0) and stay out of the whitening
     statistics, as for grpo and rloo; verl instead uses a baseline of 0 for them, so their
@@ -177,7 +188,7 @@ def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, 
 
 
 @ESTIMATORS.register("opo")
-def opo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, old_logprobs=None, sum_pi_squared=None, zero_tail=False) -> AdvantageOutput:
+def opo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
     """OPO's optimal baseline (Hao et al. 2025): score - the group's length-weighted mean
     score Σ|o|·s / Σ|o|, on every token; no std. With exactly on-policy training the variance
     of the gradient is smallest for this baseline."""
@@ -194,7 +205,7 @@ def opo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_b
 
 
 @ESTIMATORS.register("grpo_passk")
-def grpo_passk(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, old_logprobs=None, sum_pi_squared=None, zero_tail=False) -> AdvantageOutput:
+def grpo_passk(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
     """Pass@k training (verl's grpo_passk, after Chen et al. 2025): only each group's best sample
     gets an advantage, its margin over the runner-up (best - second best) [/ the group's std],
     on every token; the others 0. It pushes the best of k up, not the average."""
@@ -214,7 +225,7 @@ def grpo_passk(*, token_rewards, response_mask, values, group_index, gamma, lam,
 
 
 @ESTIMATORS.register("remax")
-def remax(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, old_logprobs=None, sum_pi_squared=None, zero_tail=False) -> AdvantageOutput:
+def remax(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
     """ReMax (Li et al. 2023): the reward-to-go of each token (undiscounted, as verl's) less
     the reward of the prompt's greedy response, decoded beside the samples and not trained on;
     no critic, no group needed (one sample a prompt is enough), no whitening."""
@@ -226,7 +237,7 @@ def remax(*, token_rewards, response_mask, values, group_index, gamma, lam, norm
 
 
 @ESTIMATORS.register("gpg")
-def gpg(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, old_logprobs=None, sum_pi_squared=None, zero_tail=False) -> AdvantageOutput:
+def gpg(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
     """GPG (Chu et al. 2025, Group Policy Gradient): α·(score − group mean) on every token, no
     std (the paper's F_norm = 1, as verl's), where α = B / (B − M) for the batch's B samples of
     which M are in groups whose samples all scored alike (or alone): the batch-mean gradient
@@ -246,10 +257,7 @@ def gpg(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_b
 
 
 @ESTIMATORS.register("optimal_token_baseline")
-def optimal_token_baseline(
-    *, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None,
-    old_logprobs=None, sum_pi_squared=None, zero_tail=False,
-) -> AdvantageOutput:
+def optimal_token_baseline(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
     """The optimal token baseline (verl's optimal_token_baseline): each token's reward-to-go G_t
     (undiscounted) less a baseline of its prompt's group at its position t,
     B_t = Σ_i G_t·W_t / Σ_i W_t over the group's samples that reach t, each weighted by its
@@ -257,14 +265,18 @@ def optimal_token_baseline(
     gradients in the logits (‖onehot − π‖², never below 0; rounding's negatives count as 0),
     the weights under which a baseline leaves the policy gradient the least variance. Positions
     count the policy's tokens in order (a tool's tokens are not positions: verl's
-    tir_optimal_token_baseline). Groups of one: 0. `zero_tail`: where the group's one longest
-    sample is alone (past the second longest), it takes no baseline — alone, its baseline is
-    its own return and its advantage 0 — so those tokens carry their return."""
-    if old_logprobs is None or sum_pi_squared is None:
+    tir_optimal_token_baseline). With importance weights ρ̄ on the update's loss, each token's
+    term is ρ̄²·(1 − 2π + Σπ²), the variance it carries then. Groups of one: 0. `zero_tail`:
+    where the group's one longest sample is alone (past the second longest), it takes no
+    baseline — alone, its baseline is its own return and its advantage 0 — so those tokens
+    carry their return."""
+    if paths is None:
         raise ValueError("optimal_token_baseline needs each token's old log-prob and Σπ²")
     dtype = token_rewards.dtype
     returns = discounted_returns(token_rewards, response_mask, 1.0)
-    weight = (1 - 2 * old_logprobs.to(dtype).exp() + sum_pi_squared.to(dtype)).clamp(min=0)
+    weight = (1 - 2 * paths.old_logprobs.to(dtype).exp() + paths.sum_pi_squared.to(dtype)).clamp(min=0)
+    if paths.is_weights is not None:
+        weight = weight * paths.is_weights.to(dtype).square()
     path = torch.where(response_mask, torch.where(response_mask, weight, 0).cumsum(-1), 0)
     _, inverse = torch.unique(group_index, return_inverse=True)
     groups, width = (int(inverse.max()) + 1 if inverse.numel() else 0), token_rewards.shape[1]
@@ -272,7 +284,7 @@ def optimal_token_baseline(
     denominator = torch.zeros((groups, width), dtype=dtype).index_add_(0, inverse, path)
     baseline = (numerator / (denominator + 1e-8))[inverse]  # verl's epsilon: a path without weight takes baseline 0
     size = torch.zeros(groups, dtype=torch.long).index_add_(0, inverse, torch.ones_like(inverse))[inverse]
-    if zero_tail:
+    if paths.zero_tail:
         lengths = response_mask.sum(-1)
         longest = torch.zeros(groups, dtype=lengths.dtype).scatter_reduce(0, inverse, lengths, "amax")[inverse]
         at_longest = lengths == longest

@@ -347,6 +347,9 @@ def test_the_optimal_token_baseline_weighs_each_groups_returns_by_the_policys_gr
     result = cli("update", "--batch", tmp_path / "b", "--model", tiny_model, "--out", tmp_path / "c", "--lr", "1e-3", "--json")
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["metrics"]["grad_norm"] > 0
+    weighted = cli("advantage", "--scores", tmp_path / "s-otb", "--out", tmp_path / "b-is", "--estimator", "optimal_token_baseline", "--set", "update.rollout_is=sequence")
+    assert weighted.exit_code == 0, weighted.stderr
+    assert shards.read_manifest(str(tmp_path / "b-is"))[0].config["advantage"]["otb_rollout_is"] == "sequence"  # auto: the config's update
     bad(cli("advantage", "--scores", scored, "--out", tmp_path / "o", "--estimator", "optimal_token_baseline"), tmp_path / "o", "sum_pi_squared", "--sum-pi-squared")
     bad(cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "o", "--reward", "builtin:length", "--sum-pi-squared"), tmp_path / "o", "--policy")
 

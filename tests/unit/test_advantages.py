@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlctl.algos.advantages import ESTIMATORS
+from rlctl.algos.advantages import ESTIMATORS, PathWeights
 
 TOL = 1e-6
 
@@ -26,14 +26,14 @@ def random_batch(seed=0, B=7, T=6, groups=(0, 0, 0, 1, 1, 2, 3)):
     return rewards, mask, values, torch.tensor(groups[:B]), lengths
 
 
-def call(name, rewards, mask, values, groups, gamma=0.9, lam=0.8, norm_by_std=True, std_scope="group", baselines=None, **policy):
+def call(name, rewards, mask, values, groups, gamma=0.9, lam=0.8, norm_by_std=True, std_scope="group", baselines=None, paths=None):
     return ESTIMATORS.get(name)(
         token_rewards=rewards, response_mask=mask, values=values, group_index=groups, gamma=gamma, lam=lam, norm_by_std=norm_by_std, std_scope=std_scope,
-        baselines=baselines, **policy,
+        baselines=baselines, paths=paths,
     )
 
 
-def policy_statistics(seed, mask, vocab=5):
+def policy_statistics(seed, mask, vocab=5, **settings):
     """What score's policy forward gives the optimal token baseline: each token's log-prob and
     its distribution's Σπ², from random logits (junk at masked positions)."""
     g = torch.Generator().manual_seed(seed + 100)
@@ -41,7 +41,7 @@ def policy_statistics(seed, mask, vocab=5):
     tokens = torch.randint(0, vocab, mask.shape, generator=g)
     logp = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()
     junk = torch.randn(mask.shape, generator=g, dtype=torch.float64) * 50
-    return {"old_logprobs": torch.where(mask, logp, junk), "sum_pi_squared": torch.where(mask, probs.square().sum(-1), junk)}
+    return PathWeights(torch.where(mask, logp, junk), torch.where(mask, probs.square().sum(-1), junk), **settings)
 
 
 # -- reference implementations: plain Python over valid tokens only --------------------------
@@ -270,12 +270,13 @@ def test_gpg_calls_rounding_equal_scores_equal_and_a_batch_without_signal_all_ze
     assert (out.advantages == 0).all()
 
 
-def ref_optimal_token_baseline(rewards, lengths, groups, logp, sum_pi_squared, zero_tail=False):
+def ref_optimal_token_baseline(rewards, lengths, groups, logp, sum_pi_squared, zero_tail=False, is_weights=None):
     """Per group and position t over the group's samples that reach t: the baseline
-    Σ G_t·W_t / (Σ W_t + 1e-8), W_t = Σ_{j≤t} ‖onehot − π_j‖²; groups of one get 0."""
+    Σ G_t·W_t / (Σ W_t + 1e-8), W_t = Σ_{j≤t} ρ_j²·‖onehot − π_j‖²; groups of one get 0."""
     B = len(lengths)
+    rho = is_weights or [[1.0] * n for n in lengths]
     returns = [[sum(rewards[i][t:lengths[i]]) for t in range(lengths[i])] for i in range(B)]
-    path = [list(itertools.accumulate(1 - 2 * math.exp(logp[i][j]) + sum_pi_squared[i][j] for j in range(lengths[i]))) for i in range(B)]
+    path = [list(itertools.accumulate(rho[i][j] ** 2 * (1 - 2 * math.exp(logp[i][j]) + sum_pi_squared[i][j]) for j in range(lengths[i]))) for i in range(B)]
     out = []
     for i in range(B):
         members = [k for k in range(B) if groups[k] == groups[i]]
@@ -299,11 +300,25 @@ def ref_optimal_token_baseline(rewards, lengths, groups, logp, sum_pi_squared, z
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_optimal_token_baseline_matches_loop(seed, zero_tail):
     rewards, mask, _, groups, lengths = random_batch(seed)
-    stats = policy_statistics(seed, mask)
-    out = call("optimal_token_baseline", rewards, mask, None, groups, zero_tail=zero_tail, **stats)
-    expected = ref_optimal_token_baseline(rewards.tolist(), lengths, groups.tolist(), stats["old_logprobs"].tolist(), stats["sum_pi_squared"].tolist(), zero_tail)
+    paths = policy_statistics(seed, mask, zero_tail=zero_tail)
+    out = call("optimal_token_baseline", rewards, mask, None, groups, paths=paths)
+    expected = ref_optimal_token_baseline(rewards.tolist(), lengths, groups.tolist(), paths.old_logprobs.tolist(), paths.sum_pi_squared.tolist(), zero_tail)
     assert_rows(out.advantages, expected, lengths, mask)
     assert_rows(out.returns, ref_discounted(rewards.tolist(), lengths, 1.0), lengths, mask)
+
+
+def test_optimal_token_baseline_under_importance_weights_weighs_each_token_by_their_square():
+    """With the update's truncated IS weights ρ̄ on its loss, a token's variance term is
+    ρ̄²·‖onehot − π‖² (verl's B_t = Σ G ρ̄² W / Σ ρ̄² W)."""
+    rewards, mask, _, groups, lengths = random_batch(4)
+    g = torch.Generator().manual_seed(9)
+    rho = torch.where(mask, torch.rand(mask.shape, generator=g, dtype=torch.float64) * 2, 0)
+    paths = policy_statistics(4, mask, is_weights=rho)
+    out = call("optimal_token_baseline", rewards, mask, None, groups, paths=paths)
+    expected = ref_optimal_token_baseline(rewards.tolist(), lengths, groups.tolist(), paths.old_logprobs.tolist(), paths.sum_pi_squared.tolist(), is_weights=rho.tolist())
+    assert_rows(out.advantages, expected, lengths, mask)
+    plain = call("optimal_token_baseline", rewards, mask, None, groups, paths=paths._replace(is_weights=None))
+    assert not torch.allclose(out.advantages, plain.advantages)
 
 
 def test_optimal_token_baseline_with_equal_paths_is_the_mean_return_of_the_samples_that_reach_each_position():
@@ -311,11 +326,11 @@ def test_optimal_token_baseline_with_equal_paths_is_the_mean_return_of_the_sampl
     baseline is the plain mean of the returns there (a sample alone at t has advantage 0)."""
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     rewards = torch.tensor([[0.0, 0.0, 3.0], [0.0, 1.0, 0.0], [2.0, 0.0, 0.0]], dtype=torch.float64)
-    uniform = {"old_logprobs": torch.full((3, 3), math.log(0.25), dtype=torch.float64), "sum_pi_squared": torch.full((3, 3), 0.25, dtype=torch.float64)}
-    out = call("optimal_token_baseline", rewards, mask, None, torch.zeros(3, dtype=torch.long), **uniform)
+    uniform = PathWeights(torch.full((3, 3), math.log(0.25), dtype=torch.float64), torch.full((3, 3), 0.25, dtype=torch.float64))
+    out = call("optimal_token_baseline", rewards, mask, None, torch.zeros(3, dtype=torch.long), paths=uniform)
     expected = [[3 - 2, 3 - 2, 0.0], [1 - 2, 1 - 2, 0.0], [2 - 2, 0.0, 0.0]]  # means 2, 2, 3
     torch.testing.assert_close(out.advantages, torch.tensor(expected, dtype=torch.float64), atol=1e-7, rtol=0)
-    tail = call("optimal_token_baseline", rewards, mask, None, torch.zeros(3, dtype=torch.long), zero_tail=True, **uniform)
+    tail = call("optimal_token_baseline", rewards, mask, None, torch.zeros(3, dtype=torch.long), paths=uniform._replace(zero_tail=True))
     assert tail.advantages[0].tolist() == pytest.approx([1.0, 1.0, 3.0])  # past the second longest: its return
 
 
@@ -325,9 +340,9 @@ def test_optimal_token_baseline_weighs_each_sample_by_its_paths_gradient_norm():
     mask = torch.ones(2, 1, dtype=torch.bool)
     rewards = torch.tensor([[1.0], [0.0]], dtype=torch.float64)
     certain, spread = (0.999, 0.999**2 + 0.001**2), (0.5, 0.5)  # (π of the token, Σπ²): w = 1e-6·2, 0.5
-    stats = {"old_logprobs": torch.tensor([[math.log(certain[0])], [math.log(spread[0])]], dtype=torch.float64),
-             "sum_pi_squared": torch.tensor([[certain[1]], [spread[1]]], dtype=torch.float64)}
-    out = call("optimal_token_baseline", rewards, mask, None, torch.zeros(2, dtype=torch.long), **stats)
+    paths = PathWeights(torch.tensor([[math.log(certain[0])], [math.log(spread[0])]], dtype=torch.float64),
+                        torch.tensor([[certain[1]], [spread[1]]], dtype=torch.float64))
+    out = call("optimal_token_baseline", rewards, mask, None, torch.zeros(2, dtype=torch.long), paths=paths)
     w = (1 - 2 * 0.999 + certain[1], 0.5)
     baseline = w[0] / (w[0] + w[1] + 1e-8)
     assert out.advantages[:, 0].tolist() == pytest.approx([1 - baseline, -baseline], abs=1e-9) and baseline < 1e-5
@@ -342,7 +357,7 @@ def test_optimal_token_baseline_needs_the_policys_statistics():
 @pytest.mark.parametrize("name", ["grpo", "rloo", "opo", "grpo_passk", "gpg", "reinforce_pp_baseline", "optimal_token_baseline"])
 def test_groups_of_one_get_zero_advantage(name):
     rewards, mask, _, _, lengths = random_batch(5)
-    out = call(name, rewards, mask, None, torch.arange(7), **(policy_statistics(5, mask) if name == "optimal_token_baseline" else {}))
+    out = call(name, rewards, mask, None, torch.arange(7), paths=policy_statistics(5, mask) if name == "optimal_token_baseline" else None)
     assert (out.advantages == 0).all()
 
 
@@ -448,3 +463,39 @@ def test_where_score_wrote_sum_pi_squared_the_advantage_reports_the_gradients_va
     assert stats["variance_proxy/expected_w"] == pytest.approx(np.mean(w), rel=1e-5)
     _, _, plain = advantage_table(table.drop_columns(["sum_pi_squared"]), AdvantageConfig(estimator="grpo"), KLControllerState(0.0))
     assert not any(key.startswith("variance_proxy/") for key in plain)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_the_advantage_stage_weighs_the_optimal_token_baselines_paths_by_the_updates_truncated_importance_weights(level):
+    import pyarrow as pa
+
+    from rlctl.algos.kl import KLControllerState
+    from rlctl.algos.losses import rollout_is_weights
+    from rlctl.config import AdvantageConfig
+    from rlctl.stages.advantage import advantage_table
+
+    old = [[-0.2, -1.5, -0.4], [-0.9, -0.3], [-0.6], [-1.2, -0.1]]
+    engine = [[-0.3, -1.0, -0.4], [-1.4, -0.3], [-0.2], [-1.2, -0.5]]
+    sq = [[0.7, 0.3, 0.6], [0.4, 0.6], [0.5], [0.3, 0.85]]
+    table = pa.table({
+        "id": ["a", "a", "a", "b"], "response_ids": [[1, 2, 3], [4, 5], [6], [7, 8]], "reward": pa.array([1.0, 0.0, 0.5, 1.0], pa.float32()),
+        "old_logprobs": pa.array(old, pa.list_(pa.float32())), "rollout_logprobs": pa.array(engine, pa.list_(pa.float32())),
+        "sum_pi_squared": pa.array(sq, pa.list_(pa.float32())),
+    })
+    cfg = AdvantageConfig(estimator="optimal_token_baseline", otb_rollout_is=level, otb_rollout_is_threshold=1.5)
+    out, _, _ = advantage_table(table, cfg, KLControllerState(0.0))
+    lengths = [3, 2, 1, 2]
+    mask = torch.tensor([[i < n for i in range(3)] for n in lengths])
+
+    def pad(rows):
+        return torch.tensor([row + [0.0] * (3 - len(row)) for row in rows], dtype=torch.float64)
+
+    rho = rollout_is_weights(old_logprobs=pad(old), rollout_logprobs=pad(engine), response_mask=mask, level=level, threshold=1.5)
+    rewards = torch.zeros(4, 3, dtype=torch.float64)
+    for i, (n, r) in enumerate(zip(lengths, [1.0, 0.0, 0.5, 1.0])):
+        rewards[i, n - 1] = r
+    expected = ref_optimal_token_baseline(rewards.tolist(), lengths, [0, 0, 0, 1], pad(old).tolist(), pad(sq).tolist(), is_weights=rho.tolist())
+    for got, want in zip(out.column("advantages").to_pylist(), expected):
+        assert got == pytest.approx(want, abs=1e-5)
+    plain, _, _ = advantage_table(table, AdvantageConfig(estimator="optimal_token_baseline", otb_rollout_is="off"), KLControllerState(0.0))
+    assert plain.column("advantages").to_pylist() != out.column("advantages").to_pylist()

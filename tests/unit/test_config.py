@@ -108,3 +108,16 @@ def test_a_text_key_set_to_what_toml_reads_as_a_number_keeps_what_was_typed():
     assert cfg.update.rollout_rs_threshold == "1_2"
     assert load_config(overrides=["update.micro_batch_tokens=4096"]).update.micro_batch_tokens == "4096"
     assert load_config(overrides=["update.lr=1_0e-6"]).update.lr == 1e-5  # a number key reads TOML's number as before
+
+
+def test_the_optimal_token_baseline_reads_the_updates_importance_weights_and_turns_sum_pi_squared_on():
+    """advantage.otb_rollout_is = auto becomes update.rollout_is with its threshold, and
+    score.sum_pi_squared true, for that estimator only; an explicit setting stays."""
+    from rlctl.config import resolve_estimator_inputs
+
+    cfg = resolve_estimator_inputs(load_config(overrides=["advantage.estimator=optimal_token_baseline", "update.rollout_is=token", "update.rollout_is_threshold=3.0"]))
+    assert (cfg.advantage.otb_rollout_is, cfg.advantage.otb_rollout_is_threshold, cfg.score.sum_pi_squared) == ("token", 3.0, True)
+    pinned = resolve_estimator_inputs(load_config(overrides=["advantage.estimator=optimal_token_baseline", "advantage.otb_rollout_is=off", "update.rollout_is=token"]))
+    assert pinned.advantage.otb_rollout_is == "off"
+    other = load_config(overrides=["update.rollout_is=token"])
+    assert resolve_estimator_inputs(other) == other
