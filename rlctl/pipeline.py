@@ -193,11 +193,10 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
         raise ConfigError(f"estimator {cfg.advantage.estimator} needs each prompt's greedy reward: set rollout.greedy_baseline = true")
     if cfg.update.rollout_is != "off" and cfg.update.rollout_is_batch_normalize and old_logprobs_source(cfg) == "update":
         raise ConfigError("update.rollout_is_batch_normalize needs the whole batch's weights before the update: set score.old_logprobs = recompute (or auto), not update")
-    if cfg.advantage.estimator in NEEDS_SUM_PI_SQUARED and not cfg.score.sum_pi_squared:
-        raise ConfigError(f"estimator {cfg.advantage.estimator} needs each token's Σπ²: set score.sum_pi_squared = true")
     if cfg.score.sum_pi_squared and old_logprobs_source(cfg) != "recompute":
+        reader = f"estimator {cfg.advantage.estimator} reads" if cfg.advantage.estimator in NEEDS_SUM_PI_SQUARED else "score.sum_pi_squared writes"
         raise ConfigError(
-            f"score.sum_pi_squared comes from the policy's forward that recomputes the old log-probs: with score.old_logprobs = {cfg.score.old_logprobs} "
+            f"{reader} each token's Σπ² from the policy's forward that recomputes the old log-probs: with score.old_logprobs = {cfg.score.old_logprobs} "
             "there is none; set it to recompute (or auto)"
         )
     if cfg.update.rollout_rs != "off" and old_logprobs_source(cfg) != "recompute":

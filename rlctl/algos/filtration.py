@@ -5,11 +5,12 @@ the worst — are trained on more and the middling ones less or not at all.
 
 The weights, over the batch's rewards s (verl's `reweight_method`):
 
-    pow         |s|^p                         (`pf_ppo_weight_pow` p; 0 rewards are never drawn)
+    pow         |s|^p                         (`pf_ppo_weight_pow` p)
     max_min     1 for the batch's highest and lowest reward, 0 else
     max_random  0.4 for the highest, 0.1 else
 
-each plus 1e-8 (verl's), so a batch whose weights are all 0 is drawn uniformly. The draw takes
+each plus 1e-8 (verl's): a weight of 0 leaves a row that tiny chance, and a batch whose
+weights are all 0 is drawn uniformly. The draw takes
 as many rows as the batch holds, seeded by `seed` and the batch's own ids and rewards: a replay
 of the stage draws the same rows, another batch other rows.
 """

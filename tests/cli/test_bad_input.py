@@ -190,7 +190,7 @@ def test_pipeline_optimal_token_baseline_with_the_engines_own_log_probs(cli, tmp
     config = tmp_path / "c.toml"
     (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "x"}\n')
     config.write_text('[data]\nprompts = "p.jsonl"\n[advantage]\nestimator = "optimal_token_baseline"\n[score]\nold_logprobs = "rollout"\n')
-    check(cli("pipeline", config, "--run-dir", tmp_path / "out"), tmp_path / "out", "score.sum_pi_squared comes from the policy's forward", "score.old_logprobs = rollout", "recompute")
+    check(cli("pipeline", config, "--run-dir", tmp_path / "out"), tmp_path / "out", "estimator optimal_token_baseline reads each token's Σπ² from the policy's forward", "score.old_logprobs = rollout", "recompute")
 
 
 def test_pipeline_normalized_importance_weights_with_the_updates_own_old_log_probs(cli, tmp_path):
