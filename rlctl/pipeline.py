@@ -652,6 +652,7 @@ class Pipeline:
             f"outputs       {self.run_dir}/iter-NNNN/{{prompts,rollout,score,{'filter,' if cfg.pipeline.dynamic_sampling else ''}advantage,update}}, metrics.jsonl",
             *([f"sampling      dynamic: groups with equal rewards dropped, up to {cfg.pipeline.max_sampling_rounds} rounds (prompts-rN, rollout-rN, score-rN)"]
               if cfg.pipeline.dynamic_sampling else []),
+            f"algorithm     {describe_algorithm(cfg)}",
             f"optimizer     AdamW, {describe_schedule(cfg.update, cfg.data.batch_size * cfg.rollout.n)}",
             *([f"correction    {describe_correction(cfg)}"] if cfg.update.rollout_is != "off" or cfg.update.rollout_rs != "off" else []),
             f"checkpoints   {self.run_dir}/checkpoints/ every {cfg.pipeline.save_every or 'run end'}, keep {cfg.pipeline.keep_checkpoints or 'all'}",
@@ -1050,6 +1051,40 @@ def check_resume_config(run_dir: Path, cfg: Config, *, allow: bool) -> dict[str,
     if changes:
         notice(f"rlctl: resuming {run_dir} with changed keys: {', '.join(changes)} (recorded in the next checkpoint)")
     return changes
+
+
+CLIPPED = {  # update.policy_loss → what its clip_ratio_low/high bound, in the plan's words
+    "ppo": "ratio", "clip_cov": "ratio", "gspo": "sequence ratio", "cispo": "IS weight", "gmpo": "log-ratio",
+}
+
+
+def describe_algorithm(cfg: Config) -> str:
+    """The plan's line for the math: `grpo (÷ group std); ppo loss, ratio clipped to [0.8, 1.2],
+    token-mean; old log-probs: rollout`."""
+    advantage, update = cfg.advantage, cfg.update
+    estimator = advantage.estimator
+    if estimator == "gae":
+        estimator += f" (γ {advantage.gamma:g}, λ {advantage.lam:g})"
+    elif estimator in ("grpo", "grpo_passk"):
+        estimator += f" (÷ {advantage.std_scope} std)" if advantage.norm_by_std else " (no std)"
+    elif estimator == "optimal_token_baseline":
+        weights = f", × ρ̄² of {advantage.otb_rollout_is} IS weights ≤ {advantage.otb_rollout_is_threshold:g}" if advantage.otb_rollout_is in ("token", "sequence") else ""
+        estimator += f" (paths weighed by score's Σπ²{weights}{', zero tail' if advantage.otb_zero_tail else ''})"
+    if advantage.kl_coef > 0:
+        estimator += f", KL {advantage.kl_estimator} × {advantage.kl_coef:g} in the reward" + (" (adaptive)" if advantage.kl_controller == "adaptive" else "")
+    if advantage.pf_ppo != "off":
+        estimator += f", batch redrawn by pf_ppo {advantage.pf_ppo}" + (f" (|reward|^{advantage.pf_ppo_weight_pow:g})" if advantage.pf_ppo == "pow" else "")
+    loss = f"{update.policy_loss} loss"
+    if update.policy_loss in CLIPPED:
+        low, high = update.clip_ratio_low, update.clip_ratio_high
+        bounds = f"[−{low:g}, {high:g}]" if update.policy_loss == "gmpo" else f"[{1 - low:g}, {1 + high:g}]"
+        loss += f", {CLIPPED[update.policy_loss]} clipped to {bounds}" + (f", dual clip {update.clip_ratio_c:g}" if update.policy_loss == "ppo" and update.clip_ratio_c else "")
+    loss += f", {update.loss_agg_mode}"
+    if update.use_kl_loss:
+        loss += f", KL loss {update.kl_loss_estimator} × {update.kl_loss_coef:g}"
+    if update.entropy_coef:
+        loss += f", entropy bonus × {update.entropy_coef:g}"
+    return f"{estimator}; {loss}; old log-probs: {old_logprobs_source(cfg)}"
 
 
 def describe_correction(cfg: Config) -> str:
