@@ -415,6 +415,7 @@ class PipelineConfig:
     rollout_is_threshold: float = 2.0  # importance ratio trainer/engine beyond which a token counts as mismatched
     dynamic_sampling: bool = False  # DAPO: train only on groups whose rewards differ, sampling more prompts to fill the batch
     max_sampling_rounds: int = 4  # with dynamic_sampling: rounds of prompts at most per iteration (then dropped groups fill up)
+    dynamic_sampling_metric: str = "reward"  # with dynamic_sampling: the scores' column whose values must differ within a group: reward (the total), or a reward/... column a reward reports, e.g. reward/acc without the overlong penalty (verl's filter_groups.metric)
     loggers: tuple[str, ...] = ("console", "jsonl")  # also: tensorboard, wandb, mlflow (metrics.jsonl is always written)
     wandb_project: str = "rlctl"  # the wandb project of the wandb logger
     wandb_mode: str = "online"  # online | offline (offline: RUN/wandb, no network; `wandb sync` it later)
@@ -429,6 +430,8 @@ class PipelineConfig:
         unknown = [name for name in self.ignore_checks if name not in RUN_CHECKS]
         if unknown:
             raise ConfigError(f"pipeline.ignore_checks: unknown check {unknown[0]!r}; the checks: {', '.join(RUN_CHECKS)}")
+        if self.dynamic_sampling_metric != "reward" and not self.dynamic_sampling_metric.startswith("reward/"):
+            raise ConfigError(f"pipeline.dynamic_sampling_metric must be reward or a reward/... column of the scores, got {self.dynamic_sampling_metric!r}")
         check_ranges(self, "pipeline", {"wandb_mode": one_of("online", "offline"), "max_sampling_rounds": at_least(1), "rollout_is_threshold": above(1.0), "iterations": at_least(1), "save_every": at_least(0), "keep_checkpoints": at_least(0), "keep_shards": at_least(0), "val_every": at_least(0), "val_n": at_least(1), "val_temperature": at_least(0.0), "best_is": one_of("max", "min")})
 
 

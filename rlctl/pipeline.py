@@ -447,12 +447,14 @@ class Pipeline:
             if score is None:
                 return self._stop_early(i, timings)
             rounds.append((rollout, score))
-            if not dynamic or enough([sc.table.column("reward").to_pylist() for _, sc in rounds], cfg.rollout.n, cfg.data.batch_size):
+            metric = cfg.pipeline.dynamic_sampling_metric
+            if not dynamic or enough([group_metric(sc.table, metric) for _, sc in rounds], cfg.rollout.n, cfg.data.batch_size):
                 break
         if dynamic:
+            filter_config = {"n": cfg.rollout.n, "batch_prompts": cfg.data.batch_size, **({"metric": metric} if metric != "reward" else {})}
             score = stage(
-                "filter", {"dynamic_sampling": {"n": cfg.rollout.n, "batch_prompts": cfg.data.batch_size}}, [sc.ref() for _, sc in rounds],
-                lambda: filtered_batch([sc.table for _, sc in rounds], cfg.rollout.n, cfg.data.batch_size), "scores", kind="score",
+                "filter", {"dynamic_sampling": filter_config}, [sc.ref() for _, sc in rounds],
+                lambda: filtered_batch([sc.table for _, sc in rounds], cfg.rollout.n, cfg.data.batch_size, metric), "scores", kind="score",
             )
             rollout = score  # what is trained on: the metrics describe it
         kl_config = {"kl_coef": self.kl_state.kl_coef, "steps": self.kl_state.steps}
@@ -919,9 +921,22 @@ class Pipeline:
 ROUND_SEED_STRIDE = 1_000_003  # dynamic sampling: round r of iteration i samples with seed + i + stride·(r-1)
 
 
-def filtered_batch(scores: list[pa.Table], n: int, batch_prompts: int) -> tuple[pa.Table, dict, dict]:
-    """The rows dynamic sampling trains on, from the rounds' score tables (rlctl.algos.sampling)."""
-    selection = select_groups([t.column("reward").to_pylist() for t in scores], n, batch_prompts)
+def group_metric(scores: pa.Table, metric: str) -> list[float]:
+    """The values of `pipeline.dynamic_sampling_metric` that must differ within a group: the
+    `reward` column, or a `reward/...` one that every sample's reward reported as a number."""
+    if metric not in scores.column_names:
+        reported = sorted((name for name in scores.column_names if name == "reward" or name.startswith("reward/")), key=lambda name: (name != "reward", name))
+        raise InputError(f"pipeline.dynamic_sampling_metric = {metric}: the scores have no such column (they have {', '.join(reported)})")
+    column = scores.column(metric)
+    if column.null_count or not (pa.types.is_floating(column.type) or pa.types.is_integer(column.type) or pa.types.is_boolean(column.type)):
+        raise InputError(f"pipeline.dynamic_sampling_metric = {metric}: not a number for every sample ({column.type}, {column.null_count} missing)")
+    return [float(value) for value in column.to_pylist()]
+
+
+def filtered_batch(scores: list[pa.Table], n: int, batch_prompts: int, metric: str = "reward") -> tuple[pa.Table, dict, dict]:
+    """The rows dynamic sampling trains on, from the rounds' score tables (rlctl.algos.sampling):
+    the groups whose `metric` differs."""
+    selection = select_groups([group_metric(t, metric) for t in scores], n, batch_prompts)
     parts = []
     for r, table in enumerate(scores):
         rows = [row for round_, row in selection.rows if round_ == r]

@@ -256,7 +256,7 @@ def _filter(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> pa
 
     rounds = int(recorded.metrics.get("rounds", 1))
     scores = [read(str(iter_dir.iter_dir / ("score" if r == 1 else f"score-r{r}")), "scores").table for r in range(1, rounds + 1)]
-    table, _, _ = filtered_batch(scores, cfg.rollout.n, cfg.data.batch_size)
+    table, _, _ = filtered_batch(scores, cfg.rollout.n, cfg.data.batch_size, cfg.pipeline.dynamic_sampling_metric)
     write(table, target, Manifest(stage="filter", state={"replay_of": str(iter_dir / "filter")}), schema="scores")
     return read(target).table
 

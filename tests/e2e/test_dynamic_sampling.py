@@ -69,3 +69,35 @@ def test_a_pipeline_with_dynamic_sampling_trains_only_on_groups_with_signal(cli,
     ours, theirs = ([{k: v for k, v in r.items() if not any(d in k for d in drop)} for r in run_rows] for run_rows in (again, rows))
     differing = [(i, k, a.get(k), b.get(k)) for i, (a, b) in enumerate(zip(ours, theirs)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
     assert len(ours) == len(theirs) and not differing, differing
+
+
+CORRECT_BUT_LONGER = '''
+def reward(prompts, responses):
+    """Prompts that say "same": every sample is correct (acc 1), its score 1 plus a length bonus
+    that makes the totals differ; the others: acc and score the length."""
+    return [{"score": 1.0 + len(r) / 100, "acc": 1.0} if "same" in p else {"score": float(len(r)), "acc": float(len(r))} for p, r in zip(prompts, responses)]
+'''
+
+
+def test_dynamic_sampling_on_a_reported_metric_drops_the_groups_whose_metric_is_equal_though_their_rewards_differ(cli, tmp_path, config):
+    """pipeline.dynamic_sampling_metric = "reward/acc" (verl's filter_groups.metric): the "same"
+    groups, all correct, are dropped although a length bonus makes their rewards differ; the
+    filter replays identical. A metric the scores do not have is one line, exit 2."""
+    (tmp_path / "reward.py").write_text(CORRECT_BUT_LONGER)
+    run = tmp_path / "run"
+    result = cli("pipeline", config, "--run-dir", run, "--quiet", "--set", 'pipeline.dynamic_sampling_metric="reward/acc"')
+    assert result.exit_code == 0, result.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["dynamic_sampling/groups_kept"] == 2 and r["dynamic_sampling/groups_filled"] == 0 for r in rows)
+    for i in (1, 2):
+        batch = shards.read(str(run / f"iter-{i:04d}" / "filter"), "scores").table
+        assert all(key.startswith("vary") for key in batch.column("id").to_pylist())
+    dropped = [shards.read(str(run / "iter-0001" / name), "scores").table.to_pylist() for name in ("score", "score-r2")]
+    same_totals = [[row["reward"] for row in table if row["id"].startswith("same")] for table in dropped]
+    assert any(len(set(totals)) > 1 for totals in same_totals)  # by the total reward these groups had signal
+    replayed = cli("replay", run / "iter-0002" / "filter", "--check", "--trust-run-code")
+    assert replayed.exit_code == 0 and "identical" in replayed.stdout, replayed.stderr
+    missing = cli("pipeline", config, "--run-dir", tmp_path / "other", "--quiet", "--set", 'pipeline.dynamic_sampling_metric="reward/accuracy"')
+    assert missing.exit_code == 2 and "pipeline.dynamic_sampling_metric = reward/accuracy: the scores have no such column (they have reward, reward/acc)" in missing.stderr
+    wrong = cli("pipeline", config, "--run-dir", tmp_path / "other", "--set", 'pipeline.dynamic_sampling_metric="acc"')
+    assert wrong.exit_code == 2 and "reward or a reward/... column" in wrong.stderr
