@@ -34,4 +34,4 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 DPO_LOSSES = ("sigmoid", "robust", "ipo", "hinge", "simpo", "orpo")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # preference losses without a reference model
 PRESETS = ("tiny", "small", "medium")
-BUILTIN_REWARDS = ("countdown", "gsm8k", "gsm8k_flexible", "length", "math")
+BUILTIN_REWARDS = ("countdown", "gsm8k", "gsm8k_flexible", "length", "math", "think_format")

@@ -147,6 +147,17 @@ def math_reward(*, responses: list[str], ground_truths: list[str | None]) -> lis
     return scores
 
 
+_THINK_FORMAT = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL | re.MULTILINE)
+
+
+@BUILTINS.register("think_format")
+def think_format_reward(responses: list[str]) -> list[float]:
+    """1.0 when the response opens with `<think>`, closes it with `</think>` and opens no
+    second one (whatever follows the close), else 0.0: TRL's think_format_reward, the format
+    term of R1-style runs beside a correctness reward (`score.rewards`, a small weight)."""
+    return [1.0 if _THINK_FORMAT.match(response) else 0.0 for response in responses]
+
+
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BINARY_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 

@@ -17,6 +17,7 @@ from rlctl.rewards import (
     gsm8k_reward,
     length_reward,
     load_reward,
+    think_format_reward,
 )
 
 
@@ -40,6 +41,20 @@ def test_gsm8k_flexible_takes_the_last_number_wherever_it_stands():
     responses = ["so the total is $1,234.", "#### $18", "#### 42.", "no number", "it is 7, not 8", "-5 degrees"]
     truths = ["1234", "18", "42", "1", "7", "-5"]
     assert gsm8k_flexible_reward(responses=responses, ground_truths=truths) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+
+
+def test_think_format_wants_one_closed_think_block_first_as_trls():
+    responses = [
+        "<think>\nadd them\n</think>\nThe answer is 4.",  # a block, then the answer
+        "<think>add</think>",  # nothing after the block is fine
+        "The answer is 4.",  # no block
+        " <think>add</think> 4",  # not at the start
+        "<think>add them, then check",  # never closed
+        "<think>a</think><think>b</think>",  # a second block
+        "<think>a <think>b</think>",  # opened twice
+    ]
+    assert think_format_reward(responses) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert load_reward("builtin:think_format")(samples(responses[:3])) == [1.0, 1.0, 0.0]
 
 
 def test_countdown_scores_correct_wellformed_and_garbage():
