@@ -138,6 +138,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l max-new-tokens
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l max-prompt-tokens
+complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l min-p
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l model
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l n
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l no-chat-template

@@ -158,7 +158,7 @@ def rollout_table(
         **tool_columns,
     }
     table = set_columns(table, columns)
-    sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "max_new_tokens": cfg.max_new_tokens}
+    sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "max_new_tokens": cfg.max_new_tokens, **({"min_p": cfg.min_p} if cfg.min_p else {})}
     metadata = dict(table.schema.metadata or {})
     metadata[SAMPLING_KEY] = json.dumps(sampling, sort_keys=True).encode()
     return table.replace_schema_metadata(metadata)
@@ -167,7 +167,7 @@ def rollout_table(
 def greedy(cfg: RolloutConfig) -> RolloutConfig:
     """The settings of the greedy responses beside the samples (ReMax's baselines): one a
     prompt, the most likely token at every step; stop strings and tool turns as the samples'."""
-    return replace(cfg, n=1, temperature=0.0, top_p=1.0, top_k=0, greedy_baseline=False)
+    return replace(cfg, n=1, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, greedy_baseline=False)
 
 
 def _generate(

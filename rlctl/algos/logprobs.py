@@ -7,6 +7,7 @@ so the rollout engine, `score` and `update` all compute the same quantity from l
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -143,7 +144,7 @@ def _chunked_backward(
 
 
 def sample_next(
-    *, logits: torch.Tensor, temperature: float, top_p: float, top_k: int, uniform: torch.Tensor
+    *, logits: torch.Tensor, temperature: float, top_p: float, top_k: int, uniform: torch.Tensor, min_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V], uniform [B] in [0, 1) → (tokens [B], log-probs [B]). temperature 0 is greedy.
 
@@ -154,7 +155,7 @@ def sample_next(
     if temperature <= 0:
         tokens = x.argmax(-1)
     else:
-        filtered = truncate_logits(logits=x, top_p=top_p, top_k=top_k)
+        filtered = truncate_logits(logits=x, top_p=top_p, top_k=top_k, min_p=min_p)
         cdf = torch.softmax(filtered, dim=-1).cumsum(-1)
         # the threshold is < the total mass, so a token always wins, and > 0, so a draw of exactly
         # 0 takes the first token with any mass, not token 0 whatever its probability
@@ -185,8 +186,10 @@ def row_uniforms(seed: int, rows: Sequence[int], steps: int) -> torch.Tensor:
     return torch.stack([torch.rand(steps, generator=row_generator(seed, row)) for row in rows])
 
 
-def truncate_logits(*, logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
-    """Mask logits [B, V] outside the top-k and the smallest set with probability ≥ top_p."""
+def truncate_logits(*, logits: torch.Tensor, top_p: float, top_k: int, min_p: float = 0.0) -> torch.Tensor:
+    """Mask logits [B, V] outside the top-k, the smallest set with probability ≥ top_p, and the
+    tokens less likely than min_p × the likeliest's probability (min-p sampling, applied last
+    as transformers' and vLLM's: a ratio of probabilities, so no renormalization changes it)."""
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -197,4 +200,6 @@ def truncate_logits(*, logits: torch.Tensor, top_p: float, top_k: int) -> torch.
         drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:
+        logits = logits.masked_fill(logits < logits.max(dim=-1, keepdim=True).values + math.log(min_p), float("-inf"))
     return logits

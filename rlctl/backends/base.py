@@ -23,6 +23,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int = 0
     stop: tuple[str, ...] = ()  # stop strings (rlctl.backends.stop_strings)
+    min_p: float = 0.0  # min-p sampling: tokens below min_p × the likeliest's probability are not drawn; 0 = off
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def stream_rows(count: int, first_row: int, row_ids: Sequence[int] | None) -> li
 
 
 def sampling_params(cfg: RolloutConfig, seed: int | None = None) -> SamplingParams:
-    return SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed if seed is None else seed, tuple(cfg.stop))
+    return SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed if seed is None else seed, tuple(cfg.stop), cfg.min_p)
 
 
 def _load_hf(model_uri: str, device: str, cfg: RolloutConfig, settings: VLLMConfig) -> RolloutEngine:

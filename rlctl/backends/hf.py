@@ -555,7 +555,7 @@ class HFPolicy:
         next_position = position_ids[:, -1] + 1
         for step in range(steps):
             new_tokens, new_logprobs = sample_next(
-                logits=logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, uniform=uniforms[active, step]
+                logits=logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, uniform=uniforms[active, step], min_p=params.min_p,
             )
             tokens[active, step] = new_tokens
             logprobs[active, step] = new_logprobs.float()
@@ -602,7 +602,7 @@ class HFPolicy:
         steps = params.max_new_tokens
         for step in range(steps):
             new_tokens, new_logprobs = sample_next(
-                logits=logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, uniform=uniforms[:, step]
+                logits=logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, uniform=uniforms[:, step], min_p=params.min_p,
             )
             live = ~stopped
             tokens[:, step] = new_tokens

@@ -17,8 +17,11 @@ from tests.conftest import assert_not_written, one_line_error
 def test_the_logprob_mode_is_the_one_that_means_what_the_hf_engine_means():
     assert logprobs_mode(SamplingParams(8, temperature=1.0, top_p=0.9, top_k=50)) == "raw_logprobs"  # T = 1: raw is log softmax(logits)
     assert logprobs_mode(SamplingParams(8, temperature=0.7)) == "processed_logprobs"  # nothing truncates: processed is log softmax(logits / T)
-    with pytest.raises(InputError, match="top_p = 1 and top_k = 0"):
+    with pytest.raises(InputError, match="top_p = 1, top_k = 0 and min_p = 0"):
         logprobs_mode(SamplingParams(8, temperature=0.7, top_p=0.9))
+    with pytest.raises(InputError, match="min_p=0.1"):  # min-p truncates too
+        logprobs_mode(SamplingParams(8, temperature=0.7, min_p=0.1))
+    assert logprobs_mode(SamplingParams(8, temperature=1.0, min_p=0.1)) == "raw_logprobs"
 
 
 def test_asking_for_vllm_where_it_is_not_installed_names_the_install_step(cli, tmp_path, tiny_model, prompts_file, monkeypatch):
@@ -110,7 +113,7 @@ def test_vllm_takes_tool_turns_as_the_hf_engine_does(cli, tmp_path, tiny_model, 
 def test_vllm_refuses_a_temperature_with_truncation_before_starting(cli, tmp_path, tiny_model, six_prompts):
     result = cli("rollout", "--prompts", six_prompts, "--model", tiny_model, "--out", tmp_path / "r", "--backend", "vllm", "--temperature", "0.7", "--top-p", "0.9")
     assert result.exit_code == 2
-    assert "top_p = 1 and top_k = 0" in one_line_error(result)
+    assert "top_p = 1, top_k = 0 and min_p = 0" in one_line_error(result)
     assert_not_written(tmp_path / "r")
 
 

@@ -2,6 +2,7 @@
 log-probs match a scoring forward pass, and a seed fixes the output."""
 
 import functools
+import math
 
 import numpy as np
 import pytest
@@ -47,6 +48,26 @@ def test_greedy_is_argmax_and_seed_fixes_sampling(policy):
     b = policy.generate(batch, SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, top_k=50, seed=7))
     c = policy.generate(batch, SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, top_k=50, seed=8))
     assert [g.response_ids for g in a] == [g.response_ids for g in b] != [g.response_ids for g in c]
+
+
+def test_min_p_samples_only_tokens_at_least_that_share_as_likely_as_the_likeliest(policy):
+    """Each sampled token's probability under the scoring forward (at the temperature) is at
+    least min_p × its position's largest; its log-prob is the full distribution's, as always."""
+    from rlctl.backends.hf import pack
+
+    batch = prompts(policy)
+    out = policy.generate(batch, SamplingParams(max_new_tokens=6, temperature=1.3, seed=3, min_p=0.3))
+    responses = [g.response_ids for g in out]
+    packed = pack(batch, responses, policy.pad_id, "cpu")
+    with torch.no_grad():
+        logits = policy.model(input_ids=packed.input_ids, attention_mask=packed.attention_mask, position_ids=packed.position_ids).logits
+    logp = torch.log_softmax(logits.gather(1, packed.logit_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])) / 1.3, -1)
+    for row, (g, ids) in enumerate(zip(out, responses)):
+        for t, token in enumerate(ids):
+            assert logp[row, t, token] >= logp[row, t].max() + math.log(0.3) - 1e-4
+            assert g.logprobs[t] == pytest.approx(float(logp[row, t, token]), abs=1e-4)
+    unfiltered = policy.generate(batch, SamplingParams(max_new_tokens=6, temperature=1.3, seed=3))
+    assert [g.response_ids for g in unfiltered] != responses  # at 1.3 the tail is drawn without it
 
 
 def test_bf16_generation_is_seeded_and_close_to_the_fp32_definition(policy):

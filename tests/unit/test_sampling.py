@@ -1,5 +1,7 @@
 """The one log-prob definition and the sampler's truncation."""
 
+import math
+
 import pytest
 import torch
 
@@ -79,12 +81,25 @@ def test_the_sampled_token_is_the_first_whose_cumulative_mass_reaches_the_draw()
     logits = torch.randn(64, 3000, generator=g) * 4
     uniform = torch.rand(64, generator=g)
     uniform[:3] = torch.tensor([1e-7, 0.5, 1.0 - 2**-24])
-    for top_p, top_k in [(1.0, 0), (0.9, 0), (1.0, 50), (0.8, 20)]:
-        tokens, _ = sample_next(logits=logits, temperature=0.9, top_p=top_p, top_k=top_k, uniform=uniform)
-        cdf = torch.softmax(truncate_logits(logits=logits / 0.9, top_p=top_p, top_k=top_k), dim=-1).cumsum(-1)
+    for top_p, top_k, min_p in [(1.0, 0, 0.0), (0.9, 0, 0.0), (1.0, 50, 0.0), (0.8, 20, 0.0), (1.0, 0, 0.05), (0.9, 30, 0.1)]:
+        tokens, _ = sample_next(logits=logits, temperature=0.9, top_p=top_p, top_k=top_k, uniform=uniform, min_p=min_p)
+        kept = truncate_logits(logits=logits / 0.9, top_p=top_p, top_k=top_k, min_p=min_p)
+        cdf = torch.softmax(kept, dim=-1).cumsum(-1)
         below = (cdf < uniform.unsqueeze(-1) * cdf[:, -1:]).sum(-1)
         assert tokens.tolist() == below.tolist()
-        assert torch.isfinite(truncate_logits(logits=logits / 0.9, top_p=top_p, top_k=top_k).gather(-1, tokens.unsqueeze(-1))).all()
+        assert torch.isfinite(kept.gather(-1, tokens.unsqueeze(-1))).all()
+
+
+def test_min_p_leaves_out_the_tokens_less_likely_than_its_share_of_the_likeliest():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isfinite(truncate_logits(logits=logits, top_p=1.0, top_k=0, min_p=0.2)).tolist() == [[True, True, True, False]]  # below 0.1
+    assert torch.isfinite(truncate_logits(logits=logits, top_p=1.0, top_k=0, min_p=0.5)).tolist() == [[True, True, False, False]]  # below 0.25
+    assert torch.isfinite(truncate_logits(logits=logits, top_p=1.0, top_k=0, min_p=0.99)).tolist() == [[True, False, False, False]]
+    assert torch.equal(truncate_logits(logits=logits, top_p=1.0, top_k=0, min_p=0.0), logits)
+    g = torch.Generator().manual_seed(1)
+    tokens, logp = sample_next(logits=logits.expand(2000, 4), temperature=1.0, top_p=1.0, top_k=0, uniform=torch.rand(2000, generator=g), min_p=0.5)
+    assert set(tokens.tolist()) == {0, 1}  # drawn 5:3 from what is left
+    assert logp.tolist()[:1] == pytest.approx([math.log(0.5) if tokens[0] == 0 else math.log(0.3)], abs=1e-6)  # the log-prob stays the full distribution's
 
 
 def test_a_draw_of_exactly_zero_never_takes_a_token_without_mass():
