@@ -3,9 +3,11 @@
 Skipped where vLLM is not installed (`make vllm`); .ci/run installs it."""
 
 import json
+import math
 
 import numpy as np
 import pytest
+import torch
 
 from rlctl import shards
 from rlctl.backends.base import SamplingParams
@@ -67,6 +69,28 @@ def test_vllm_rollout_at_another_temperature_keeps_the_hf_meaning(cli, tmp_path,
     engine = np.concatenate([np.asarray(x) for x in scores.column("rollout_logprobs").to_pylist()])
     trainer = np.concatenate([np.asarray(x) for x in scores.column("old_logprobs").to_pylist()])  # log softmax(logits / 0.7)
     assert np.abs(engine - trainer).max() < 1e-3
+
+
+def test_vllm_with_min_p_draws_only_tokens_at_least_that_share_as_likely_as_the_likeliest(cli, tmp_path, tiny_model, six_prompts):
+    """rollout.min_p reaches vLLM's sampler: every drawn token's probability (one forward of the
+    model, T = 1) is at least min_p × its position's largest; without it some are not."""
+    from rlctl.backends.hf import HFPolicy, pack
+
+    policy = HFPolicy.load(tiny_model, "cpu")
+    shortfall = {}
+    for name, extra in (("min-p", ("--min-p", "0.6")), ("plain", ())):
+        args = ("--n", "4", "--max-new-tokens", "8", "--backend", "vllm", "--seed", "3", *extra)
+        result = cli("rollout", "--prompts", six_prompts, "--model", tiny_model, "--out", tmp_path / name, *args)
+        assert result.exit_code == 0, result.stderr
+        rows = shards.read(str(tmp_path / name), "rollouts").table
+        prompts, responses = rows.column("prompt_ids").to_pylist(), rows.column("response_ids").to_pylist()
+        packed = pack(prompts, responses, policy.pad_id, "cpu")
+        with torch.no_grad():
+            logits = policy.model(input_ids=packed.input_ids, attention_mask=packed.attention_mask, position_ids=packed.position_ids).logits
+        logp = torch.log_softmax(logits.gather(1, packed.logit_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float(), -1)
+        drawn = logp.gather(-1, packed.response_ids.unsqueeze(-1)).squeeze(-1)
+        shortfall[name] = float(torch.where(packed.response_mask.bool(), logp.max(-1).values + math.log(0.6) - drawn, -math.inf).max())
+    assert shortfall["min-p"] < 1e-3 and shortfall["plain"] > 0.1
 
 
 def test_vllm_stops_at_a_stop_string_where_the_hf_rule_cuts(cli, tmp_path, tiny_model, six_prompts):
