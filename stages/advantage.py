@@ -113,12 +113,14 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
         if kl_coef > 0:
             token_rewards = token_rewards - kl_coef * kl
     values = policy(padded(table.column("values"), width=width)) if cfg.estimator in NEEDS_VALUES else None
+    with_sum_pi_squared = all(name in names and not table.column(name).null_count for name in ("old_logprobs", "sum_pi_squared"))
+    old_logprobs, sum_pi_squared = (policy(padded(table.column(name), width=width)) for name in ("old_logprobs", "sum_pi_squared")) if with_sum_pi_squared else (None, None)
     _, group_index = np.unique(np.asarray(table.column("id").to_pylist(), dtype=object).astype(str), return_inverse=True)
     result = ESTIMATORS.get(cfg.estimator)(
         token_rewards=token_rewards, response_mask=mask, values=values, group_index=torch.from_numpy(group_index.astype(np.int64)),
         gamma=cfg.gamma, lam=cfg.lam, norm_by_std=cfg.norm_by_std, std_scope=cfg.std_scope,
         baselines=torch.from_numpy(table.column("baseline_reward").to_numpy().astype(np.float64)) if cfg.estimator in NEEDS_BASELINES else None,
-        paths=path_weights(table, cfg, policy, width, mask) if cfg.estimator in NEEDS_SUM_PI_SQUARED else None,
+        paths=path_weights(table, cfg, old_logprobs, sum_pi_squared, policy, width, mask) if cfg.estimator in NEEDS_SUM_PI_SQUARED else None,
     )
     advantages, returns = result.advantages, result.returns
     if tokens is not None:
@@ -127,10 +129,8 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
         state, controller=cfg.kl_controller, observed_kl=observed_kl or 0.0, batch_sequences=len(lengths), target=cfg.kl_target, horizon=cfg.kl_horizon
     )
     stats.update({"kl": observed_kl, "kl_coef": kl_coef, "advantage_mean": float(masked_mean(result.advantages, mask))})
-    if all(name in names and not table.column(name).null_count for name in ("old_logprobs", "sum_pi_squared")):
-        stats.update(variance_proxy(
-            result.advantages, mask, policy(padded(table.column("old_logprobs"), width=width)), policy(padded(table.column("sum_pi_squared"), width=width)),
-        ))
+    if with_sum_pi_squared:
+        stats.update(variance_proxy(result.advantages, mask, old_logprobs, sum_pi_squared))
     table = set_columns(table, {
         "token_rewards": unpad(token_rewards, lengths),
         "advantages": unpad(advantages, lengths),
@@ -142,18 +142,19 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
     return table, next_state, stats
 
 
-def path_weights(table: pa.Table, cfg: AdvantageConfig, policy, width: int, mask: torch.Tensor) -> PathWeights:
-    """The optimal token baseline's inputs from score's columns (the policy's tokens only, as
-    `policy` compacts them), with the update's truncated importance weights where
+def path_weights(
+    table: pa.Table, cfg: AdvantageConfig, old_logprobs: torch.Tensor, sum_pi_squared: torch.Tensor, policy, width: int, mask: torch.Tensor,
+) -> PathWeights:
+    """The optimal token baseline's inputs: score's old log-probs and Σπ² (the policy's tokens
+    only, as `policy` compacts them), with the update's truncated importance weights where
     `otb_rollout_is` says (auto unresolved, without an [update] to read: none)."""
-    old_logprobs = policy(padded(table.column("old_logprobs"), width=width))
     is_weights = None
     if cfg.otb_rollout_is in ("token", "sequence"):
         is_weights = rollout_is_weights(
             old_logprobs=old_logprobs, rollout_logprobs=policy(padded(table.column("rollout_logprobs"), width=width)), response_mask=mask,
             level=cfg.otb_rollout_is, threshold=cfg.otb_rollout_is_threshold,
         )
-    return PathWeights(old_logprobs, policy(padded(table.column("sum_pi_squared"), width=width)), is_weights, cfg.otb_zero_tail)
+    return PathWeights(old_logprobs, sum_pi_squared, is_weights, cfg.otb_zero_tail)
 
 
 def variance_proxy(advantages: torch.Tensor, mask: torch.Tensor, old_logprobs: torch.Tensor, sum_pi_squared: torch.Tensor) -> dict:
