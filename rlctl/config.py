@@ -417,6 +417,8 @@ class PipelineConfig:
     dynamic_sampling: bool = False  # DAPO: train only on groups whose rewards differ, sampling more prompts to fill the batch
     max_sampling_rounds: int = 4  # with dynamic_sampling: rounds of prompts at most per iteration (then dropped groups fill up)
     dynamic_sampling_metric: str = "reward"  # with dynamic_sampling: the scores' column whose values must differ within a group: reward (the total), or a reward/... column a reward reports, e.g. reward/acc without the overlong penalty (verl's filter_groups.metric)
+    ref_sync_every: int = 0  # move the reference towards the policy after every N iterations' update: ref ← α·policy + (1 − α)·ref, written to RUN/refs/iter-NNNN (TRL's sync_ref_model, TR-DPO; α = 1: ProRL's reference reset); 0 = never (model.ref stays)
+    ref_sync_alpha: float = 1.0  # α of ref_sync_every, in (0, 1]: 1 = the policy's weights; TRL's ref_model_mixup_alpha is 0.6
     loggers: tuple[str, ...] = ("console", "jsonl")  # also: tensorboard, wandb, mlflow (metrics.jsonl is always written)
     wandb_project: str = "rlctl"  # the wandb project of the wandb logger
     wandb_mode: str = "online"  # online | offline (offline: RUN/wandb, no network; `wandb sync` it later)
@@ -433,7 +435,9 @@ class PipelineConfig:
             raise ConfigError(f"pipeline.ignore_checks: unknown check {unknown[0]!r}; the checks: {', '.join(RUN_CHECKS)}")
         if self.dynamic_sampling_metric != "reward" and not self.dynamic_sampling_metric.startswith("reward/"):
             raise ConfigError(f"pipeline.dynamic_sampling_metric must be reward or a reward/... column of the scores, got {self.dynamic_sampling_metric!r}")
-        check_ranges(self, "pipeline", {"wandb_mode": one_of("online", "offline"), "max_sampling_rounds": at_least(1), "rollout_is_threshold": above(1.0), "iterations": at_least(1), "save_every": at_least(0), "keep_checkpoints": at_least(0), "keep_shards": at_least(0), "val_every": at_least(0), "val_n": at_least(1), "val_temperature": at_least(0.0), "best_is": one_of("max", "min")})
+        check_ranges(self, "pipeline", {"wandb_mode": one_of("online", "offline"), "max_sampling_rounds": at_least(1), "rollout_is_threshold": above(1.0), "iterations": at_least(1), "save_every": at_least(0), "keep_checkpoints": at_least(0), "keep_shards": at_least(0), "val_every": at_least(0), "val_n": at_least(1), "val_temperature": at_least(0.0), "best_is": one_of("max", "min"), "ref_sync_every": at_least(0)})
+        if not 0 < self.ref_sync_alpha <= 1:
+            raise ConfigError(f"pipeline.ref_sync_alpha must be in (0, 1], got {self.ref_sync_alpha!r}")
 
 
 @dataclass(frozen=True)

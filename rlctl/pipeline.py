@@ -7,6 +7,7 @@ committed to the run folder, so any stage can be replayed:
     RUN/config.resolved.toml       RUN/metrics.jsonl
     RUN/iter-NNNN/{prompts,rollout,score,advantage,update}/   (+ val/ on validation iterations)
     RUN/checkpoints/iter-NNNN/     HF folder + trainer_state/ (+ critic/), every save_every
+    RUN/refs/iter-NNNN/            the reference from then on, with pipeline.ref_sync_every
 
 Resume: a re-run continues from the newest committed checkpoint; the stages after it are
 recomputed or, when their committed output has the same key, read back. Everything a stage
@@ -59,6 +60,13 @@ from rlctl.loggers import Loggers, check_loggers
 from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest, strict_json_value
 from rlctl.modelinit import preset_fields
 from rlctl.passes import ModelShape, as_recorded, decided_micro_batch_tokens, ranks_at_once
+from rlctl.ref_sync import (
+    RefSync,
+    check_mixable,
+    prune_references,
+    synced_ref_dir,
+    write_synced_reference,
+)
 from rlctl.rewards import RewardSet, describe_rewards, load_rewards, reward_model_folders
 from rlctl.run_checks import run_findings
 from rlctl.runinfo import best_iteration, iteration_folders, iteration_number
@@ -185,6 +193,10 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
         raise ConfigError("advantage.kl_coef > 0 needs a reference model: set model.ref")
     if cfg.update.use_kl_loss and not cfg.model.ref:
         raise ConfigError("update.use_kl_loss needs a reference model: set model.ref")
+    if cfg.pipeline.ref_sync_every and not cfg.model.ref:
+        raise ConfigError("pipeline.ref_sync_every moves the reference model towards the policy: set model.ref")
+    if cfg.pipeline.ref_sync_every and cfg.update.lora.r:
+        raise ConfigError("pipeline.ref_sync_every mixes the policy's full weights into the reference: with update.lora.r the checkpoints hold only the adapter")
     if cfg.update.critic_warmup and not cfg.model.critic:
         raise ConfigError("update.critic_warmup trains only the critic for its steps: set model.critic")
     if cfg.advantage.estimator in NEEDS_VALUES and not cfg.model.critic:
@@ -280,6 +292,13 @@ class Pipeline:
         self.checkpoint_iteration = self.iteration if checkpoint else None
         self.kl_state = KLControllerState(float(state.get("kl_coef", cfg.advantage.kl_coef)), int(state.get("kl_steps", 0)))
         self.history: list[dict] = list(state.get("history", []))
+        self.ref_sync = RefSync(cfg.pipeline.ref_sync_every, cfg.pipeline.ref_sync_alpha)
+        self._recorded_ref = state.get("ref_source") if self.ref_sync.every else None  # the reference of the checkpoint's iteration
+        self._ref_source: str | None = None  # the reference the next iteration scores with (made on first use)
+        if self.ref_sync.every and checkpoint is None:
+            start = initial_policy(cfg, self.run_dir)
+            if all(Path(folder, "config.json").exists() for folder in (start, cfg.model.ref)):
+                check_mixable(start, cfg.model.ref)  # before the run folder is made (else when the workers load)
         self.config_changes_before: list = list(state.get("config_changes", []))
         self.checkpoint_iteration_at_start = self.iteration
         # where the next iteration's prompts start in the prompt stream (dynamic sampling's extra rounds move it on)
@@ -309,8 +328,24 @@ class Pipeline:
             self._initial_models()
             self._reward_model_ready()  # before iteration 1, as the warm start
             policy, critic = checkpoint_sources(str(self.checkpoint) if self.checkpoint else None, self.cfg, initial_policy(self.cfg, self.run_dir))
-            self._workers = make_workers(self.cfg, policy_source=policy, critic_source=critic, log_dir=self.run_dir / "logs" / "ray", scorers=self._scorers)
+            cfg = self.cfg
+            if self.ref_sync.every:
+                cfg = replace(cfg, model=replace(cfg.model, ref=self.reference_source))
+                check_mixable(policy, cfg.model.ref)  # before any work, not at the first sync
+            self._workers = make_workers(cfg, policy_source=policy, critic_source=critic, log_dir=self.run_dir / "logs" / "ray", scorers=self._scorers)
         return self._workers
+
+    @property
+    def reference_source(self) -> str:
+        """The folder of the reference the next iteration scores with: model.ref until the
+        first sync, then the newest RUN/refs/iter-NNNN (made again on resume when the run
+        stopped between a checkpoint and its sync)."""
+        if self._ref_source is None:
+            ref = self._recorded_ref or self.cfg.model.ref
+            if self.checkpoint is not None and self.ref_sync.due(self.checkpoint_iteration or 0):
+                ref = str(write_synced_reference(synced_ref_dir(self.run_dir, self.checkpoint_iteration), policy=self.checkpoint, ref=ref, alpha=self.ref_sync.alpha))
+            self._ref_source = ref
+        return self._ref_source
 
     @property
     def reward(self) -> RewardSet:
@@ -433,8 +468,11 @@ class Pipeline:
         if workers.critic is not None:
             model_inputs.append(InputRef("critic", workers.critic_digest()))
         if workers.ref is not None:
-            model_inputs.append(InputRef(f"ref@{cfg.model.ref}", "frozen"))
+            ref = self.reference_source if self.ref_sync.every else cfg.model.ref
+            model_inputs.append(InputRef(f"ref@{ref}", read_manifest(ref)[1] if ref != cfg.model.ref else "frozen"))
         base_state = {"iteration": i, "weights_source": weights_source, "policy_version": workers.trainer.step}
+        if self.ref_sync.every:
+            base_state["ref_source"] = self.reference_source  # replay scores with it
 
         def stage(name, config, inputs, compute, schema, write_parts=None, kind=None):
             rerun = first and self.from_stage is not None and (kind or name) in stages  # --from re-runs its stages
@@ -489,6 +527,10 @@ class Pipeline:
         if cfg.pipeline.val_every and self.val_dataset is not None and i % cfg.pipeline.val_every == 0:
             row.update(self._validate(i, weights_kept=saving or bool(cfg.pipeline.keep_best)))  # a better score saves one
         saving = saving or self._betters_the_best(row)
+        syncing = self.ref_sync.due(i)  # mixed from the checkpoint: one is saved
+        saving = saving or syncing
+        if self.ref_sync.every:
+            row["ref_syncs"] = i // self.ref_sync.every  # with this iteration's, if it syncs
         update_manifest.metrics = row
         update_manifest.state = {
             **base_state, **compute_state, "handover": handover, "policy_version_after": workers.trainer.step, "train_metrics": train_metrics,
@@ -502,9 +544,13 @@ class Pipeline:
         if saving:
             self._save_checkpoint(i)
         faults.point(f"iter-{i:04d}:after-checkpoint")
+        if syncing:
+            self._sync_reference(i)
         self._write_metrics()
         self._trackers().log(row)
         self._prune(i)
+        if syncing or (self.ref_sync.every and cfg.pipeline.keep_shards):
+            prune_references(self.run_dir, current=self.reference_source)
         if self.view:
             self.view.iteration_done(row, total)
             self._say_new_findings()
@@ -642,7 +688,8 @@ class Pipeline:
             *self._warm_start_plan(),
             *([f"training      LoRA adapters r={cfg.update.lora.r}, alpha={cfg.update.lora.alpha:g} on {', '.join(cfg.update.lora.target_modules)}; "
                "checkpoints hold the adapter (reshard --merge-lora)"] if cfg.update.lora.r else []),
-            f"reference     {cfg.model.ref or '-'}{' (the policy base with its adapters disabled, if it is that folder)' if cfg.update.lora.r and cfg.model.ref else ''}",
+            f"reference     {cfg.model.ref or '-'}{' (the policy base with its adapters disabled, if it is that folder)' if cfg.update.lora.r and cfg.model.ref else ''}"
+            + (f"; {describe_ref_sync(self.ref_sync, self.run_dir)}" if self.ref_sync.every else ""),
             f"critic        {cfg.model.critic or '-'}",
             f"workers       {describe_workers(cfg)}",
             *([f"reward model  {self.run_dir / REWARD_MODEL_DIR}: trained on {cfg.reward_model.data} from {cfg.reward_model.base}, "
@@ -878,6 +925,8 @@ class Pipeline:
     def _save_checkpoint(self, i: int) -> None:
         directory = self.run_dir / "checkpoints" / f"iter-{i:04d}"
         state = {"iteration": i, "kl_coef": self.kl_state.kl_coef, "kl_steps": self.kl_state.steps, "history": self.history, "stream_position": self.stream_position}
+        if self.ref_sync.every:
+            state["ref_source"] = self.reference_source  # the reference of iteration i; a sync after it is made from this checkpoint
         if self.config_changes:  # --resume-with-changes: the change joins the record of the run
             state["config_changes"] = [*self.config_changes_before, {"from_iteration": self.checkpoint_iteration_at_start + 1, "changes": self.config_changes}]
         manifest = Manifest(stage="checkpoint", config={"iteration": i}, state={"policy_version": self.workers.trainer.step})
@@ -889,6 +938,14 @@ class Pipeline:
             for old in committed_checkpoints(self.run_dir)[:-keep]:
                 if iteration_number(old) != best:  # pipeline.keep_best's stays
                     shutil.rmtree(old, ignore_errors=True)
+
+    def _sync_reference(self, i: int) -> None:
+        """The reference moved towards the policy just checkpointed, written to RUN/refs and
+        loaded by the workers in place of the one before."""
+        folder = str(write_synced_reference(synced_ref_dir(self.run_dir, i), policy=self.checkpoint, ref=self.reference_source, alpha=self.ref_sync.alpha))
+        self.workers.load_reference(folder)
+        self._ref_source = folder
+        faults.point(f"iter-{i:04d}:after-ref-sync")
 
     def _prune(self, i: int) -> None:
         keep = self.cfg.pipeline.keep_shards
@@ -1117,6 +1174,11 @@ def describe_correction(cfg: Config) -> str:
         ]
         parts.append("rejected: " + ", ".join(rules))
     return "; ".join(parts) + f" (engine vs the old log-probs: {old_logprobs_source(cfg)})"
+
+
+def describe_ref_sync(sync: RefSync, run_dir: Path) -> str:
+    towards = "reset to the policy" if sync.alpha == 1 else f"← {sync.alpha:g}·policy + {1 - sync.alpha:g}·reference"
+    return f"{towards} after every {sync.every} iteration(s)' update ({run_dir}/refs/iter-NNNN, a checkpoint saved then)"
 
 
 def describe_handover(cfg: Config) -> str:

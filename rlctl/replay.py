@@ -212,7 +212,8 @@ def _score(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> pa.
         critic_dir = Path(weights) / "critic"
         critic = str(critic_dir) if critic_dir.exists() else cfg.model.critic
     scorers = held_reward_models(cfg.score, cfg.workers)
-    with _run_workers(cfg, policy=weights, ref=cfg.model.ref, critic=critic, scorers=scorers) as workers:
+    ref = recorded.state.get("ref_source") or cfg.model.ref  # a reference that followed the policy (pipeline.ref_sync_every): the one it scored with
+    with _run_workers(cfg, policy=weights, ref=ref, critic=critic, scorers=scorers) as workers:
         reward = _run_rewards(cfg, workers, scorers)
         models = ScoringModels(ref=workers.ref, policy=workers.policy if old_logprobs_source(cfg) == "recompute" else None, critic=workers.critic)
         table = score_table(read(str(iter_dir / "rollout"), "rollouts").table, reward, models, cfg.score)

@@ -62,6 +62,12 @@ class LocalWorkers:
             return AdapterDisabledReference(self.policy)
         return self._load_policy(uri)
 
+    def load_reference(self, uri: str) -> None:
+        """Score with the reference at `uri` from now on (pipeline.ref_sync_every)."""
+        self.loads.append(f"ref:{uri}")
+        self.ref = None  # the old one freed before the new one loads
+        self.ref = self._reference(uri)
+
     def _load_policy(self, uri: str) -> HFPolicy:
         self.loads.append(f"policy:{uri}")
         return HFPolicy.load(uri, str(self.device))

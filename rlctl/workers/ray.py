@@ -288,6 +288,16 @@ class RayWorkers:
             )
         return handed
 
+    def load_reference(self, uri: str) -> None:
+        """Every rank holding the reference (the reference's own pool with placement = split)
+        loads the one at `uri` in its place (pipeline.ref_sync_every)."""
+        from rlctl.backends.hf import check_model_dir
+
+        check_model_dir(uri)
+        holder = self.ref_pool or self
+        holder._all("load_reference", uri)
+        self.loads.append(f"ref:{uri}")
+
     def pause_engine(self) -> None:
         """Before an update: each rank's vLLM engine on a GPU frees its memory (sleep mode)."""
         if self.cfg.rollout.backend == "vllm" and self.engine is not None:
@@ -555,11 +565,10 @@ class RankWorker:
         self.engine = HFPolicy.load(spec["policy"], str(device)) if spec["policy"] else None
         if self.engine is not None and spec["train"]:
             prepare_for_training(self.engine, cfg.update.lora, spec["policy"])
-        self.ref = self._load_reference(cfg.model.ref, device) if cfg.model.ref else None
-        self.ref_shards = None  # the reference as FSDP2 shards (workers.reference = "sharded"), gathered to score
-        if self.ref is not None and cfg.workers.reference == "sharded" and world > 1:
-            mesh = init_device_mesh(device.type, (world,))
-            self.ref_shards, self.ref = HFPolicy(_sharded(self.ref.model, mesh), self.ref.tokenizer, device), None
+        self.device = device
+        self.ref = self.ref_shards = None  # ref_shards: the reference as FSDP2 shards (workers.reference = "sharded"), gathered to score
+        if cfg.model.ref:
+            self.load_reference(cfg.model.ref)
         self.critic_engine = ValueModel.load(spec["critic"], device) if spec["critic"] else None
         self.trainer = self.train_policy = self.train_critic = None
         self.sft_trainer = None  # made by sft_start (rlctl sft on this group)
@@ -620,6 +629,19 @@ class RankWorker:
     def set_pad_id(self, pad_id: int) -> None:
         if self.trainer is not None:
             self.trainer.pad_id = pad_id
+
+    def load_reference(self, uri: str) -> None:
+        """Hold the reference at `uri`: a replica, or FSDP2 shards of it (every rank calls this)."""
+        from rlctl.backends.hf import HFPolicy
+
+        self.ref = self.ref_shards = None  # the old one freed before the new one loads
+        ref = self._load_reference(uri, self.device)
+        if self.cfg.workers.reference == "sharded" and self.world > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.ref_shards = HFPolicy(_sharded(ref.model, init_device_mesh(self.device.type, (self.world,))), ref.tokenizer, self.device)
+        else:
+            self.ref = ref
 
     def _load_reference(self, uri: str, device):
         """The reference replica; for a LoRA policy whose base it is, this rank's plain policy

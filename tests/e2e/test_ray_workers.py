@@ -581,3 +581,27 @@ def test_two_workers_train_dpo_as_one_process_does(ray_session, tiny_model, tmp_
     got, want = load_file(str(tmp_path / "ray" / "model.safetensors")), load_file(str(tmp_path / "local" / "model.safetensors"))
     assert max(float((got[k] - want[k]).abs().max()) for k in want) < SPLIT_ROUNDING
     assert not (tmp_path / "ray" / "trainer_state").exists() and on_ranks.state["workers"]["num_workers"] == 2
+
+
+@pytest.mark.parametrize("placement,reference,workers", [
+    ("colocate", "replicated", 2), ("colocate", "sharded", 2), pytest.param("split", "replicated", 1, marks=pytest.mark.slow),
+])
+def test_ranks_score_with_a_reference_loaded_in_place_of_the_first(ray_session, tmp_path, tiny_model, placement, reference, workers):
+    """pipeline.ref_sync_every's reload: every rank holding the reference (a replica, FSDP2
+    shards, or the reference's own pool) scores with the new one as one process does."""
+    from rlctl.backends.hf import HFPolicy
+    from rlctl.modelinit import init_model
+    from rlctl.workers import worker_group
+
+    other = str(init_model(tmp_path / "other", "tiny", seed=1))
+    prompts, responses = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], [[20, 21, 22], [23], [24, 25]]
+    policy = tiny_model if placement == "split" else None
+    settings = WorkersConfig(backend="ray", num_workers=workers, placement=placement, reference=reference)
+    with worker_group(settings, policy=policy, ref=tiny_model) as group:
+        before = group.ref.logprobs(prompts, responses, temperature=1.0)
+        group.load_reference(other)
+        after = group.ref.logprobs(prompts, responses, temperature=1.0)
+    expected = HFPolicy.load(other, "cpu").logprobs(prompts, responses, temperature=1.0)
+    pairs = [(x, y) for a, b in zip(after, expected) for x, y in zip(a, b)]
+    assert max(abs(x - y) for x, y in pairs) < 1e-6
+    assert max(abs(x - y) for a, b in zip(before, after) for x, y in zip(a, b)) > 1e-3
