@@ -53,7 +53,7 @@ _rlctl() {
         "reshard --dtype") values="bf16 fp16 fp32" ;;
         "rollout --backend") values="hf vllm" ;;
         "rollout --dtype") values="auto fp32 bf16" ;;
-        "rollout --truncate") values="error left" ;;
+        "rollout --truncate") values="error left drop" ;;
         "rollout --workers-backend") values="local ray" ;;
         "rollout --format") values="arrow parquet" ;;
         "score --dtype") values="auto fp32 bf16" ;;

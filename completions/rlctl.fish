@@ -152,7 +152,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l stop
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l temperature
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l top-k
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l top-p
-complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l truncate -xa 'error left'
+complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l truncate -xa 'error left drop'
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l workers
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l workers-backend -xa 'local ray'
 complete -c rlctl -n '__fish_seen_subcommand_from score' -l address

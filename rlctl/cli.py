@@ -166,7 +166,7 @@ def rollout(
     backend: Annotated[Optional[str], typer.Option("--backend", help="Rollout engine: transformers (hf) or vLLM." + _default("rollout.backend"), metavar=_choices(choices.ROLLOUT_BACKENDS))] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype of generation." + _default("rollout.dtype"), metavar=_choices(choices.COMPUTE_DTYPES))] = None,
     max_prompt_tokens: Annotated[Optional[int], typer.Option("--max-prompt-tokens", help="Longest prompt in tokens." + _default("data.max_prompt_tokens"))] = None,
-    truncate: Annotated[Optional[str], typer.Option("--truncate", help="A too-long prompt is an error, or left-truncated (left)." + _default("data.truncate"), metavar=_choices(choices.TRUNCATE))] = None,
+    truncate: Annotated[Optional[str], typer.Option("--truncate", help="A too-long prompt is an error, left-truncated (left), or left out (drop)." + _default("data.truncate"), metavar=_choices(choices.TRUNCATE))] = None,
     chat_template: Annotated[Optional[bool], typer.Option("--chat-template/--no-chat-template", help="Render plain prompts with the chat template." + _default("data.chat_template"))] = None,
     workers_backend: WorkersBackendOpt = None,
     workers: WorkersOpt = None,

@@ -109,7 +109,7 @@ class DataConfig:
     batch_size: int = 8  # prompts per iteration
     shuffle: bool = True  # a new seeded permutation of the prompts every epoch
     max_prompt_tokens: int = 512  # longest prompt in tokens (see truncate)
-    truncate: str = "error"  # error | left
+    truncate: str = "error"  # a prompt over max_prompt_tokens (or the model's context less max_new_tokens): error | left (its start cut) | drop (left out of the prompts drawn from, named on stderr: verl's filter_overlong_prompts)
     chat_template: bool = False  # render plain prompts through the tokenizer's chat template
 
     def __post_init__(self) -> None:

@@ -598,10 +598,11 @@ class Pipeline:
         prompts_config = {"data": to_dict(cfg.data), "seed": cfg.pipeline.seed}
         if cfg.pipeline.dynamic_sampling:
             prompts_config["stream_start"] = start
+        dataset, limit = self.training_prompts
         prompts = stage(
             "prompts" + suffix, prompts_config, [self.dataset_ref],
-            lambda: (select_prompts(self.dataset, iteration=i, batch_size=cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.pipeline.seed, start=start),
-                     {"stream_start": start}, {}),
+            lambda: (select_prompts(dataset, iteration=i, batch_size=cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.pipeline.seed, start=start),
+                     {"stream_start": start, **({"prompt_token_limit": limit} if limit is not None else {})}, {}),
             "prompts", kind="prompts",
         )
         rollout_cfg = replace(cfg.rollout, seed=cfg.rollout.seed + i + ROUND_SEED_STRIDE * (r - 1))
@@ -773,6 +774,26 @@ class Pipeline:
         io["seconds"] += time.perf_counter() - started
         return Shards(table, uri, manifest, digest)
 
+    @cached_property
+    def training_prompts(self) -> tuple[pa.Table, int | None]:
+        """The prompts the iterations draw from, and with data.truncate = "drop" the token limit
+        whose over-long prompts were left out (verl's filter_overlong_prompts: before the draw,
+        so every batch is full); once per run, with the rollout engine's tokenizer."""
+        return self._fitting(self.dataset)
+
+    @cached_property
+    def validation_prompts(self) -> pa.Table | None:
+        return None if self.val_dataset is None else self._fitting(self.val_dataset)[0]
+
+    def _fitting(self, table: pa.Table) -> tuple[pa.Table, int | None]:
+        from rlctl.stages.rollout import fitting_prompts, prompt_limit
+
+        if self.cfg.data.truncate != "drop":
+            return table, None
+        engine, max_new_tokens = self.workers.engine, self.cfg.rollout.max_new_tokens
+        kept, _ = fitting_prompts(table, engine.tokenizer, self.cfg.data, context_length=engine.context_length, max_new_tokens=max_new_tokens)
+        return kept, prompt_limit(self.cfg.data, engine.context_length, max_new_tokens)[0]
+
     def _rollout(self, prompts: pa.Table, rollout_cfg) -> pa.Table:
         from rlctl.stages.rollout import rollout_table
 
@@ -838,7 +859,7 @@ class Pipeline:
         settings = self.cfg.pipeline
         compute_state = self._compute_state(self._fit_threads(), by_workers=True)  # the threads it runs at, for replay
         sampling = replace(self.cfg.rollout, n=settings.val_n, temperature=settings.val_temperature, seed=0, greedy_baseline=False)
-        table = rollout_table(self.val_dataset, self.workers.engine, sampling, self.cfg.data, policy_version=self.workers.trainer.step)
+        table = rollout_table(self.validation_prompts, self.workers.engine, sampling, self.cfg.data, policy_version=self.workers.trainer.step)
         scored = score_table(table, self.reward, ScoringModels(), self.cfg.score)
         metrics = validation_metrics(scored, settings.val_n, known_answers(scored, self.reward.spec) if settings.val_n > 1 else None)
         state = {

@@ -158,6 +158,14 @@ def _prompts(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> p
     from rlctl.pipeline import select_prompts
 
     dataset = read(cfg.data.prompts, "prompts").table
+    limit = recorded.state.get("prompt_token_limit")  # data.truncate = "drop": the prompts over it were left out before the draw
+    if limit is not None:
+        from transformers import AutoTokenizer
+
+        from rlctl.stages.rollout import fitting_prompts
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=False)
+        dataset, _ = fitting_prompts(dataset, tokenizer, dataclasses.replace(cfg.data, max_prompt_tokens=int(limit)))
     i = recorded.state["iteration"]
     start = recorded.state.get("stream_start")  # recorded since dynamic sampling; else the iteration's slice
     table = select_prompts(

@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from rlctl.backends.base import ROLLOUT_BACKENDS, Generation, RolloutEngine, sampling_params
 from rlctl.backends.stop_strings import StopStrings
+from rlctl.choices import TRUNCATE
 from rlctl.config import DataConfig, RolloutConfig, VLLMConfig, WorkersConfig, to_dict
 from rlctl.dtypes import compute_dtype, models_device
 from rlctl.errors import InputError
@@ -53,8 +54,9 @@ def run(
         from rlctl.workers import worker_group
 
         with worker_group(workers, policy=model, rollout=cfg, engine=engine) as group:
-            if out.uri != "-":
-                return rollout_parts_on_workers(group, source.table, cfg, data, version, out, manifest)
+            if out.uri != "-":  # the ranks' slices of the prompts that fit: each row's random stream as in one process
+                kept, _ = fitting_prompts(source.table, group.engine.tokenizer, data, context_length=group.engine.context_length, max_new_tokens=cfg.max_new_tokens)
+                return rollout_parts_on_workers(group, kept, cfg, data, version, out, manifest)
             table = rollout_table(source.table, group.engine, cfg, data, policy_version=version)
     else:
         generator = ROLLOUT_BACKENDS.get(cfg.backend)(model, device, cfg, engine)
@@ -75,15 +77,22 @@ def stage_config(cfg: RolloutConfig, data: DataConfig, engine: VLLMConfig) -> di
     return config
 
 
-def encode_prompts(table: pa.Table, tokenizer, data: DataConfig, *, context_length: int | None = None, max_new_tokens: int = 0) -> list[list[int]]:
-    """Token ids of every prompt: chat messages through the chat template, plain strings as
-    they are (or through the template with `chat_template`). Too long for `max_prompt_tokens`,
-    or for the model's context with `max_new_tokens` to come → error, or left-truncate."""
+def prompt_limit(data: DataConfig, context_length: int | None, max_new_tokens: int) -> tuple[int, str]:
+    """The most tokens a prompt may have, and the words for why: `max_prompt_tokens`, or less
+    where the model's context must also hold `max_new_tokens`."""
     limit = data.max_prompt_tokens
     if context_length is not None:
         if max_new_tokens >= context_length:
             raise InputError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's context of {context_length} tokens")
         limit = min(limit, context_length - max_new_tokens)
+    if limit == data.max_prompt_tokens:
+        return limit, f"max_prompt_tokens={data.max_prompt_tokens}"
+    return limit, f"the model's context of {context_length} tokens less max_new_tokens={max_new_tokens}"
+
+
+def prompt_tokens(table: pa.Table, tokenizer, data: DataConfig) -> list[tuple[str, list[int]]]:
+    """(id, token ids) of every prompt: chat messages through the chat template, plain strings
+    as they are (or through the template with `chat_template`)."""
     ids = table.column("id").to_pylist()
     prompts = table.column("prompt").to_pylist() if "prompt" in table.column_names else [None] * len(ids)
     messages = table.column("messages").to_pylist() if "messages" in table.column_names else [None] * len(ids)
@@ -93,22 +102,52 @@ def encode_prompts(table: pa.Table, tokenizer, data: DataConfig, *, context_leng
             raise InputError(f"prompt {prompt_id!r} has neither prompt nor messages")
         if chat is None and data.chat_template:
             chat = [{"role": "user", "content": prompt}]
-        if chat is not None:
-            text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        else:
-            text = prompt
+        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) if chat is not None else prompt
         tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not tokens:
             raise InputError(f"prompt {prompt_id!r} is empty after tokenization")
+        encoded.append((prompt_id, tokens))
+    return encoded
+
+
+def encode_prompts(table: pa.Table, tokenizer, data: DataConfig, *, context_length: int | None = None, max_new_tokens: int = 0) -> list[list[int]]:
+    """Token ids of every prompt (`prompt_tokens`). Too long for `max_prompt_tokens`, or for
+    the model's context with `max_new_tokens` to come → error, or left-truncate (a prompt
+    `data.truncate = "drop"` would leave out is an error here: `fitting_prompts` drops first)."""
+    limit, why = prompt_limit(data, context_length, max_new_tokens)
+    encoded = []
+    for prompt_id, tokens in prompt_tokens(table, tokenizer, data):
         if len(tokens) > limit:
+            if data.truncate == "drop":  # a caller that samples drops first; others (sft's prompts) cannot leave an example out
+                raise InputError(f"prompt {prompt_id!r} has {len(tokens)} tokens, over {why}: data.truncate = drop leaves out only prompts to sample from; cut it with left")
             if data.truncate != "left":
-                why = f"max_prompt_tokens={data.max_prompt_tokens}" if limit == data.max_prompt_tokens else (
-                    f"the model's context of {context_length} tokens less max_new_tokens={max_new_tokens}"
-                )
-                raise InputError(f"prompt {prompt_id!r} has {len(tokens)} tokens, over {why} (use --truncate left to cut it)")
+                raise InputError(f"prompt {prompt_id!r} has {len(tokens)} tokens, over {why} (use --truncate left to cut it, or drop to leave it out)")
             tokens = tokens[-limit:]
         encoded.append(tokens)
     return encoded
+
+
+def fitting_prompts(table: pa.Table, tokenizer, data: DataConfig, *, context_length: int | None = None, max_new_tokens: int = 0) -> tuple[pa.Table, list[str]]:
+    """With `data.truncate = "drop"` (verl's filter_overlong_prompts), the rows whose prompt
+    fits and the ids of those left out (none left is an error); otherwise the table as it is."""
+    if data.truncate != "drop":
+        return table, []
+    limit, why = prompt_limit(data, context_length, max_new_tokens)
+    fits = [len(tokens) <= limit for _, tokens in prompt_tokens(table, tokenizer, data)]
+    dropped = [prompt_id for prompt_id, ok in zip(table.column("id").to_pylist(), fits) if not ok]
+    if dropped and len(dropped) == table.num_rows:
+        raise InputError(f"every prompt ({table.num_rows}) is over {why}: none left to sample with data.truncate = drop")
+    if dropped:
+        notice_dropped(dropped, table.num_rows, why)
+    return (table.filter(pa.array(fits, pa.bool_())) if dropped else table), dropped
+
+
+def notice_dropped(dropped: list[str], total: int, why: str) -> None:
+    """One stderr line naming the prompts `data.truncate = "drop"` left out (the first few)."""
+    import sys
+
+    shown = ", ".join(map(repr, dropped[:5])) + (f", ... ({len(dropped) - 5} more)" if len(dropped) > 5 else "")
+    print(f"rlctl: data.truncate = drop: left out {len(dropped)} of {total} prompts over {why}: {shown}", file=sys.stderr, flush=True)
 
 
 def rollout_table(
@@ -117,12 +156,12 @@ def rollout_table(
 ) -> pa.Table:
     """Generate `cfg.n` samples per prompt row; carry the prompt columns onto each sample.
     Progress goes to `on_tokens` when given (the pipeline's view), else to a progress bar."""
-    if data.truncate not in ("error", "left"):
-        raise InputError(f"truncate must be error or left, got {data.truncate!r}")
+    if data.truncate not in TRUNCATE:
+        raise InputError(f"truncate must be one of {', '.join(TRUNCATE)}, got {data.truncate!r}")
     check_tool(cfg.tool, cfg.stop)
-    prompt_ids = encode_prompts(
-        prompts, engine.tokenizer, data, context_length=getattr(engine, "context_length", None), max_new_tokens=cfg.max_new_tokens
-    )
+    context = {"context_length": getattr(engine, "context_length", None), "max_new_tokens": cfg.max_new_tokens}
+    prompts, _ = fitting_prompts(prompts, engine.tokenizer, data, **context)
+    prompt_ids = encode_prompts(prompts, engine.tokenizer, data, **context)
     repeated = [ids for ids in prompt_ids for _ in range(cfg.n)]
     rows = pa.array([i for i in range(prompts.num_rows) for _ in range(cfg.n)], pa.int64())
     table = prompts.take(rows)

@@ -261,6 +261,27 @@ def test_left_truncation_fits_a_prompt_into_the_context():
     assert encode_prompts(table, Words(), DataConfig(truncate="left"), context_length=10, max_new_tokens=6) == [[2, 3, 4, 5]]
 
 
+def test_drop_leaves_out_the_prompts_over_the_context_less_the_response_and_keeps_the_rest_whole(capsys):
+    from rlctl.config import DataConfig
+    from rlctl.stages.rollout import fitting_prompts
+
+    class Words:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": list(range(len(text.split())))}
+
+    table = pa.table({"id": ["a", "b", "c"], "prompt": ["one two three four five", "one two", "one two three four"]})
+    kept, dropped = fitting_prompts(table, Words(), DataConfig(truncate="drop"), context_length=10, max_new_tokens=6)
+    assert kept.column("id").to_pylist() == ["b", "c"] and dropped == ["a"]
+    assert "left out 1 of 3 prompts over the model's context of 10 tokens less max_new_tokens=6: 'a'" in capsys.readouterr().err
+    for mode in ("error", "left"):  # they cut or refuse later, in encode_prompts
+        assert fitting_prompts(table, Words(), DataConfig(truncate=mode), context_length=10, max_new_tokens=6) == (table, [])
+    from rlctl.errors import InputError
+    from rlctl.stages.rollout import encode_prompts
+
+    with pytest.raises(InputError, match="prompt 'a' has 5 tokens, over .*: data.truncate = drop leaves out only prompts to sample from; cut it with left"):
+        encode_prompts(table, Words(), DataConfig(truncate="drop"), context_length=10, max_new_tokens=6)  # an SFT example's prompt, say
+
+
 def test_files_that_are_not_utf8(cli, tmp_path, tiny_model):
     prompts = tmp_path / "latin1.jsonl"
     prompts.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))

@@ -389,6 +389,25 @@ def test_a_run_with_policy_filtration_reports_what_it_drew_and_replays_its_draw(
     assert replayed.exit_code == 0 and "identical" in replayed.stdout, replayed.stderr
 
 
+def test_drop_leaves_over_long_prompts_out_before_the_draw_so_batches_stay_full_and_replay(cli, tmp_path, tiny_model, capfd):
+    """data.truncate = drop (verl's filter_overlong_prompts): the prompts over the limit are
+    never drawn, in training or validation; each batch is full; the prompts stage replays."""
+    long_ones = [{"id": f"long{i}", "prompt": "Question: " + "and then what " * 20 + "?"} for i in range(2)]
+    prompts = tmp_path / "mixed.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in [*long_ones, *PROMPTS]))
+    config = write_config(tmp_path, tiny_model, data={"prompts": str(prompts), "val_prompts": str(prompts), "truncate": "drop", "max_prompt_tokens": 24},
+                          model={"critic": ""}, advantage={"estimator": "grpo", "kl_coef": 0.0, "kl_controller": "fixed"}, pipeline={"iterations": 3, "val_every": 3})
+    Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"]).run()
+    assert capfd.readouterr().err.count("rlctl: data.truncate = drop: left out 2 of 7 prompts over max_prompt_tokens=24: 'long0', 'long1'") == 2  # training, validation
+    for i in (1, 2, 3):
+        drawn = shards.read(str(tmp_path / "run" / f"iter-{i:04d}" / "prompts"), "prompts").table.column("id").to_pylist()
+        assert len(drawn) == 3 and not any(d.startswith("long") for d in drawn)
+    validated = shards.read(str(tmp_path / "run" / "iter-0003" / "val"), "scores").table.column("id").to_pylist()
+    assert sorted(set(validated)) == sorted(p["id"] for p in PROMPTS)
+    replayed = cli("replay", tmp_path / "run" / "iter-0002" / "prompts", "--check")
+    assert replayed.exit_code == 0 and "identical" in replayed.stdout, replayed.stderr
+
+
 def test_keep_shards_prunes_old_stage_outputs(tmp_path, tiny_model):
     config = write_config(tmp_path, tiny_model, pipeline={"iterations": 3, "keep_shards": 1, "keep_checkpoints": 1, "val_every": 0})
     Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"]).run()

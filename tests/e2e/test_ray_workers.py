@@ -605,3 +605,16 @@ def test_ranks_score_with_a_reference_loaded_in_place_of_the_first(ray_session, 
     pairs = [(x, y) for a, b in zip(after, expected) for x, y in zip(a, b)]
     assert max(abs(x - y) for x, y in pairs) < 1e-6
     assert max(abs(x - y) for a, b in zip(before, after) for x, y in zip(a, b)) > 1e-3
+
+
+def test_two_workers_drop_the_prompts_one_process_drops_and_sample_the_rest_as_it_does(ray_session, cli, tmp_path, tiny_model, prompts_file):
+    args = ("rollout", "--prompts", prompts_file, "--model", tiny_model, "--n", "2", "--max-new-tokens", "5", "--seed", "4", "--max-prompt-tokens", "6", "--truncate", "drop")
+    one = cli(*args, "--out", tmp_path / "one")
+    two = cli(*args, "--out", tmp_path / "two", "--workers-backend", "ray", "--workers", "2")
+    assert one.exit_code == 0 and two.exit_code == 0, two.stderr
+    assert "left out 1 of 3 prompts over max_prompt_tokens=6: 'p1'" in two.stderr
+    ray, local = shards.read(str(tmp_path / "two")).table, shards.read(str(tmp_path / "one")).table
+    assert ray.drop_columns(["rollout_logprobs"]).equals(local.drop_columns(["rollout_logprobs"]))  # the same rows and tokens
+    pairs = zip(ray.column("rollout_logprobs").to_pylist(), local.column("rollout_logprobs").to_pylist())
+    assert max(abs(x - y) for a, b in pairs for x, y in zip(a, b)) < 1e-5  # a pass of other rows: fp32 rounding
+

@@ -183,6 +183,30 @@ def test_too_long_prompt_names_its_id_unless_truncated(cli, tmp_path, tiny_model
     assert max(len(p) for p in shards.read(str(tmp_path / "t")).table.column("prompt_ids").to_pylist()) == 5
 
 
+def test_drop_leaves_the_too_long_prompts_out_names_them_and_samples_the_rest_as_alone(cli, tmp_path, tiny_model, prompts_file):
+    """data.truncate = drop (verl's filter_overlong_prompts): the rows of the prompts that fit
+    are the rows a file of only those prompts gives (each row's random stream as there)."""
+    from transformers import AutoTokenizer
+
+    from rlctl.config import DataConfig
+    from rlctl.stages.rollout import prompt_tokens
+
+    lengths = dict(prompt_tokens(shards.read(prompts_file, "prompts").table, AutoTokenizer.from_pretrained(tiny_model), DataConfig()))
+    limit = sorted(len(t) for t in lengths.values())[1]  # the longest prompt is over it, the others not
+    over = [pid for pid, tokens in lengths.items() if len(tokens) > limit]
+    args = ("rollout", "--model", tiny_model, "--max-prompt-tokens", str(limit), "--truncate", "drop", *ROLL)
+    result = cli(*args, "--prompts", prompts_file, "--out", tmp_path / "d")
+    assert result.exit_code == 0, result.stderr
+    assert f"rlctl: data.truncate = drop: left out 1 of 3 prompts over max_prompt_tokens={limit}: {over[0]!r}" in result.stderr
+    kept = tmp_path / "kept.jsonl"
+    kept.write_text("".join(line + "\n" for line in Path(prompts_file).read_text().splitlines() if json.loads(line)["id"] not in over))
+    assert cli(*args, "--prompts", kept, "--out", tmp_path / "k").exit_code == 0
+    dropped, alone = shards.read(str(tmp_path / "d")).table, shards.read(str(tmp_path / "k")).table
+    assert over[0] not in dropped.column("id").to_pylist() and dropped.num_rows == 4
+    assert dropped.select(["id", "response_ids", "rollout_logprobs"]).equals(alone.select(["id", "response_ids", "rollout_logprobs"]))
+    bad(cli(*args[:3], "--max-prompt-tokens", "1", "--truncate", "drop", "--prompts", prompts_file, "--out", tmp_path / "o"), tmp_path / "o", "every prompt (3) is over max_prompt_tokens=1")
+
+
 def test_the_dropped_tp_target_says_what_to_use_instead(cli, tmp_path, tiny_model):
     bad(cli("reshard", "--checkpoint", tiny_model, "--out", tmp_path / "o", "--to", "tp=2"), tmp_path / "o", "the one target is hf", "vllm.tensor_parallel_size")
 
