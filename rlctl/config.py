@@ -237,6 +237,7 @@ class UpdateConfig:
     critic_lr: float = 1e-5  # critic learning rate (AdamW)
     epochs: int = 1  # passes over the batch per update (PPO epochs)
     mini_batch_size: int = 0  # sequences per optimizer step; 0 = the whole batch
+    target_kl: float = 0.0  # stop an update's epochs and mini-batches once a mini-batch's approximate KL from the old policy (k3: approx_kl) exceeds 1.5 × target_kl, before stepping on it; its first step always runs (Spinning Up's and SB3's target_kl); 0 = off
     micro_batch_size: int = 4  # sequences per forward/backward
     micro_batch_tokens: str = "auto"  # padded tokens per forward/backward at most (fewer sequences then): auto (CPU: 4096, fewer where the training state and a pass would outgrow 3/4 of the machine's memory; GPU: no cap) | 0 (no cap) | N
     clip_ratio_low: float = 0.2  # PPO clip below: ratio ≥ 1 - clip_ratio_low
@@ -288,7 +289,7 @@ class UpdateConfig:
         if isinstance(self.rollout_rs_threshold, (int, float)) and not isinstance(self.rollout_rs_threshold, bool):  # TOML's rollout_rs_threshold = 2.0
             object.__setattr__(self, "rollout_rs_threshold", repr(float(self.rollout_rs_threshold)))
         check_ranges(self, "update", {
-            "lr": above(0.0), "critic_lr": above(0.0), "epochs": at_least(1), "mini_batch_size": at_least(0), "micro_batch_size": at_least(1),
+            "lr": above(0.0), "critic_lr": above(0.0), "epochs": at_least(1), "target_kl": at_least(0.0), "mini_batch_size": at_least(0), "micro_batch_size": at_least(1),
             "clip_ratio_low": between(0.0, 1.0), "clip_ratio_high": at_least(0.0),
             "clip_ratio_c": lambda v: None if v == 0 or v > 1 else "must be 0 (off) or > 1", "policy_loss": one_of(*POLICY_LOSSES),
             "kl_cov_ratio": lambda v: None if 0 < v <= 1 else "must be in (0, 1]", "kl_cov_coef": at_least(0.0),

@@ -925,6 +925,7 @@ class Pipeline:
             **({"critic_warmup": train["critic_warmup"]} if "critic_warmup" in train else {}),  # the share of steps that trained only the critic
             **({"truncated_masked": train["truncated_masked"]} if "truncated_masked" in train else {}),  # update.mask_truncated: the share of rows out of the loss
             **({"entropy_tokens_kept": train["entropy_tokens_kept"]} if "entropy_tokens_kept" in train else {}),  # update.top_entropy_quantile: the share of tokens in the policy gradient
+            **{k: train[k] for k in ("approx_kl", "kl_stopped_early", "optimizer_steps") if k in train},  # update.target_kl: its measure, whether it stopped the update, the steps made
             **{k: v for k, v in train.items() if k.startswith("rollout_rs/") or k == "rollout_is_batch_mean"},  # update.rollout_rs: the shares rejected; the IS weights' batch mean before normalizing
             **{k: v for k, v in adv_stats.items() if k.startswith(("pf_ppo/", "variance_proxy/"))},  # advantage.pf_ppo: the share of rows drawn, their mean reward; with Σπ²: the gradient's variance proxies
             "torch_threads": train.get("torch_threads"),
@@ -1177,6 +1178,10 @@ def describe_algorithm(cfg: Config) -> str:
         loss += f", KL loss {update.kl_loss_estimator} × {update.kl_loss_coef:g}"
     if update.entropy_coef:
         loss += f", entropy bonus × {update.entropy_coef:g}"
+    if update.target_kl:
+        from rlctl.trainer import KL_STOP_FACTOR
+
+        loss += f", stopped past KL {KL_STOP_FACTOR:g} × {update.target_kl:g}"
     return f"{estimator}; {loss}; old log-probs: {old_logprobs_source(cfg)}"
 
 

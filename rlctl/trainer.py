@@ -154,6 +154,15 @@ def optimizer_steps(cfg: UpdateConfig, batch_size: int) -> int:
     return cfg.epochs * (-(-batch_size // cfg.mini_batch_size) if cfg.mini_batch_size else 1)
 
 
+KL_STOP_FACTOR = 1.5  # update.target_kl stops an update past this multiple of it (Spinning Up's and SB3's rule)
+
+
+def kl_reached(cfg: UpdateConfig, stats: dict[str, float]) -> bool:
+    """Whether a mini-batch's approximate KL from the old policy (k3, `approx_kl`) is past
+    `update.target_kl` × KL_STOP_FACTOR: the update stops before stepping on it."""
+    return bool(cfg.target_kl) and stats.get("approx_kl", 0.0) > KL_STOP_FACTOR * cfg.target_kl
+
+
 @dataclass(frozen=True)
 class RankGroup:
     """This process's place in a data-parallel group (rank 0 of 1 when training alone).
@@ -354,18 +363,28 @@ class Trainer:
         totals: dict[str, float] = {}
         reported: dict[str, int] = {}
         steps = 0
+        stopped = False  # update.target_kl: the policy moved far enough from the old one
         if self.policy is not None:
             self.policy.model.train()
         for _ in range(cfg.epochs):
             order = torch.randperm(batch.size, generator=generator)
             for start in range(0, batch.size, mini):
                 stats = self.accumulate_gradients(batch, order[start : start + mini])
+                if steps and kl_reached(cfg, stats):  # the same on every rank: the statistics are the group's sums
+                    stopped = True
+                    break
                 stats.update(self._optimizer_step())
                 faults.point(f"rank-{self.ranks.rank}:optimizer-step-{self.step}")
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + v
                     reported[k] = reported.get(k, 0) + 1
                 steps += 1
+            if stopped:
+                break
+        if stopped:  # the unapplied mini-batch's gradients go
+            for optimizer in (self.optimizer, self.critic_optimizer):
+                if optimizer is not None:
+                    optimizer.zero_grad(set_to_none=True)
         if self.policy is not None:
             self.policy.model.eval()
         skipped = int(totals.get("skipped_steps", 0) + totals.get("vf_skipped_steps", 0))
@@ -379,6 +398,8 @@ class Trainer:
         metrics = {k: v / reported[k] for k, v in totals.items()}  # a mean over the steps that measured it
         metrics.update({k: totals[k] for k in ("skipped_steps", "vf_skipped_steps") if k in totals})  # counts, not means
         metrics.update({"step": self.step, "lr": self.lr_at(self.step - 1), "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)})
+        if cfg.target_kl:
+            metrics.update(kl_stopped_early=float(stopped), optimizer_steps=steps)
         if masked_rows is not None:
             metrics["truncated_masked"] = masked_rows  # the share of the batch's rows out of the loss
         metrics.update(correction)
@@ -404,6 +425,8 @@ class Trainer:
             if batch.rollout_logprobs is None:
                 raise InputError("update.rollout_is needs the engine's rollout_logprobs in the batch")
             stats["rollout_is_weight"] = 0.0
+        if policy is not None and cfg.target_kl:
+            stats["approx_kl"] = 0.0
         if policy is not None and cfg.top_entropy_quantile < 1.0:
             stats["entropy_tokens_kept"] = 0.0  # the share of the trained tokens whose policy gradient counted
         # every rank filters the whole mini-batch alike, so all make the same passes (FSDP)
@@ -509,6 +532,9 @@ class Trainer:
         stats["pg_clipfrac"] += weight * float(pg.clipped.sum()) / tokens
         stats["pg_clipfrac_lower"] += weight * float(pg.dual_clipped.sum()) / tokens
         stats["ppo_kl"] += weight * float(pg.approx_kl.detach().sum()) / tokens
+        if "approx_kl" in stats:  # update.target_kl's measure: k3 of the old policy to this one, ≥ 0 per token
+            k1 = pg.approx_kl.detach()  # log p_old − log p, 0 off the loss's tokens (so is k3 there)
+            stats["approx_kl"] += weight * float((torch.expm1(-k1) + k1).sum()) / tokens
         stats["entropy"] += weight * float(torch.where(m, entropy.detach(), 0).sum()) / tokens
 
     def policy_trains(self) -> bool:

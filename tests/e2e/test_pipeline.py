@@ -334,10 +334,11 @@ def test_dry_run_prints_the_plan_and_writes_nothing(cli, tmp_path, tiny_model):
     assert said == "algorithm     gae (γ 0.99, λ 0.95), KL k1 × 0.05 in the reward (adaptive); ppo loss, ratio clipped to [0.8, 1.2], dual clip 3, token-mean; old log-probs"
     assert source in ("rollout", "update", "recompute")
     otb = cli("pipeline", config, "--dry-run", "--run-dir", tmp_path / "run", "--set", 'advantage.estimator="optimal_token_baseline"', "--set", "advantage.kl_coef=0",
-              "--set", 'advantage.pf_ppo="max_min"', "--set", 'update.rollout_is="sequence"', "--set", 'update.policy_loss="sapo"', "--set", "update.entropy_coef=0.01")
+              "--set", 'advantage.pf_ppo="max_min"', "--set", 'update.rollout_is="sequence"', "--set", 'update.policy_loss="sapo"', "--set", "update.entropy_coef=0.01",
+              "--set", "update.target_kl=0.02")
     assert otb.exit_code == 0, otb.stderr
     assert ("algorithm     optimal_token_baseline (paths weighed by score's Σπ², × ρ̄² of sequence IS weights ≤ 2), batch redrawn by pf_ppo max_min; "
-            "sapo loss, token-mean, entropy bonus × 0.01; old log-probs: recompute") in otb.stdout
+            "sapo loss, token-mean, entropy bonus × 0.01, stopped past KL 1.5 × 0.02; old log-probs: recompute") in otb.stdout
     corrected = cli(
         "pipeline", config, "--dry-run", "--run-dir", tmp_path / "run", "--set", 'update.rollout_is="token"', "--set", "update.rollout_is_batch_normalize=true",
         "--set", 'update.rollout_rs="token_k1,seq_max_k3"', "--set", 'update.rollout_rs_threshold="0.5_2,0.01"',

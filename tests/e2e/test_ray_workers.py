@@ -618,3 +618,34 @@ def test_two_workers_drop_the_prompts_one_process_drops_and_sample_the_rest_as_i
     pairs = zip(ray.column("rollout_logprobs").to_pylist(), local.column("rollout_logprobs").to_pylist())
     assert max(abs(x - y) for a, b in pairs for x, y in zip(a, b)) < 1e-5  # a pass of other rows: fp32 rounding
 
+
+
+def test_two_workers_stop_an_update_at_the_target_kl_where_one_process_does(ray_session, tiny_model, gae_batch, tmp_path, monkeypatch):
+    """update.target_kl on FSDP2 ranks: the KL that decides is the group's sum, so every rank
+    stops at the step one process stops at (a rank that went on would hang the others)."""
+    from rlctl.trainer import Trainer
+
+    batch = TrainBatch.from_table(shards.read(gae_batch, "batch").table)
+    kls = []
+    measured = Trainer.accumulate_gradients
+
+    def record(self, rows, indices):
+        stats = measured(self, rows, indices)
+        kls.append(stats["approx_kl"])
+        return stats
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(Trainer, "accumulate_gradients", record)
+            every = trained_weights(config(tiny_model, workers=1, backend="local", target_kl=1e9), tiny_model, batch, tmp_path / "every")
+        assert len(kls) == 4  # 2 epochs of 2 mini-batches
+        stop = max(j for j in range(1, 4) if kls[j] > 1.01 * max(kls[:j]))  # a step clearly past every one before it
+        target = (kls[stop] + max(kls[:stop])) / 2 / 1.5
+        local = trained_weights(config(tiny_model, workers=1, backend="local", target_kl=target), tiny_model, batch, tmp_path / "local")
+    finally:
+        torch.set_num_threads(threads)
+    assert max(float((every[k] - local[k]).abs().max()) for k in local) > 1e-4  # it stopped: fewer steps
+    got = trained_weights(config(tiny_model, workers=2, target_kl=target), tiny_model, batch, tmp_path / "ray")
+    assert max(float((got[k] - local[k]).abs().max()) for k in local) < SPLIT_ROUNDING

@@ -819,3 +819,73 @@ def test_normalized_importance_weights_are_the_truncated_ones_over_their_batch_m
         assert metrics["rollout_is_weight"] == pytest.approx(1.0, rel=1e-4)
     with pytest.raises(InputError, match="rollout_is_batch_normalize needs the whole batch's weights"):
         replace(data, old_logprobs=None).with_normalized_weights(level, 1.5)
+
+
+def on_policy_batch(policy, seed=5):
+    """make_batch with the policy's own log-probs as the old ones: the update starts at KL 0."""
+    from dataclasses import replace
+
+    batch = make_batch(seed=seed)
+    own = policy.logprobs(batch.prompt_ids, batch.response_ids, temperature=1.0)
+    old = torch.zeros_like(batch.advantages)
+    for row, values in enumerate(own):
+        old[row, : len(values)] = torch.tensor(values)
+    return replace(batch, old_logprobs=old)
+
+
+def test_approx_kl_is_the_token_mean_of_k3_from_the_old_policy(policy):
+    from dataclasses import replace
+
+    batch = make_batch(seed=3)
+    trainer = Trainer(policy, UpdateConfig(micro_batch_size=3, target_kl=0.01))
+    stats = trainer.accumulate_gradients(batch, torch.arange(batch.size))
+    new = policy.logprobs(batch.prompt_ids, batch.response_ids, temperature=1.0)
+    log_ratio = [n - o for row, values in enumerate(new) for n, o in zip(values, batch.old_logprobs[row].tolist())]
+    expected = np.mean([np.expm1(x) - x for x in log_ratio])
+    assert stats["approx_kl"] == pytest.approx(expected, rel=1e-4)
+    assert "approx_kl" not in Trainer(policy, replace(UpdateConfig(micro_batch_size=3), target_kl=0.0)).accumulate_gradients(batch, torch.arange(batch.size))
+
+
+def test_target_kl_stops_the_update_before_the_first_step_past_it_with_the_weights_of_the_steps_before(tiny_model, monkeypatch):
+    """Spinning Up's and SB3's rule: the first mini-batch (after the first step) whose
+    approximate KL from the old policy exceeds 1.5 × target_kl is not stepped on, and the
+    update ends there; its weights are those the update had after the steps it made."""
+    cfg = UpdateConfig(lr=3e-3, epochs=3, mini_batch_size=4, micro_batch_size=4)
+    kls, snapshots = [], []
+    measured = Trainer.accumulate_gradients
+    stepped = Trainer._optimizer_step
+
+    def record_kl(self, batch, indices):
+        stats = measured(self, batch, indices)
+        kls.append(stats["approx_kl"])
+        return stats
+
+    def record_weights(self):
+        stats = stepped(self)
+        snapshots.append(weights(self.policy))
+        return stats
+
+    monkeypatch.setattr(Trainer, "accumulate_gradients", record_kl)
+    monkeypatch.setattr(Trainer, "_optimizer_step", record_weights)
+    policy = HFPolicy.load(tiny_model, "cpu")
+    batch = on_policy_batch(policy)
+    _, _, whole = run_update(tiny_model, batch, replace_cfg(cfg, target_kl=1e9))  # never reached: all 6 steps
+    assert whole["optimizer_steps"] == 6 and whole["kl_stopped_early"] == 0.0 and len(kls) == 6
+    assert kls[0] < 1e-6 < kls[1] < kls[-1]  # on-policy at the first step, moving away after
+    first_over = max(j for j in range(1, 6) if kls[j] > max(kls[:j]))  # a step whose KL is past every one before it
+    assert first_over >= 2
+    target = (kls[first_over] + max(kls[:first_over])) / 2 / 1.5  # between the step before and the one past
+    everything = snapshots[:]
+    kls.clear()
+    snapshots.clear()
+    trained, _, stopped = run_update(tiny_model, batch, replace_cfg(cfg, target_kl=target))
+    assert stopped["optimizer_steps"] == first_over and stopped["kl_stopped_early"] == 1.0
+    after = weights(trained)
+    assert all(torch.equal(after[k], everything[first_over - 1][k]) for k in after)
+    assert all(p.grad is None for p in trained.model.parameters())  # the unapplied mini-batch's gradients went
+
+
+def replace_cfg(cfg, **changes):
+    from dataclasses import replace
+
+    return replace(cfg, **changes)
