@@ -237,6 +237,7 @@ class UpdateConfig:
     critic_lr: float = 1e-5  # critic learning rate (AdamW)
     epochs: int = 1  # passes over the batch per update (PPO epochs)
     mini_batch_size: int = 0  # sequences per optimizer step; 0 = the whole batch
+    disable_dropout: bool = True  # the model's dropout off while training (TRL's disable_dropout), so the update's log-probs are the old policy's on its first step, as score's and the engine's (computed without dropout); false trains with the model's own dropout
     target_kl: float = 0.0  # stop an update's epochs and mini-batches once a mini-batch's approximate KL from the old policy (k3: approx_kl) exceeds 1.5 × target_kl, before stepping on it; its first step always runs (Spinning Up's and SB3's target_kl); 0 = off
     micro_batch_size: int = 4  # sequences per forward/backward
     micro_batch_tokens: str = "auto"  # padded tokens per forward/backward at most (fewer sequences then): auto (CPU: 4096, fewer where the training state and a pass would outgrow 3/4 of the machine's memory; GPU: no cap) | 0 (no cap) | N
@@ -356,6 +357,7 @@ class RewardModelConfig:
     data: str = ""  # in a pipeline: preference pairs to train RUN/reward_model on before iteration 1 (score.reward = "rm:trained" scores with it; "" = none)
     val_data: str = ""  # in a pipeline: held-out pairs, their loss and accuracy before and after each epoch
     base: str = "policy"  # in a pipeline: the model the reward model starts from: policy (the run's initial policy: model.path, or the last warm start's folder) or a folder
+    disable_dropout: bool = True  # the model's dropout off while training (TRL's RewardConfig.disable_dropout)
     lr: float = 1e-5  # learning rate (AdamW)
     epochs: int = 1  # passes over the pairs
     save_steps: int = 0  # a checkpoint also every N optimizer steps within an epoch, to resume from mid-epoch (beside OUT, removed at the end); 0 = at each epoch's end only
@@ -496,6 +498,7 @@ class DpoConfig:
     simpo_gamma: float = 0.5  # SimPO's target reward margin (dpo.loss = "simpo"; the paper's beta is 2-2.5)
     sft_weight: float = 0.0  # the chosen responses' NLL per token added to the loss with this weight (RPO; TRL's loss_type [..., "sft"]); 0 = none
     min_reward_gap: float = 0.0  # data that is scored rollouts (a score stage's output): each prompt's best and worst sample are a pair where their rewards differ by more than this
+    disable_dropout: bool = True  # the model's dropout off while training (TRL's disable_dropout): the policy's log-probs at the first step are the reference's, computed without dropout
     lr: float = 1e-6  # learning rate (AdamW)
     epochs: int = 1  # passes over the pairs
     save_steps: int = 0  # a checkpoint also every N optimizer steps within an epoch, to resume from mid-epoch (beside OUT, removed at the end); 0 = at each epoch's end only
@@ -545,6 +548,7 @@ class KtoConfig:
     desirable_weight: float = 1.0  # the desirable examples' loss weight (lambda_D; the paper keeps lambda_D × desirable / (lambda_U × undesirable) in [1, 4/3])
     undesirable_weight: float = 1.0  # the undesirable examples' loss weight (lambda_U)
     min_reward_gap: float = 0.0  # data that is scored rollouts (a score stage's output): each prompt's best (desirable) and worst (undesirable) sample, where their rewards differ by more than this
+    disable_dropout: bool = True  # the model's dropout off while training (TRL's disable_dropout): the policy's log-probs at the first step are the reference's, computed without dropout
     lr: float = 1e-6  # learning rate (AdamW)
     epochs: int = 1  # passes over the examples
     save_steps: int = 0  # a checkpoint also every N optimizer steps within an epoch, to resume from mid-epoch (beside OUT, removed at the end); 0 = at each epoch's end only

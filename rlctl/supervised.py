@@ -28,7 +28,7 @@ class SupervisedSteps:
     names it in messages."""
 
     def __init__(self, model, cfg, *, device_type: str, total_steps: int, command: str) -> None:
-        from rlctl.backends.hf import held_whole
+        from rlctl.backends.hf import disable_dropout, held_whole
         from rlctl.dtypes import autocast_bf16
         from rlctl.lora import transformers_model
         from rlctl.trainer import adamw, trainable
@@ -39,6 +39,8 @@ class SupervisedSteps:
         self.optimizer = adamw(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.bf16 = autocast_bf16(cfg.bf16, device_type)
         self.weights_whole = held_whole(model)  # not FSDP2 shards (casts_kept)
+        if getattr(cfg, "disable_dropout", False):  # dpo, kto, reward-model; sft trains with the model's dropout
+            disable_dropout(model)
         if cfg.gradient_checkpointing:
             transformers_model(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 

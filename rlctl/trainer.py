@@ -33,6 +33,7 @@ from rlctl.backends.hf import (
     HFPolicy,
     ValueModel,
     casts_kept,
+    disable_dropout,
     distinct_prompts,
     held_whole,
     pack,
@@ -302,6 +303,8 @@ class Trainer:
         self.weights_whole = all(held_whole(m) for m in (policy.model if policy is not None else None, critic) if m is not None)  # not FSDP2 shards
         self.shapes = (ModelShape.of_model(policy.model) if policy is not None else None, ModelShape.of_model(critic.lm) if critic is not None else None)
         for lm in (policy.model if policy is not None else None, critic.lm if critic is not None else None):
+            if lm is not None and cfg.disable_dropout:
+                disable_dropout(lm)
             if lm is not None and cfg.compile:
                 compiled_layers.enable(transformers_model(lm))
             if lm is not None and cfg.gradient_checkpointing:

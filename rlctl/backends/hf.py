@@ -97,6 +97,24 @@ def casts_kept(device: torch.device, bf16: bool):
         yield
 
 
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Every dropout of the model set to 0 — its `nn.Dropout` modules and the attention
+    modules' `attention_dropout` rate, which transformers passes to the attention in training
+    mode — so that a training forward gives the log-probs an eval forward gives (TRL's
+    disable_dropout). A LoRA adapter's own dropout (update.lora.dropout) stays. Returns how
+    many were on."""
+    turned_off = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and module.p and "lora_dropout" not in name:
+            module.p = 0.0
+            turned_off += 1
+        rate = getattr(module, "attention_dropout", None)
+        if isinstance(rate, float) and rate:
+            module.attention_dropout = 0.0
+            turned_off += 1
+    return turned_off
+
+
 def held_whole(model) -> bool:
     """Whether every parameter of `model` is a plain tensor of this process (not a DTensor shard)."""
     return all(type(p.data) is torch.Tensor for p in model.parameters())

@@ -143,3 +143,13 @@ def test_the_grpo_lora_example_learns_by_the_stated_margin(tmp_path):
     rows = run_example("grpo_lora.toml", tmp_path)
     assert len(rows) == 30
     assert learning_margin(rows) >= 0.5  # the margin stated in examples/grpo_lora.toml
+
+
+def test_the_adapters_own_dropout_stays_when_the_update_turns_the_models_off(tmp_path, tiny_model):
+    from tests.unit.test_trainer import attention_dropouts, model_with_dropout
+
+    policy = lora_policy(model_with_dropout(tmp_path, tiny_model), LoraConfig(r=4, alpha=8.0, dropout=0.1, target_modules=("q_proj", "v_proj")))
+    Trainer(policy, UpdateConfig(lora=LoraConfig(r=4, dropout=0.1, target_modules=("q_proj", "v_proj"))))
+    assert attention_dropouts(policy.model) == {0.0}
+    adapters = [m.p for name, m in policy.model.named_modules() if isinstance(m, torch.nn.Dropout) and "lora_dropout" in name]
+    assert adapters and set(adapters) == {0.1}

@@ -889,3 +889,47 @@ def replace_cfg(cfg, **changes):
     from dataclasses import replace
 
     return replace(cfg, **changes)
+
+
+def model_with_dropout(tmp_path, tiny_model, rate=0.3) -> str:
+    """The tiny model with attention dropout (its Qwen2 config's attention_dropout)."""
+    import json
+    import shutil
+
+    folder = tmp_path / "dropout"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": rate}))
+    return str(folder)
+
+
+def attention_dropouts(model) -> set[float]:
+    return {m.attention_dropout for m in model.modules() if isinstance(getattr(m, "attention_dropout", None), float)}
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_the_update_trains_without_the_models_dropout_so_its_first_step_is_on_policy(tmp_path, tiny_model, disable):
+    """update.disable_dropout (TRL's): on the old policy's own log-probs (an eval forward, as
+    score's and the engine's) the first step's ratio is 1 at every token; with the model's
+    dropout on in training it is not."""
+    policy = HFPolicy.load(model_with_dropout(tmp_path, tiny_model), "cpu")
+    batch = on_policy_batch(policy)
+    trainer = Trainer(policy, UpdateConfig(micro_batch_size=8, disable_dropout=disable))
+    metrics = trainer.train(batch)
+    if disable:
+        assert attention_dropouts(policy.model) == {0.0}
+        assert abs(metrics["ppo_kl"]) < 1e-6 and metrics["pg_clipfrac"] == 0.0
+    else:
+        assert attention_dropouts(policy.model) == {0.3}
+        assert abs(metrics["ppo_kl"]) > 1e-3
+
+
+def test_preference_trainers_turn_the_models_dropout_off_and_sft_keeps_it(tmp_path, tiny_model):
+    from rlctl.config import DpoConfig, KtoConfig, RewardModelConfig, SftConfig
+    from rlctl.supervised import SupervisedSteps
+
+    folder = model_with_dropout(tmp_path, tiny_model)
+    for cfg, expected in ((DpoConfig(), 0.0), (KtoConfig(), 0.0), (RewardModelConfig(), 0.0), (DpoConfig(disable_dropout=False), 0.3), (SftConfig(), 0.3)):
+        model = HFPolicy.load(folder, "cpu").model
+        SupervisedSteps(model, cfg, device_type="cpu", total_steps=1, command="test")
+        assert attention_dropouts(model) == {expected}, cfg
