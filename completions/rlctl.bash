@@ -4,7 +4,7 @@ _rlctl() {
     cur="${COMP_WORDS[COMP_CWORD]}"
     prev="${COMP_WORDS[COMP_CWORD-1]}"
     if [[ $COMP_CWORD -eq 1 ]]; then
-        COMPREPLY=($(compgen -W "advantage config dpo eval kto model pipeline plot replay reshard reward-model rollout score sft show update --help --version" -- "$cur"))
+        COMPREPLY=($(compgen -W "advantage config dpo eval kto model pipeline plot replay reshard reward-model rollout score sft show update verify --help --version" -- "$cur"))
         return
     fi
     cmd="${COMP_WORDS[1]}"
@@ -36,6 +36,7 @@ _rlctl() {
         "sft") opts="--batch-size --config --data --device --epochs --eval --force --help --json --lr --model --out --set --val-data" ;;
         "show") opts="--columns --help --json --layout --rows --sort --where --width" ;;
         "update") opts="--address --batch --bf16 --config --critic --device --epochs --force --help --json --loss-agg-mode --lr --micro-batch-size --mini-batch-size --model --no-bf16 --out --seed --set --workers --workers-backend" ;;
+        "verify") opts="--all --help --json --sizes-only" ;;
         *) opts="--help" ;;
     esac
     case "$cmd $prev" in

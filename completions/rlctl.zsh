@@ -20,6 +20,7 @@ _rlctl() {
     'sft:Supervised fine-tuning on demonstrations - the warm start before RL (loss on responses'
     'show:Print a shard, a manifest, a checkpoint, a run or one of its iterations as a table.'
     'update:Train the policy (and critic) on a batch with the PPO/GRPO loss; write a checkpoint.'
+    'verify:Check every committed output under PATH against its manifest and find half-written ones; exit 1 if any is damaged or stale.'
   )
   local cmd="${words[2]}"
   [[ "${words[2]}" == model ]] && cmd="model-${words[3]}"
@@ -41,6 +42,7 @@ _rlctl() {
     sft) _arguments '*:file:_files' '--batch-size' '--config' '--data' '--device' '--epochs' '--eval' '--force' '--help' '--json' '--lr' '--model' '--out' '--set' '--val-data' ;;
     show) _arguments '*:file:_files' '--columns' '--help' '--json' '--layout:layout:(auto table records)' '--rows' '--sort' '--where' '--width' ;;
     update) _arguments '*:file:_files' '--address' '--batch' '--bf16' '--config' '--critic' '--device' '--epochs' '--force' '--help' '--json' '--loss-agg-mode:loss-agg-mode:(token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm)' '--lr' '--micro-batch-size' '--mini-batch-size' '--model' '--no-bf16' '--out' '--seed' '--set' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
+    verify) _arguments '*:file:_files' '--all' '--help' '--json' '--sizes-only' ;;
     *) _describe 'command' commands ;;
   esac
 }

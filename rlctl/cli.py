@@ -672,6 +672,41 @@ def show(
 
 
 @app.command()
+def verify(
+    path: Annotated[str, typer.Argument(help="A run folder, a committed output or checkpoint, or any folder holding them (any fsspec URL).")],
+    sizes_only: Annotated[bool, typer.Option("--sizes-only", help="Check the files' sizes, not their sha256: fast, but a changed byte goes unseen.")] = False,
+    show_all: Annotated[bool, typer.Option("--all", help="List the intact folders too (by default only those that need a look, and the totals).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for machines: every folder's finding and the counts.")] = False,
+) -> None:
+    """Check every committed output under PATH against its manifest and find half-written ones; exit 1 if any is damaged or stale."""
+    from rlctl.folders import verify_enabled
+    from rlctl.verify import FAILING, summary, verify_tree
+
+    digests = verify_enabled() and not sizes_only
+    findings = verify_tree(path, digests=digests)
+    if as_json:
+        import json
+
+        counts = {status: sum(1 for f in findings if f.status == status) for status in sorted({f.status for f in findings})}
+        typer.echo(json.dumps({"path": path, "digests": digests, "findings": [f.to_dict() for f in findings], "counts": counts}))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        shown = [f for f in findings if show_all or f.status != "ok"]
+        if shown:
+            table = Table(title_justify="left")
+            for name in ("folder", "stage", "status", "detail"):
+                table.add_column(name, overflow="fold")
+            for f in shown:
+                table.add_row(f.folder, f.stage or "—", f.status, f.detail or "")
+            Console().print(table)
+        typer.echo(summary(findings, digests))
+    if any(f.status in FAILING for f in findings):
+        raise typer.Exit(1)
+
+
+@app.command()
 def plot(
     run_dirs: Annotated[list[str], typer.Argument(help="Run folders written by rlctl pipeline; several share the panels, a line each.")],
     out: Annotated[Optional[str], typer.Option("--out", help="PNG file to write (default RUN/metrics.png; for several runs, compare.png in their common folder).")] = None,

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_architecture_commands_are_all_registered():
     names = {" ".join(p) for p in COMMANDS}
-    assert names == {"rollout", "score", "advantage", "update", "reshard", "pipeline", "replay", "show", "plot", "model init", "config show", "config diff", "eval", "sft", "reward-model", "dpo", "kto"}
+    assert names == {"rollout", "score", "advantage", "update", "reshard", "pipeline", "replay", "show", "plot", "model init", "config show", "config diff", "eval", "sft", "reward-model", "dpo", "kto", "verify"}
 
 
 @pytest.mark.parametrize("path", COMMANDS, ids=lambda p: "-".join(p))

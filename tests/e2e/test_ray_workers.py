@@ -584,7 +584,7 @@ def test_two_workers_train_dpo_as_one_process_does(ray_session, tiny_model, tmp_
 
 
 @pytest.mark.parametrize("placement,reference,workers", [
-    ("colocate", "replicated", 2), ("colocate", "sharded", 2), pytest.param("split", "replicated", 1, marks=pytest.mark.slow),
+    pytest.param("colocate", "replicated", 2, marks=pytest.mark.slow), ("colocate", "sharded", 2), pytest.param("split", "replicated", 1, marks=pytest.mark.slow),
 ])
 def test_ranks_score_with_a_reference_loaded_in_place_of_the_first(ray_session, tmp_path, tiny_model, placement, reference, workers):
     """pipeline.ref_sync_every's reload: every rank holding the reference (a replica, FSDP2
@@ -607,6 +607,7 @@ def test_ranks_score_with_a_reference_loaded_in_place_of_the_first(ray_session, 
     assert max(abs(x - y) for a, b in zip(before, after) for x, y in zip(a, b)) > 1e-3
 
 
+@pytest.mark.slow
 def test_two_workers_drop_the_prompts_one_process_drops_and_sample_the_rest_as_it_does(ray_session, cli, tmp_path, tiny_model, prompts_file):
     args = ("rollout", "--prompts", prompts_file, "--model", tiny_model, "--n", "2", "--max-new-tokens", "5", "--seed", "4", "--max-prompt-tokens", "6", "--truncate", "drop")
     one = cli(*args, "--out", tmp_path / "one")
