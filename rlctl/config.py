@@ -427,7 +427,7 @@ class PipelineConfig:
     wandb_mode: str = "online"  # online | offline (offline: RUN/wandb, no network; `wandb sync` it later)
     mlflow_uri: str = ""  # tracking URI of the mlflow logger; "" = the file store RUN/mlruns
     mlflow_experiment: str = "rlctl"  # the MLflow experiment of the mlflow logger
-    ignore_checks: tuple[str, ...] = ()  # what `rlctl show RUN` and the pipeline leave unsaid (rlctl.run_checks): truncated | constant_reward | equal_rewards | engine_mismatch | rejected | skipped_steps
+    ignore_checks: tuple[str, ...] = ()  # what `rlctl show RUN` and the pipeline leave unsaid (rlctl.run_checks): truncated | constant_reward | equal_rewards | engine_mismatch | rejected | kl_stopped | skipped_steps
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.loggers if name not in LOGGER_NAMES]

@@ -2,8 +2,8 @@
 with what to change: responses cut at the length limit, a reward that gives every sample one
 value, prompt groups that carry no signal,
 an engine that samples from other probabilities than the trainer computes, a rollout
-correction that rejects most of what was sampled, optimizer steps skipped for a non-finite
-gradient. `rlctl show RUN` lists them, and a pipeline says each the
+correction that rejects most of what was sampled, a KL target that stops every update at its
+first step, optimizer steps skipped for a non-finite gradient. `rlctl show RUN` lists them, and a pipeline says each the
 first time it shows; `pipeline.ignore_checks` leaves out those a run expects (a reward that
 wants long responses is not hurt by the length limit). Each rule reads only metrics.jsonl rows
 (and the run's resolved config where there is one), so it judges a finished run and a running
@@ -42,7 +42,7 @@ def run_findings(rows: list[dict[str, Any]], cfg: Config | None = None, run_dir:
         return []
     window = rows[-EQUAL_REWARDS_WINDOW:]
     constant = constant_reward(window, run_dir, rows)  # then every group is equal too: one finding, not two
-    found = [truncated(rows[-1], cfg), constant or equal_rewards(window, cfg), engine_mismatch(rows[-1], cfg), rejected(window), skipped_steps(rows)]
+    found = [truncated(rows[-1], cfg), constant or equal_rewards(window, cfg), engine_mismatch(rows[-1], cfg), rejected(window), kl_stopped(window), skipped_steps(rows)]
     ignored = cfg.pipeline.ignore_checks if cfg is not None else ()
     return [f for f in found if f is not None and f.check not in ignored]
 
@@ -127,6 +127,21 @@ def rejected(rows: list[dict[str, Any]]) -> Finding | None:
         f"iterations {first}-{last}: update.rollout_rs rejected {min(shares):.0%}-{max(shares):.0%} of the responses, so most of each batch "
         f"trained nothing: the engine and the trainer disagree beyond its bounds{measured}; look for stale weights or a lower-precision "
         "engine (rollout.dtype, vllm.dtype), or loosen update.rollout_rs_threshold"
+    ))
+
+
+def kl_stopped(rows: list[dict[str, Any]]) -> Finding | None:
+    """update.target_kl stopped every update of the last iterations after its first optimizer
+    step: the epochs and mini-batches configured past it cost a forward and a backward each
+    and train nothing."""
+    if len(rows) < EQUAL_REWARDS_WINDOW or any(r.get("kl_stopped_early") != 1.0 or r.get("optimizer_steps") != 1 for r in rows):
+        return None
+    first, last = rows[0]["iteration"], rows[-1]["iteration"]
+    measured = rows[-1].get("approx_kl")
+    at = f" (approx_kl {measured:.3g} at iteration {last})" if measured is not None else ""
+    return Finding("kl_stopped", tuple(r["iteration"] for r in rows), (
+        f"iterations {first}-{last}: update.target_kl stopped every update after its first optimizer step{at}, so the further epochs and "
+        "mini-batches each ran a pass for nothing: raise update.target_kl, lower update.lr, or take one step per batch (update.epochs = 1, one mini-batch)"
     ))
 
 

@@ -90,6 +90,18 @@ def test_a_rollout_correction_that_rejects_most_responses_three_iterations_runni
     assert run_findings(history) == []  # one iteration under half breaks the run of three
 
 
+def test_a_kl_target_that_stops_every_update_at_its_first_step_three_iterations_running_says_what_to_change():
+    history = rows(4, kl_stopped_early=1.0, optimizer_steps=1, approx_kl=0.04)
+    history[0]["optimizer_steps"] = 3  # before the window
+    (found,) = run_findings(history)
+    assert found.check == "kl_stopped" and found.iterations == (2, 3, 4)
+    assert found.message.startswith("iterations 2-4: update.target_kl stopped every update after its first optimizer step (approx_kl 0.04 at iteration 4)")
+    assert "raise update.target_kl, lower update.lr" in found.message
+    history[2]["optimizer_steps"] = 2
+    assert run_findings(history) == []  # an update that made two steps breaks the run of three
+    assert run_findings(rows(4)) == []  # no target_kl: nothing to say
+
+
 def test_gpg_groups_of_equal_rewards_carry_no_signal_either():
     equal = rows(3, **{"groups/equal_rewards": 1.0})
     assert checks(run_findings(equal, load_config(overrides=['advantage.estimator="gpg"']))) == ["equal_rewards"]
@@ -146,6 +158,6 @@ def test_a_run_whose_every_sample_earns_its_best_reward_is_told_the_task_looks_l
 
 
 def test_every_check_is_named_in_the_choices():
-    every = rows(3, **{"response_length/clip_ratio": 1.0, "groups/equal_rewards": 1.0, "rollout_is/frac_beyond_threshold": 0.5, "skipped_steps": 1, "rollout_rs/seq_masked_fraction": 0.9})
+    every = rows(3, **{"response_length/clip_ratio": 1.0, "groups/equal_rewards": 1.0, "rollout_is/frac_beyond_threshold": 0.5, "skipped_steps": 1, "rollout_rs/seq_masked_fraction": 0.9, "kl_stopped_early": 1.0, "optimizer_steps": 1})
     flat = rows(3, reward_max=1.0, reward_min=1.0)
     assert sorted({*checks(run_findings(every)), *checks(run_findings(flat))}) == sorted(RUN_CHECKS)
