@@ -145,6 +145,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l no-chat-template
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l no-greedy-baseline
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l out
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l prompts
+complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l repetition-penalty
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l rows-per-part
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l seed
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l set

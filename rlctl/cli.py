@@ -160,6 +160,7 @@ def rollout(
     top_p: Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass." + _default("rollout.top_p"))] = None,
     top_k: Annotated[Optional[int], typer.Option("--top-k", help="Sample from the k most likely tokens; 0 = all." + _default("rollout.top_k"))] = None,
     min_p: Annotated[Optional[float], typer.Option("--min-p", help="Leave out tokens less likely than min-p × the likeliest one; 0 = off." + _default("rollout.min_p"))] = None,
+    repetition_penalty: Annotated[Optional[float], typer.Option("--repetition-penalty", help="Above 1: tokens already in the prompt or response are drawn less often (the log-probs stay the policy's); 1 = off." + _default("rollout.repetition_penalty"))] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed." + _default("rollout.seed"))] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="A stop string: a response ends with the token that completes it, and keeps it (repeat for several).")] = None,
     greedy_baseline: Annotated[Optional[bool], typer.Option("--greedy-baseline/--no-greedy-baseline", help="Also decode each prompt's greedy response, never trained on: ReMax's baseline (advantage --estimator remax)." + _default("rollout.greedy_baseline"))] = None,
@@ -184,7 +185,7 @@ def rollout(
     from rlctl.stages import rollout as stage
 
     cfg = _stage_config(config, set_)
-    rollout_cfg = override_section(cfg.rollout, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, backend=backend, dtype=dtype, stop=stop or None,
+    rollout_cfg = override_section(cfg.rollout, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, backend=backend, dtype=dtype, stop=stop or None,
         greedy_baseline=greedy_baseline,
     )
     data_cfg = override_section(cfg.data, max_prompt_tokens=max_prompt_tokens, truncate=truncate, chat_template=chat_template)

@@ -126,6 +126,7 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling: smallest token set with this probability mass; 1 = off
     top_k: int = 0  # sample among the k likeliest tokens; 0 = off
     min_p: float = 0.0  # min-p sampling: leave out the tokens less likely than min_p × the likeliest one (vLLM's and TRL's min_p); 0 = off
+    repetition_penalty: float = 1.0  # > 1 makes the tokens already in the prompt or the response less likely to be drawn (their logits ÷ it where positive, × it where negative: transformers' and vLLM's repetition_penalty, TRL's); the recorded log-probs stay the policy's; 1 = off
     stop: tuple[str, ...] = ()  # stop strings: a response ends at the first token that completes one, and keeps it (vLLM's stop, TRL's generation_kwargs)
     tool: str = ""  # a tool (file.py:fn, module:fn, builtin:calculator) given each response that stopped at a stop string: the text it returns is appended (not trained on) and generation goes on; None ends the response ("" = none)
     max_tool_calls: int = 4  # tool calls per response at most; then a response ends at its stop string
@@ -141,7 +142,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         check_ranges(self, "rollout", {
             "n": at_least(1), "max_new_tokens": at_least(1), "temperature": at_least(0.0), "top_p": lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
-            "top_k": at_least(0), "min_p": lambda v: None if 0 <= v < 1 else "must be in [0, 1)", "batch_size": at_least(1), "dtype": one_of(*COMPUTE_DTYPES), "backend": one_of(*ROLLOUT_BACKENDS),
+            "top_k": at_least(0), "min_p": lambda v: None if 0 <= v < 1 else "must be in [0, 1)", "repetition_penalty": above(0.0), "batch_size": at_least(1), "dtype": one_of(*COMPUTE_DTYPES), "backend": one_of(*ROLLOUT_BACKENDS),
             "stop": lambda v: "must not hold an empty string (it would end every response before it starts)" if any(not s for s in v) else None,
             "max_tool_calls": at_least(1), "tool_timeout": at_least(0.0), "tool_format": one_of(*TOOL_FORMATS),
         })

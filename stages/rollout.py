@@ -197,7 +197,8 @@ def rollout_table(
         **tool_columns,
     }
     table = set_columns(table, columns)
-    sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "max_new_tokens": cfg.max_new_tokens, **({"min_p": cfg.min_p} if cfg.min_p else {})}
+    sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "max_new_tokens": cfg.max_new_tokens, **({"min_p": cfg.min_p} if cfg.min_p else {}),
+                **({"repetition_penalty": cfg.repetition_penalty} if cfg.repetition_penalty != 1.0 else {})}
     metadata = dict(table.schema.metadata or {})
     metadata[SAMPLING_KEY] = json.dumps(sampling, sort_keys=True).encode()
     return table.replace_schema_metadata(metadata)

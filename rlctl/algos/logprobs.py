@@ -145,13 +145,18 @@ def _chunked_backward(
 
 def sample_next(
     *, logits: torch.Tensor, temperature: float, top_p: float, top_k: int, uniform: torch.Tensor, min_p: float = 0.0,
+    seen: torch.Tensor | None = None, repetition_penalty: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V], uniform [B] in [0, 1) → (tokens [B], log-probs [B]). temperature 0 is greedy.
 
     Sampling is by inverse CDF from one uniform number per row, so a row's token depends only
-    on its own logits and its own random stream, not on which other rows share the batch."""
+    on its own logits and its own random stream, not on which other rows share the batch. With
+    `seen` ([B, V]: the tokens each row's prompt and response hold so far) the draw is from the
+    logits with `repetition_penalty` applied (`penalized`); the log-probs stay the policy's."""
     x = scaled(logits, effective_temperature(temperature))
     logp = torch.log_softmax(x, dim=-1)
+    if seen is not None and repetition_penalty != 1.0:
+        x = scaled(penalized(logits, seen, repetition_penalty), effective_temperature(temperature))
     if temperature <= 0:
         tokens = x.argmax(-1)
     else:
@@ -164,6 +169,13 @@ def sample_next(
         # never decreases); counting them over [B, V] booleans cost a pass and an int64 copy
         tokens = torch.searchsorted(cdf, threshold).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def penalized(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """The logits of the `seen` tokens made less likely (penalty > 1): divided by it where
+    positive, multiplied where negative — transformers' RepetitionPenaltyLogitsProcessor and
+    vLLM's repetition_penalty, over the prompt's and the response's tokens."""
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
 def row_seed(seed: int, row: int) -> int:

@@ -24,6 +24,7 @@ class SamplingParams:
     seed: int = 0
     stop: tuple[str, ...] = ()  # stop strings (rlctl.backends.stop_strings)
     min_p: float = 0.0  # min-p sampling: tokens below min_p × the likeliest's probability are not drawn; 0 = off
+    repetition_penalty: float = 1.0  # the logits of tokens already in the prompt or response: / it where positive, × it where negative (before the temperature); 1 = off
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def stream_rows(count: int, first_row: int, row_ids: Sequence[int] | None) -> li
 
 
 def sampling_params(cfg: RolloutConfig, seed: int | None = None) -> SamplingParams:
-    return SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed if seed is None else seed, tuple(cfg.stop), cfg.min_p)
+    return SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed if seed is None else seed, tuple(cfg.stop), cfg.min_p, cfg.repetition_penalty)
 
 
 def _load_hf(model_uri: str, device: str, cfg: RolloutConfig, settings: VLLMConfig) -> RolloutEngine:

@@ -115,6 +115,15 @@ def disable_dropout(model: torch.nn.Module) -> int:
     return turned_off
 
 
+def seen_tokens(prompt_ids, vocab: int, device) -> torch.Tensor:
+    """[B, vocab] booleans: the tokens each row's prompt holds (rollout.repetition_penalty's
+    start; the decode loop marks each drawn token)."""
+    seen = torch.zeros((len(prompt_ids), vocab), dtype=torch.bool, device=device)
+    for row, ids in enumerate(prompt_ids):
+        seen[row, torch.as_tensor(list(ids), dtype=torch.long, device=device)] = True
+    return seen
+
+
 def held_whole(model) -> bool:
     """Whether every parameter of `model` is a plain tensor of this process (not a DTensor shard)."""
     return all(type(p.data) is torch.Tensor for p in model.parameters())
@@ -561,11 +570,12 @@ class HFPolicy:
         stopped = torch.zeros(B, dtype=torch.bool, device=self.device)
         uniforms = uniforms.to(self.device)
         logits, cache, attention_mask, position_ids = self._prompt_pass(model, prompt_ids, decoding_cache(self.model.config))
+        seen = seen_tokens(prompt_ids, logits.shape[-1], self.device) if params.repetition_penalty != 1.0 else None  # rollout.repetition_penalty's
         if graphed and cuda_graphs.fits(cache, B, attention_mask.shape[1] + steps, self.device):
             # captured on a GPU; elsewhere (the CPU's tests) the same operations run as they are
             decoder = cuda_graphs.StaticDecoder(model, cache, attention_mask, steps, graph=self.device.type == "cuda")
             del cache  # the decoder holds the prompt's keys and values in its own buffers
-            self._decode_static(decoder, logits, position_ids[:, -1] + 1, params, uniforms, on_tokens, (tokens, logprobs, lengths, stopped), stops)
+            self._decode_static(decoder, logits, position_ids[:, -1] + 1, params, uniforms, on_tokens, (tokens, logprobs, lengths, stopped), stops, seen)
             return _generations(tokens, logprobs, lengths, stopped)
         active = torch.arange(B, device=self.device)  # original row of each batch row
         cache_kw = self._cache_keyword()
@@ -574,7 +584,10 @@ class HFPolicy:
         for step in range(steps):
             new_tokens, new_logprobs = sample_next(
                 logits=logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, uniform=uniforms[active, step], min_p=params.min_p,
+                seen=seen, repetition_penalty=params.repetition_penalty,
             )
+            if seen is not None:
+                seen[torch.arange(len(active), device=self.device), new_tokens] = True
             tokens[active, step] = new_tokens
             logprobs[active, step] = new_logprobs.float()
             lengths[active] = step + 1
@@ -594,6 +607,7 @@ class HFPolicy:
                 cache.batch_select_indices(keep_idx)
                 active, attention_mask = active[keep_idx], attention_mask[keep_idx]
                 new_tokens, next_position = new_tokens[keep_idx], next_position[keep_idx]
+                seen = seen[keep_idx] if seen is not None else None
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=1)
             if direct_step is not None:
                 logits = direct_step(new_tokens, next_position, attention_mask)
@@ -606,7 +620,9 @@ class HFPolicy:
             next_position = next_position + 1
         return _generations(tokens, logprobs, lengths, stopped)
 
-    def _decode_static(self, decoder, logits, first_position, params: SamplingParams, uniforms, on_tokens, out, stops: StopStrings) -> None:
+    def _decode_static(
+        self, decoder, logits, first_position, params: SamplingParams, uniforms, on_tokens, out, stops: StopStrings, seen: torch.Tensor | None = None,
+    ) -> None:
         """The decode loop over a static batch (`decoder`: rlctl.backends.cuda_graphs): every row
         stays in the batch; a row's tokens count until it stops. Fills `out` = (tokens [B, T],
         log-probs [B, T], lengths [B], stopped [B]) in place. It waits for the device only every
@@ -621,7 +637,10 @@ class HFPolicy:
         for step in range(steps):
             new_tokens, new_logprobs = sample_next(
                 logits=logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, uniform=uniforms[:, step], min_p=params.min_p,
+                seen=seen, repetition_penalty=params.repetition_penalty,
             )
+            if seen is not None:
+                seen[torch.arange(len(new_tokens), device=self.device), new_tokens] = True
             live = ~stopped
             tokens[:, step] = new_tokens
             logprobs[:, step] = new_logprobs.float()

@@ -83,14 +83,15 @@ def require_vllm() -> None:
 
 def logprobs_mode(params: SamplingParams) -> str:
     """The vLLM log-prob mode whose meaning is the HF engine's (see the module docstring)."""
-    truncates = params.top_p < 1.0 or params.top_k > 0 or params.min_p > 0.0
+    reshapes = params.top_p < 1.0 or params.top_k > 0 or params.min_p > 0.0 or params.repetition_penalty != 1.0  # its processed log-probs are of another distribution
     if params.temperature in (0.0, 1.0):
         return "raw_logprobs"
-    if not truncates:
+    if not reshapes:
         return "processed_logprobs"
     raise InputError(
-        f"rollout.backend = vllm with temperature={params.temperature} and top_p={params.top_p}/top_k={params.top_k}/min_p={params.min_p:g}: vLLM cannot "
-        "return log softmax(logits / T) before truncation; set temperature = 1, or top_p = 1, top_k = 0 and min_p = 0"
+        f"rollout.backend = vllm with temperature={params.temperature} and top_p={params.top_p}/top_k={params.top_k}/min_p={params.min_p:g}/"
+        f"repetition_penalty={params.repetition_penalty:g}: vLLM cannot return log softmax(logits / T) before truncation and penalties; "
+        "set temperature = 1, or top_p = 1, top_k = 0, min_p = 0 and repetition_penalty = 1"
     )
 
 
@@ -168,7 +169,7 @@ class VLLMEngine:
             raise InputError(f"this vLLM engine returns {self.mode}; sampling with temperature={params.temperature} needs {logprobs_mode(params)}")
         requests = [
             VParams(
-                n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0, min_p=params.min_p,
+                n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0, min_p=params.min_p, repetition_penalty=params.repetition_penalty,
                 seed=None if greedy else row_seed(params.seed, streams[i]), max_tokens=params.max_new_tokens, logprobs=0,
                 stop_token_ids=self.stop_ids, skip_special_tokens=False, **stop_string_settings(params.stop),
             )

@@ -129,6 +129,7 @@ RANGE_CASES = [
     (["rollout", "--top-p", "1.5"], "rollout.top_p must be in (0, 1]"),
     (["rollout", "--top-k", "-1"], "rollout.top_k must be ≥ 0"),
     (["rollout", "--min-p", "1.0"], "rollout.min_p must be in [0, 1)"),
+    (["rollout", "--repetition-penalty", "0"], "rollout.repetition_penalty must be > 0"),
     (["rollout", "--stop", "</answer>", "--stop", ""], "rollout.stop must not hold an empty string"),
     (["rollout", "--set", "rollout.batch_size=0"], "rollout.batch_size must be ≥ 1"),
     (["rollout", "--set", "rollout.dtype=fp8"], "rollout.dtype must be one of auto, fp32, bf16"),

@@ -378,15 +378,16 @@ def test_the_optimal_token_baseline_weighs_each_groups_returns_by_the_policys_gr
     bad(cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "o", "--reward", "builtin:length", "--sum-pi-squared"), tmp_path / "o", "--policy")
 
 
-def test_rollout_with_min_p_records_it_with_the_sampling_and_stays_seeded(cli, tmp_path, tiny_model, prompts_file):
+@pytest.mark.parametrize("flag,key,value", [("--min-p", "min_p", 0.2), ("--repetition-penalty", "repetition_penalty", 1.3)])
+def test_rollout_with_min_p_or_a_repetition_penalty_records_it_with_the_sampling_and_stays_seeded(cli, tmp_path, tiny_model, prompts_file, flag, key, value):
     from rlctl.stages.rollout import sampling_of
 
     args = ("rollout", "--prompts", prompts_file, "--model", tiny_model, "--n", "2", "--max-new-tokens", "6", "--seed", "5", "--temperature", "1.5")
-    for name, extra in (("a", ("--min-p", "0.2")), ("b", ("--min-p", "0.2")), ("plain", ())):
+    for name, extra in (("a", (flag, str(value))), ("b", (flag, str(value))), ("plain", ())):
         assert cli(*args, *extra, "--out", tmp_path / name).exit_code == 0
     a, b, plain = (shards.read(str(tmp_path / name), "rollouts").table for name in ("a", "b", "plain"))
-    assert sampling_of(a)["min_p"] == 0.2 and a.column("response_ids").to_pylist() == b.column("response_ids").to_pylist()
-    assert "min_p" not in sampling_of(plain)  # off: the sampling recorded as before the setting existed
+    assert sampling_of(a)[key] == value and a.column("response_ids").to_pylist() == b.column("response_ids").to_pylist()
+    assert key not in sampling_of(plain)  # off: the sampling recorded as before the setting existed
 
 
 def test_policy_filtration_trains_on_the_batch_redrawn_from_its_best_and_worst_samples(cli, tmp_path, tiny_model, scored):

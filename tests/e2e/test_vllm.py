@@ -19,8 +19,11 @@ from tests.conftest import assert_not_written, one_line_error
 def test_the_logprob_mode_is_the_one_that_means_what_the_hf_engine_means():
     assert logprobs_mode(SamplingParams(8, temperature=1.0, top_p=0.9, top_k=50)) == "raw_logprobs"  # T = 1: raw is log softmax(logits)
     assert logprobs_mode(SamplingParams(8, temperature=0.7)) == "processed_logprobs"  # nothing truncates: processed is log softmax(logits / T)
-    with pytest.raises(InputError, match="top_p = 1, top_k = 0 and min_p = 0"):
+    with pytest.raises(InputError, match="top_p = 1, top_k = 0, min_p = 0 and repetition_penalty = 1"):
         logprobs_mode(SamplingParams(8, temperature=0.7, top_p=0.9))
+    with pytest.raises(InputError, match="repetition_penalty=1.3"):  # vLLM's processed log-probs are after its penalties
+        logprobs_mode(SamplingParams(8, temperature=0.7, repetition_penalty=1.3))
+    assert logprobs_mode(SamplingParams(8, temperature=1.0, repetition_penalty=1.3)) == "raw_logprobs"  # raw: before them
     with pytest.raises(InputError, match="min_p=0.1"):  # min-p truncates too
         logprobs_mode(SamplingParams(8, temperature=0.7, min_p=0.1))
     assert logprobs_mode(SamplingParams(8, temperature=1.0, min_p=0.1)) == "raw_logprobs"
@@ -93,6 +96,31 @@ def test_vllm_with_min_p_draws_only_tokens_at_least_that_share_as_likely_as_the_
     assert shortfall["min-p"] < 1e-3 and shortfall["plain"] > 0.1
 
 
+@pytest.mark.slow
+def test_vllm_with_a_repetition_penalty_repeats_less_and_returns_the_policys_logprobs(cli, tmp_path, tiny_model, six_prompts):
+    """rollout.repetition_penalty reaches vLLM's sampler (greedy: fewer tokens the prompt or the
+    response held already), and at T = 1 its raw log-probs are the policy's, before the penalty."""
+    from rlctl.backends.hf import HFPolicy
+
+    def rollout(name, *extra):
+        result = cli("rollout", "--prompts", six_prompts, "--model", tiny_model, "--out", tmp_path / name, "--max-new-tokens", "16", "--backend", "vllm", *extra)
+        assert result.exit_code == 0, result.stderr
+        return shards.read(str(tmp_path / name), "rollouts").table
+
+    def repeats(table):
+        rows = zip(table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist())
+        return sum(token in set(prompt) | set(response[:t]) for prompt, response in rows for t, token in enumerate(response))
+
+    plain, strong = rollout("plain", "--temperature", "0"), rollout("strong", "--temperature", "0", "--repetition-penalty", "1e4")
+    assert repeats(plain) > 0 and repeats(strong) == 0
+    sampled = rollout("sampled", "--n", "2", "--seed", "2", "--repetition-penalty", "1.5")
+    policy = HFPolicy.load(tiny_model, "cpu")
+    prompts, responses = sampled.column("prompt_ids").to_pylist(), sampled.column("response_ids").to_pylist()
+    engine = sampled.column("rollout_logprobs").to_pylist()
+    trainer = policy.logprobs(prompts, responses, temperature=1.0)
+    assert max(abs(a - b) for e, t in zip(engine, trainer) for a, b in zip(e, t)) < 1e-3
+
+
 def test_vllm_stops_at_a_stop_string_where_the_hf_rule_cuts(cli, tmp_path, tiny_model, six_prompts):
     """vLLM finds stop strings in its own detokenized text; its rows are the unstopped rows cut
     by rlctl's rule (rlctl.backends.stop_strings), and the string stays in the response."""
@@ -137,7 +165,7 @@ def test_vllm_takes_tool_turns_as_the_hf_engine_does(cli, tmp_path, tiny_model, 
 def test_vllm_refuses_a_temperature_with_truncation_before_starting(cli, tmp_path, tiny_model, six_prompts):
     result = cli("rollout", "--prompts", six_prompts, "--model", tiny_model, "--out", tmp_path / "r", "--backend", "vllm", "--temperature", "0.7", "--top-p", "0.9")
     assert result.exit_code == 2
-    assert "top_p = 1, top_k = 0 and min_p = 0" in one_line_error(result)
+    assert "top_p = 1, top_k = 0, min_p = 0 and repetition_penalty = 1" in one_line_error(result)
     assert_not_written(tmp_path / "r")
 
 

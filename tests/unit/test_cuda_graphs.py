@@ -35,10 +35,10 @@ def generate(policy, params, *, static: bool, monkeypatch, dtype="fp32"):
     return out, counts
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_a_static_batch_samples_what_the_step_by_step_loop_samples(policy, monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,penalty", [("fp32", 1.0), ("bf16", 1.0), ("fp32", 1.3)])
+def test_a_static_batch_samples_what_the_step_by_step_loop_samples(policy, monkeypatch, dtype, penalty):
     policy.stop_ids = list(range(0, 512, 13))  # 1 token in 13 stops: rows finish at different steps
-    params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=5)
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=5, repetition_penalty=penalty)
     static, static_counts = generate(policy, params, static=True, monkeypatch=monkeypatch, dtype=dtype)
     stepwise, stepwise_counts = generate(policy, params, static=False, monkeypatch=monkeypatch, dtype=dtype)
     assert {g.finish_reason for g in static} == {"stop", "length"}  # the check covers both endings

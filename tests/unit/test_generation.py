@@ -70,6 +70,45 @@ def test_min_p_samples_only_tokens_at_least_that_share_as_likely_as_the_likelies
     assert [g.response_ids for g in unfiltered] != responses  # at 1.3 the tail is drawn without it
 
 
+def test_the_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    from rlctl.algos.logprobs import penalized
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    seen = torch.tensor([[True, True, False, False]])
+    assert penalized(logits, seen, 2.0).tolist() == [[1.0, -2.0, 0.5, 3.0]]
+
+
+def test_sampling_with_a_repetition_penalty_draws_from_the_penalized_logits_and_reports_the_policys_logprobs():
+    from rlctl.algos.logprobs import sample_next
+
+    logits = torch.tensor([[3.0, 2.5, -4.0]])
+    seen = torch.tensor([[True, False, False]])
+    token, logp = sample_next(logits=logits, temperature=0.0, top_p=1.0, top_k=0, uniform=torch.zeros(1), seen=seen, repetition_penalty=2.0)
+    assert token.tolist() == [1]  # 3.0 / 2 = 1.5 < 2.5: the seen token no longer wins
+    assert logp.tolist() == pytest.approx(torch.log_softmax(logits, -1)[0, 1:2].tolist())
+    unseen = sample_next(logits=logits, temperature=0.0, top_p=1.0, top_k=0, uniform=torch.zeros(1), seen=seen, repetition_penalty=1.0)[0]
+    assert unseen.tolist() == [0]
+
+
+def test_a_strong_repetition_penalty_keeps_a_response_from_repeating_its_prompt_or_itself(policy):
+    """Greedy with a penalty of 1e4: no drawn token is one the prompt or the response holds
+    already (the tiny model's unpenalized greedy answers do repeat); sampled at T = 1 the
+    log-probs are the policy's own (a scoring forward's), not the penalized ones."""
+    batch = prompts(policy)[:4]
+
+    def repeats(out):
+        return sum(token in set(ids) | set(g.response_ids[:t]) for ids, g in zip(batch, out) for t, token in enumerate(g.response_ids))
+
+    plain = policy.generate(batch, SamplingParams(max_new_tokens=16, temperature=0.0))
+    strong = policy.generate(batch, SamplingParams(max_new_tokens=16, temperature=0.0, repetition_penalty=1e4))
+    assert repeats(plain) > 0 and repeats(strong) == 0
+    sampled = policy.generate(batch, SamplingParams(max_new_tokens=12, temperature=1.0, seed=4, repetition_penalty=1.5))
+    rescored = policy.logprobs(batch, [g.response_ids for g in sampled], temperature=1.0)
+    for g, lp in zip(sampled, rescored):
+        np.testing.assert_allclose(g.logprobs, lp, atol=1e-4)
+    assert [g.response_ids for g in sampled] != [g.response_ids for g in policy.generate(batch, SamplingParams(max_new_tokens=12, temperature=1.0, seed=4))]
+
+
 def test_bf16_generation_is_seeded_and_close_to_the_fp32_definition(policy):
     batch = prompts(policy)
     params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
