@@ -104,8 +104,8 @@ def changed_inputs(manifest: Manifest, digests: bool) -> str:
     model folders without a manifest (digesting their weights is a checkpoint's read) are not
     checked."""
     for ref in manifest.inputs:
-        if not ref.manifest_sha256 or ref.manifest_sha256 == "frozen":
-            continue
+        if not ref.manifest_sha256 or ref.manifest_sha256 == "frozen" or "/" not in ref.uri or ref.uri.startswith("ref@"):
+            continue  # a model a pipeline held in memory ("policy", "critic", "ref@FOLDER"), not a path
         current = current_digest(ref, digests)
         if current is not None and current != ref.manifest_sha256:
             return f"its input {ref.uri} changed after it was made (digest {current[:12]}…, recorded {ref.manifest_sha256[:12]}…): re-run it, or replay it"
