@@ -121,8 +121,7 @@ def rejected(rows: list[dict[str, Any]]) -> Finding | None:
     if len(rows) < EQUAL_REWARDS_WINDOW or any(s is None or s < REJECTED_SHARE for s in shares):
         return None
     first, last = rows[0]["iteration"], rows[-1]["iteration"]
-    mismatch = rows[-1].get("logprob_mismatch")
-    measured = f" (logprob_mismatch {mismatch:.3g} at iteration {last})" if mismatch is not None else ""
+    measured = last_measured(rows, "logprob_mismatch")
     return Finding("rejected", tuple(r["iteration"] for r in rows), (
         f"iterations {first}-{last}: update.rollout_rs rejected {min(shares):.0%}-{max(shares):.0%} of the responses, so most of each batch "
         f"trained nothing: the engine and the trainer disagree beyond its bounds{measured}; look for stale weights or a lower-precision "
@@ -137,12 +136,16 @@ def kl_stopped(rows: list[dict[str, Any]]) -> Finding | None:
     if len(rows) < EQUAL_REWARDS_WINDOW or any(r.get("kl_stopped_early") != 1.0 or r.get("optimizer_steps") != 1 for r in rows):
         return None
     first, last = rows[0]["iteration"], rows[-1]["iteration"]
-    measured = rows[-1].get("approx_kl")
-    at = f" (approx_kl {measured:.3g} at iteration {last})" if measured is not None else ""
     return Finding("kl_stopped", tuple(r["iteration"] for r in rows), (
-        f"iterations {first}-{last}: update.target_kl stopped every update after its first optimizer step{at}, so the further epochs and "
+        f"iterations {first}-{last}: update.target_kl stopped every update after its first optimizer step{last_measured(rows, 'approx_kl')}, so the further epochs and "
         "mini-batches each ran a pass for nothing: raise update.target_kl, lower update.lr, or take one step per batch (update.epochs = 1, one mini-batch)"
     ))
+
+
+def last_measured(rows: list[dict[str, Any]], key: str) -> str:
+    """" (KEY value at iteration N)" of the last row, "" where it was not measured."""
+    value = rows[-1].get(key)
+    return f" ({key} {value:.3g} at iteration {rows[-1]['iteration']})" if value is not None else ""
 
 
 def skipped_steps(rows: list[dict[str, Any]]) -> Finding | None:
