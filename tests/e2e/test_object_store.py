@@ -110,6 +110,10 @@ def test_stage_commands_read_and_write_s3_and_refuse_a_changed_object(s3_env):
     assert again.returncode == 0 and "up to date" in again.stderr
     shown = rlctl(s3_env, "show", "s3://rlctl-test/batch", "--json", "--rows", "1")
     assert shown.returncode == 0 and json.loads(shown.stdout)["rows"] == 3
+    verified = rlctl(s3_env, "verify", "s3://rlctl-test", "--json")
+    assert verified.returncode == 0, verified.stderr
+    statuses = {f["folder"]: f["status"] for f in json.loads(verified.stdout)["findings"]}
+    assert statuses["batch"] == statuses["scores"] == "ok"  # rlctl verify on an s3:// tree
 
     tamper = """
     import fsspec, json, sys
@@ -122,6 +126,8 @@ def test_stage_commands_read_and_write_s3_and_refuse_a_changed_object(s3_env):
     run_python(tamper, s3_env, "s3://rlctl-test/batch")
     refused = rlctl(s3_env, "show", "s3://rlctl-test/batch")
     assert refused.returncode == 2 and "does not match its manifest" in refused.stderr
+    found = rlctl(s3_env, "verify", "s3://rlctl-test", "--json")
+    assert found.returncode == 1 and {f["folder"]: f["status"] for f in json.loads(found.stdout)["findings"]}["batch"] == "damaged"
     rerun = rlctl(s3_env, "advantage", "--scores", "s3://rlctl-test/scores", "--out", "s3://rlctl-test/batch", "--estimator", "grpo")
     assert rerun.returncode == 0 and "damaged" in rerun.stderr  # up to date by key, but not intact: recomputed
     assert rlctl(s3_env, "show", "s3://rlctl-test/batch").returncode == 0
