@@ -64,9 +64,10 @@ def tensor_shapes(folder: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return shapes
 
 
-def check_mixable(policy: str | Path, ref: str | Path) -> None:
+def check_mixable(policy: str | Path, ref: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """The two folders hold the same tensors by name and shape (exit 2 naming the first that
-    differs), so that the reference can be mixed from the policy."""
+    differs), so that the reference can be mixed from the policy; the reference's
+    `tensor_shapes`."""
     mine, theirs = tensor_shapes(policy), tensor_shapes(ref)
     for name in sorted(set(mine) | set(theirs)):
         if name not in theirs or name not in mine:
@@ -74,6 +75,7 @@ def check_mixable(policy: str | Path, ref: str | Path) -> None:
             raise InputError(f"pipeline.ref_sync_every: {where} has no tensor {name!r}: the reference must be the policy's architecture to follow it")
         if mine[name][1] != theirs[name][1]:
             raise InputError(f"pipeline.ref_sync_every: tensor {name!r} is {list(mine[name][1])} in {policy} but {list(theirs[name][1])} in {ref}")
+    return theirs
 
 
 def mixed(policy: torch.Tensor, ref: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -97,8 +99,7 @@ def write_synced_reference(out: Path, *, policy: str | Path, ref: str, alpha: fl
     key = sync_key(alpha, policy, ref)
     if is_committed(str(out)) and read_manifest(str(out))[0].config.get("ref_sync") == key:
         return out
-    check_mixable(policy, ref)
-    locations = {name: file for name, (file, _) in tensor_shapes(ref).items()}
+    locations = {name: file for name, (file, _) in check_mixable(policy, ref).items()}
     fs, path = filesystem(str(out))
     with OutputWrite(fs, path, str(out), what="reference", fixed_names=True) as writing:
         for item in sorted(Path(policy).iterdir()):  # config, tokenizer, weights index: the policy's own

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import posixpath
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import fsspec
 
@@ -80,21 +80,20 @@ def check_committed(fs: fsspec.AbstractFileSystem, path: str, name: str, tree: d
         manifest, _ = read_manifest(uri)
     except InputError as exc:
         return Finding(name, "damaged", detail=without_prefix(str(exc), uri))
-    size = sum(entry.bytes for entry in manifest.files)
-    found = Finding(name, "ok", stage=manifest.stage, files=len(manifest.files), bytes=size)
+    found = Finding(name, "ok", stage=manifest.stage, files=len(manifest.files), bytes=sum(entry.bytes for entry in manifest.files))
     try:
         verify_files(fs, path, manifest, uri, verify=digests)
     except InputError as exc:
-        return Finding(name, "damaged", manifest.stage, len(manifest.files), size, without_prefix(str(exc), uri))
-    unlisted = sorted(set(files_under(path, tree, committed)) - {entry.path for entry in manifest.files})
+        return replace(found, status="damaged", detail=without_prefix(str(exc), uri))
     listed = {entry.path for entry in manifest.files}
+    unlisted = sorted(set(files_under(path, tree, committed)) - listed)
     if unlisted and any(model in listed for model in MODEL_FILES):
-        return Finding(name, "damaged", manifest.stage, len(manifest.files), size, f"holds {unlisted[0]!r}, which its manifest does not list (added after commit); loading refuses it")
+        return replace(found, status="damaged", detail=f"holds {unlisted[0]!r}, which its manifest does not list (added after commit); loading refuses it")
     changed = changed_inputs(manifest, digests)
     if changed:
-        return Finding(name, "stale", manifest.stage, len(manifest.files), size, changed)
+        return replace(found, status="stale", detail=changed)
     if unlisted:
-        return Finding(name, "extra", manifest.stage, len(manifest.files), size, f"{len(unlisted)} file(s) its manifest does not list, e.g. {unlisted[0]!r} (no reader uses them)")
+        return replace(found, status="extra", detail=f"{len(unlisted)} file(s) its manifest does not list, e.g. {unlisted[0]!r} (no reader uses them)")
     return found
 
 
