@@ -32,6 +32,7 @@ from rlctl.choices import (
     OTB_ROLLOUT_IS,
     PF_PPO,
     POLICY_LOSSES,
+    REFERENCE_FREE_LOSSES,
     REJECTION_RULES,
     RESHARD_DTYPES,
     ROLLOUT_BACKENDS,
@@ -500,6 +501,8 @@ class DpoConfig:
     sft_weight: float = 0.0  # the chosen responses' NLL per token added to the loss with this weight (RPO; TRL's loss_type [..., "sft"]); 0 = none
     min_reward_gap: float = 0.0  # data that is scored rollouts (a score stage's output): each prompt's best and worst sample are a pair where their rewards differ by more than this
     disable_dropout: bool = True  # the model's dropout off while training (TRL's disable_dropout): the policy's log-probs at the first step are the reference's, computed without dropout
+    ref_sync_every: int = 0  # move the reference towards the policy after every N optimizer steps: ref ← α·policy + (1 − α)·ref, then its log-probs of the training pairs recomputed (TR-DPO; TRL's sync_ref_model, ref_model_sync_steps); 0 = the starting weights throughout
+    ref_sync_alpha: float = 1.0  # α of ref_sync_every, in (0, 1]: 1 = the policy's weights (TR-DPO's hard update, no copy held); below 1 a copy of the weights is held (TRL's ref_model_mixup_alpha is 0.6)
     lr: float = 1e-6  # learning rate (AdamW)
     epochs: int = 1  # passes over the pairs
     save_steps: int = 0  # a checkpoint also every N optimizer steps within an epoch, to resume from mid-epoch (beside OUT, removed at the end); 0 = at each epoch's end only
@@ -528,13 +531,19 @@ class DpoConfig:
             "lr": above(0.0), "epochs": at_least(1), "save_steps": at_least(0), "batch_size": at_least(1),
             "micro_batch_size": at_least(1), "max_tokens": at_least(0), "truncate": one_of("error", "right"), "max_grad_norm": at_least(0.0),
             "weight_decay": at_least(0.0), "warmup_steps": at_least(0), "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0),
-            "bf16": one_of(*AUTOCAST_CHOICES),
+            "bf16": one_of(*AUTOCAST_CHOICES), "ref_sync_every": at_least(0),
             "micro_batch_tokens": lambda v: None if v == "auto" or (isinstance(v, str) and v.isascii() and v.isdigit()) else "must be auto, 0 (no cap) or a number of tokens",
         })
         if self.label_smoothing and self.loss not in ("sigmoid", "robust", "simpo"):
             raise ConfigError(f"dpo.label_smoothing applies to the sigmoid, robust and simpo losses, not dpo.loss = {self.loss!r}: set it to 0")
         if self.sft_weight and self.loss == "orpo":
             raise ConfigError("dpo.sft_weight adds the chosen responses' NLL, which dpo.loss = \"orpo\" has already: set it to 0")
+        if not 0 < self.ref_sync_alpha <= 1:
+            raise ConfigError(f"dpo.ref_sync_alpha must be in (0, 1], got {self.ref_sync_alpha!r}")
+        if self.ref_sync_every and self.loss in REFERENCE_FREE_LOSSES:
+            raise ConfigError(f"dpo.ref_sync_every moves the reference, which dpo.loss = {self.loss!r} has none of: set it to 0")
+        if self.ref_sync_every and self.lora.r and self.ref_sync_alpha < 1:
+            raise ConfigError("dpo.ref_sync_alpha below 1 mixes every weight of the policy into a held copy, and a LoRA run trains its adapters only: set it to 1 (the policy's weights) or lora.r = 0")
 
 
 @dataclass(frozen=True)

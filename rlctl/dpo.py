@@ -27,7 +27,10 @@ plus, with `dpo.sft_weight` = α > 0, α·(−log π(y_c)/|y_c|), the chosen res
 reward (SimPO's and ORPO's: β·log π/|y|): `accuracy` is the share of pairs whose chosen response has the
 larger one, `margin` the mean difference. The reference's log-probabilities are computed once,
 before the first step, with the starting weights (LoRA adapters start at B = 0, so the same
-function): no second model is held, and SimPO and ORPO compute none.
+function): no second model is held, and SimPO and ORPO compute none. With `dpo.ref_sync_every`
+the reference moves towards the policy every N optimizer steps (TR-DPO, rlctl.moving_reference)
+and its log-probabilities of the training pairs are computed again after each move (held-out
+pairs are measured against the starting weights throughout, as `--eval` measures).
 
 It trains in this process or on a Ray group of FSDP2 ranks (`workers.backend = "ray"`), each
 rank on its share of every step's pairs, as `rlctl sft` does. The output is a checkpoint folder
@@ -73,6 +76,11 @@ class DpoPairs:
 
     def with_reference_values(self, values: torch.Tensor) -> DpoPairs:
         return replace(self, ref_chosen=values[0].tolist(), ref_rejected=values[1].tolist())
+
+    def refresh_reference_values(self, values: torch.Tensor) -> None:
+        """The reference's log-probabilities replaced in place, after the reference moved
+        (rlctl.moving_reference): whoever holds these pairs sees the new ones."""
+        self.ref_chosen[:], self.ref_rejected[:] = values[0].tolist(), values[1].tolist()
 
     @property
     def ids(self) -> list[str]:
@@ -228,21 +236,27 @@ class DpoPasses:
         """`pairs` with the current weights' log-probabilities as the reference's (before training),
         each rank computing its share, every rank getting all of them; zeros for a loss without
         a reference (no forward)."""
-        from rlctl.backends.hf import casts_kept
         from rlctl.choices import REFERENCE_FREE_LOSSES
 
         if pairs.ref_chosen:  # computed already: a resumed run's, from its epoch checkpoint
             return pairs
-        values = torch.zeros(2, len(pairs), dtype=torch.float64)
         if self.cfg.loss in REFERENCE_FREE_LOSSES:
-            return replace(pairs, ref_chosen=values[0].tolist(), ref_rejected=values[1].tolist())
+            return pairs.with_reference_values(torch.zeros(2, len(pairs), dtype=torch.float64))
+        return pairs.with_reference_values(self.reference_values(pairs))
+
+    @torch.no_grad()
+    def reference_values(self, pairs: DpoPairs) -> torch.Tensor:
+        """The current weights' log-probabilities of each pair's responses [2, pairs] (chosen,
+        rejected), each rank computing its share, every rank getting all of them."""
+        from rlctl.backends.hf import casts_kept
+
+        values = torch.zeros(2, len(pairs), dtype=torch.float64)
         with casts_kept(self.policy.device, self.bf16 and self.weights_whole):  # each weight cast to bf16 once for all the passes
             for micro, weight in self._passes_of(pairs, list(range(len(pairs)))):
                 chosen, rejected = self._logps(pairs, micro)
                 if weight:
                     values[0, micro], values[1, micro] = chosen.double().cpu(), rejected.double().cpu()
-        values = self.ranks.sum_tensor(values)
-        return replace(pairs, ref_chosen=values[0].tolist(), ref_rejected=values[1].tolist())
+        return self.ranks.sum_tensor(values)
 
     @torch.no_grad()
     def evaluate(self, pairs: DpoPairs) -> tuple[float, float]:
@@ -300,19 +314,42 @@ class DpoPasses:
 
 class DpoTrainer(SupervisedSteps, DpoPasses):
     """AdamW on the policy (or its LoRA adapters), an optimizer step per `batch_size` pairs,
-    each accumulated over DpoPasses' passes."""
+    each accumulated over DpoPasses' passes; with `dpo.ref_sync_every`, the reference moved
+    towards the policy after every N-th step and its log-probabilities of the training pairs
+    recomputed in place."""
 
     def __init__(self, policy, cfg: DpoConfig, *, total_steps: int, ranks=None) -> None:
+        from rlctl.moving_reference import MovingReference
         from rlctl.trainer import ALONE
 
         SupervisedSteps.__init__(self, policy.model, cfg, device_type=policy.device.type, total_steps=total_steps, command="dpo")
         self.policy, self.ranks = policy, ranks or ALONE
+        self.moving_reference = MovingReference(policy.model, every=cfg.ref_sync_every, alpha=cfg.ref_sync_alpha) if cfg.ref_sync_every else None
+        self.training: DpoPairs | None = None  # the pairs a sync recomputes: the ones in training
+
+    def after_step(self) -> None:
+        if self.moving_reference is not None and self.moving_reference.due(self.step):
+            self.sync_reference()
+
+    def sync_reference(self) -> None:
+        """The reference moved towards the policy, and its log-probabilities of the training
+        pairs recomputed (in eval mode: the step loop trains in training mode). Held-out pairs
+        keep the starting weights' as their reference, so that epochs compare."""
+        moving = self.moving_reference
+        moving.move()
+        self.model.eval()
+        try:
+            with moving.swapped_in():
+                self.training.refresh_reference_values(self.reference_values(self.training))
+        finally:
+            self.model.train()
 
     def train_epoch(self, pairs: DpoPairs, epoch: int) -> EpochRow:
         return self.epoch_row(epoch, self.train_steps(pairs, epoch))
 
     def train_steps(self, pairs: DpoPairs, epoch: int, first: int = 0, last: int | None = None) -> dict:
         """Optimizer steps `first` to `last` of an epoch: SupervisedSteps' tally with the pairs' sums."""
+        self.training = pairs
         return self.pair_steps(pairs, epoch, DpoSums(), first, last)
 
     @staticmethod

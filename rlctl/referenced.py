@@ -2,7 +2,9 @@
 reference's log-probabilities of every row are computed once, before the first step, by the
 weights about to be trained (no second model held), kept in the epoch checkpoints (a resumed
 run's weights are no longer the reference), and the command runs in this process or on a Ray
-group of FSDP2 ranks. What the two commands differ in is a `ReferencedCommand`."""
+group of FSDP2 ranks. What the two commands differ in is a `ReferencedCommand`. Where the
+reference moves during the run (`dpo.ref_sync_every`: rlctl.moving_reference), the checkpoints
+keep its log-probabilities as of their step, and the weights of a mixed one."""
 
 from __future__ import annotations
 
@@ -26,6 +28,26 @@ def reference_tensors(rows, held_out) -> dict[str, torch.Tensor]:
     return kept
 
 
+def kept_file(trainer, rows, held_out) -> dict[str, bytes]:
+    """What an epoch checkpoint keeps beside the weights, as of now: the reference's
+    log-probabilities (`reference_tensors`) and, where the reference moves and a copy of it is
+    held (rlctl.moving_reference), its weights. On FSDP2 ranks a collective."""
+    from safetensors.torch import save as save_tensors
+
+    from rlctl.epoch_checkpoints import KEPT_FILE
+
+    moving = getattr(trainer, "moving_reference", None)
+    return {KEPT_FILE: save_tensors({**reference_tensors(rows, held_out), **(moving.kept() if moving is not None else {})})}
+
+
+def restore_moving_reference(trainer, kept: dict[str, torch.Tensor]) -> None:
+    """A resumed run's moving reference as its epoch checkpoint kept it (nothing where the
+    reference stays or no copy is held)."""
+    moving = getattr(trainer, "moving_reference", None)
+    if moving is not None:
+        moving.restore(kept)
+
+
 def with_kept_reference(rows, values: torch.Tensor | None):
     """`rows` with the reference's log-probabilities an epoch checkpoint kept (a resumed run:
     its weights are no longer the reference)."""
@@ -43,10 +65,16 @@ class LocalReferenced(LocalPolicy):
         """The trainer made, and the reference's log-probabilities of every row computed (or
         kept: a resumed run's); the rows with them."""
         self.trainer = self.trainer_class(self.policy, self.cfg, total_steps=total_steps)
+        if progress is not None:
+            restore_moving_reference(self.trainer, progress.kept)
         self.rows = self.trainer.with_reference(rows)
         self.held_out = self.trainer.with_reference(held_out) if held_out is not None else None
         self.resume(progress)
         return self.rows, self.held_out
+
+    def save_progress(self, folder, manifest: Manifest, files: dict[str, bytes] | None = None) -> Manifest:
+        """The epoch checkpoint, with the reference's log-probabilities (and a moving reference's weights) as they are now."""
+        return super().save_progress(folder, manifest, {**(files or {}), **kept_file(self.trainer, self.rows, self.held_out)})
 
     def steps(self, epoch: int, first: int, last: int) -> dict:
         return self.trainer.train_steps(self.rows, epoch, first, last)
@@ -64,9 +92,14 @@ class RayReferenced(RayPolicy):
         import ray
 
         shared = ray.put((rows, held_out))  # one copy, read by every rank
-        referenced = self.group.call_ranks("referenced_start", lambda rank: (self.command, shared, self.cfg, total_steps))[0]
+        kept_in = progress.folder if progress is not None else None  # a moving reference's weights, read by each rank
+        referenced = self.group.call_ranks("referenced_start", lambda rank: (self.command, shared, self.cfg, total_steps, kept_in))[0]
         self.resume(progress)
         return referenced
+
+    def save_progress(self, folder, manifest: Manifest, files: dict[str, bytes] | None = None) -> Manifest:
+        """The epoch checkpoint: the ranks gather the weights, the optimizer's state and what is kept beside them; rank 0 writes it."""
+        return Manifest.from_json(self.group.call_ranks("referenced_save_progress", lambda rank: (str(folder), manifest.to_json(), files))[0])
 
     def steps(self, epoch: int, first: int, last: int) -> dict:
         return self.group.call_ranks("referenced_steps", lambda rank: (epoch, first, last))[0]
@@ -103,13 +136,10 @@ def train_against_reference(
     as `cfg.data` makes them, in this process or on `cfg.workers`' Ray group) and commit the
     checkpoint at `out`; `report(row)` after each epoch (epoch 0: the held-out rows before
     training)."""
-    from safetensors.torch import save as save_tensors
-
     from rlctl.backends.hf import check_model_dir
     from rlctl.checkpoint import local_checkpoint_dir, same_folder
     from rlctl.dtypes import decided_bf16, models_device
     from rlctl.epoch_checkpoints import (
-        KEPT_FILE,
         clear,
         clear_finished,
         result_settings,
@@ -154,7 +184,6 @@ def train_against_reference(
             held_out = with_kept_reference(held_out, progress.kept.get("held_out")) if held_out is not None else None
         steps_per_epoch = -(-len(rows) // section.batch_size)
         rows, held_out = where.start(rows, held_out, section.epochs * steps_per_epoch, progress)
-        kept = {KEPT_FILE: save_tensors(reference_tensors(rows, held_out))}
 
         def measured(row) -> dict:
             if held_out is not None:
@@ -166,10 +195,12 @@ def train_against_reference(
             out, manifest, epochs=section.epochs, steps_per_epoch=steps_per_epoch, save_steps=section.save_steps, progress=progress,
             before=(lambda: measured(command.row(0))) if held_out is not None else None, steps=where.steps,
             row=lambda n, tally: measured(command.trainer.epoch_row(n, tally)),
-            save=lambda folder, progress_manifest: where.save_progress(folder, progress_manifest, kept), report=report,
+            save=where.save_progress, report=report,
         )
         optimizer_steps = sum(row.get("steps", 0) for row in epochs)
         manifest.state = {**command.state(rows), "optimizer_steps": optimizer_steps, "epochs": epochs, "reference": model}  # what `--eval` measures against
+        if getattr(section, "ref_sync_every", 0):
+            manifest.state["ref_syncs"] = optimizer_steps // section.ref_sync_every  # the reference moved; `--eval` still measures against the starting one
         manifest.metrics = {k: v for k, v in epochs[-1].items() if k in command.metrics}
         saved = where.save(out, manifest)
     finally:

@@ -78,8 +78,12 @@ class SupervisedSteps:
             done["steps"] += 1
             done["rows"] += len(rows)
             done["norm_sum"] += norm
+            self.after_step()
         done["seconds"] = time.perf_counter() - started
         return done
+
+    def after_step(self) -> None:
+        """What a trainer does after each optimizer step (`rlctl dpo`: move its reference)."""
 
     def pair_steps(self, pairs, epoch: int, sums, first: int = 0, last: int | None = None) -> Tally:
         """Optimizer steps `first` to `last` of an epoch over preference pairs, each the mean of

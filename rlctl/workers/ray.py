@@ -795,17 +795,24 @@ class RankWorker:
 
     # -- preference training against the starting weights (rlctl dpo, rlctl kto) -------------
 
-    def referenced_start(self, command: str, shared, cfg, total_steps: int):
+    def referenced_start(self, command: str, shared, cfg, total_steps: int, kept_in: str | None = None):
         """`command`'s trainer made, and the reference's log-probabilities of the (training,
         held-out) rows in `shared` computed with the starting weights (unless they carry them:
-        a resumed run's), kept on this rank and returned."""
+        a resumed run's, whose moving reference this rank restores from the epoch checkpoint
+        `kept_in`), kept on this rank and returned."""
+        from safetensors.torch import load_file
+
         from rlctl.dpo import DpoTrainer
+        from rlctl.epoch_checkpoints import KEPT_FILE
         from rlctl.kto import KtoTrainer
+        from rlctl.referenced import restore_moving_reference
         from rlctl.trainer import RankGroup
 
         rows, held_out = shared
         trainer = {"dpo": DpoTrainer, "kto": KtoTrainer}[command]
         self.referenced = self.supervised = trainer(self.train_policy, cfg, total_steps=total_steps, ranks=RankGroup(self.rank, self.world))
+        if kept_in is not None:
+            restore_moving_reference(self.referenced, load_file(str(Path(kept_in) / KEPT_FILE)))
         self.referenced_rows = self.referenced.with_reference(rows)
         self.referenced_held_out = self.referenced.with_reference(held_out) if held_out is not None else None
         return self.referenced_rows, self.referenced_held_out
@@ -813,6 +820,14 @@ class RankWorker:
     def referenced_steps(self, epoch: int, first: int, last: int) -> dict:
         """Optimizer steps `first` to `last` of an epoch, this rank's share of each step's rows."""
         return self.referenced.train_steps(self.referenced_rows, epoch, first, last)
+
+    def referenced_save_progress(self, directory: str, manifest_json: str, files: dict | None) -> str:
+        """The epoch checkpoint with what is kept beside the weights as of now (the reference's
+        log-probabilities, a moving reference's weights gathered: every rank calls this)."""
+        from rlctl.referenced import kept_file
+
+        kept = kept_file(self.referenced, self.referenced_rows, self.referenced_held_out)
+        return self.save_progress(directory, manifest_json, {**(files or {}), **kept})
 
     def referenced_evaluate(self) -> tuple:
         """The held-out rows' figures (mean loss, and accuracy or margin), summed over the ranks' shares."""

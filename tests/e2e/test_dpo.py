@@ -48,6 +48,9 @@ def test_dpo_writes_a_checkpoint_with_its_epochs_and_a_rerun_is_skipped(cli, tmp
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "ipo", "--set", "dpo.label_smoothing=0.1"], "dpo.label_smoothing applies to the sigmoid, robust and simpo losses"),
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "orpo", "--set", "dpo.sft_weight=1"], "dpo.sft_weight adds the chosen responses' NLL, which dpo.loss = \"orpo\" has already"),
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--set", "dpo.sft_weight=-1"], "dpo.sft_weight must be ≥ 0"),
+        ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--set", "dpo.ref_sync_every=4", "--set", "dpo.ref_sync_alpha=0"], "dpo.ref_sync_alpha must be in (0, 1], got 0"),
+        ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "simpo", "--set", "dpo.ref_sync_every=4"], "dpo.ref_sync_every moves the reference, which dpo.loss = 'simpo' has none of"),
+        ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--set", "dpo.ref_sync_every=4", "--set", "dpo.ref_sync_alpha=0.6", "--set", "dpo.lora.r=4"], "a LoRA run trains its adapters only"),
     ],
 )
 def test_bad_input_is_one_line_and_nothing_written(cli, tmp_path, tiny_model, rows, args, fragment):

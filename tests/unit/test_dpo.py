@@ -8,11 +8,12 @@ import math
 import pyarrow as pa
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rlctl.backends.hf import HFPolicy
 from rlctl.choices import DPO_LOSSES
 from rlctl.config import DataConfig, DpoConfig, load_config
-from rlctl.dpo import DpoPairs, DpoTrainer, dpo_losses, encode_dpo_pairs, log1mexp, run
+from rlctl.dpo import DpoPairs, DpoTrainer, dpo_losses, encode_dpo_pairs, evaluate, log1mexp, run
 from rlctl.errors import InputError
 from rlctl.sft import encode_examples
 from rlctl.shards import read
@@ -226,3 +227,93 @@ def test_every_loss_learns_to_prefer_the_chosen_responses(tiny_model, tmp_path, 
     fall = 0.6 if loss == "orpo" else 0.5  # ORPO's loss is mostly the chosen responses' NLL per token (6.6 at the start), which falls slower
     assert reported[-1]["val_loss"] < fall * reported[0]["val_loss"] and reported[-1]["val_accuracy"] == 1.0 and reported[-1]["margin"] > 0
     assert manifest.config["dpo"]["loss"] == loss
+
+
+# --- a reference that moves towards the policy (dpo.ref_sync_every; TR-DPO) ------------------
+
+
+def weights_of(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_a_reference_reset_to_the_policy_after_every_step_makes_every_steps_loss_the_one_at_h_0(tiny_model, tmp_path, lora):
+    """α = 1 after every step: each step's forward finds the policy equal to its reference (h = 0,
+    loss log 2), yet the gradient there is not 0, so the policy moves, as it does not without the
+    sync, where the loss falls; a LoRA run's reference is its adapted policy."""
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in number_pairs(8)))
+    common = ["dpo.epochs=2", "dpo.lr=1e-3", "dpo.batch_size=2", "dpo.bf16=false", f"dpo.lora.r={lora}"]
+    runs = {}
+    for name, extra in (("synced", ["dpo.ref_sync_every=1"]), ("fixed", [])):
+        rows = []
+        manifest = run(data=str(tmp_path / "train.jsonl"), val_data=str(tmp_path / "train.jsonl"), model=tiny_model, out=str(tmp_path / name),
+                       cfg=load_config(None, common + extra), device="cpu", report=rows.append)
+        runs[name] = (rows, manifest)
+    synced, manifest = runs["synced"]
+    assert [r["loss"] for r in synced[1:]] == pytest.approx([math.log(2)] * 2, abs=1e-4)
+    assert synced[-1]["grad_norm"] > 1e-3 and manifest.state["ref_syncs"] == 8
+    measured = evaluate(data=str(tmp_path / "train.jsonl"), model=str(tmp_path / "synced"), cfg=load_config(None, common), device="cpu")[0]
+    assert synced[-1]["val_loss"] == pytest.approx(measured.loss, abs=1e-5)  # held-out pairs: against the starting weights, as --eval measures
+    assert measured.loss < math.log(2) - 0.01
+    fixed, plain = runs["fixed"]
+    assert fixed[-1]["loss"] < math.log(2) - 0.02 and "ref_syncs" not in plain.state
+    start, trained = (HFPolicy.load(path, "cpu") for path in (tiny_model, str(tmp_path / "synced")))
+    pairs = encode(start, table_of(tmp_path, number_pairs(8)))
+    with torch.no_grad():
+        moved = [summed_logps(m.model, pairs.chosen.prompt_ids, side.response_ids) for m in (trained, start) for side in (pairs.chosen, pairs.rejected)]
+    assert float(((moved[0] - moved[2]) - (moved[1] - moved[3])).mean()) > 0  # chosen up against rejected, relative to the start
+
+
+def test_a_mixed_reference_is_alpha_times_the_policy_at_each_sync_plus_the_rest_of_the_last_and_scores_as_those_weights(tiny_model, tmp_path):
+    policy = HFPolicy.load(tiny_model, "cpu")
+    start = weights_of(policy.model)
+    cfg = DpoConfig(batch_size=2, micro_batch_size=2, micro_batch_tokens="0", bf16="false", lr=1e-3, ref_sync_every=2, ref_sync_alpha=0.5)
+    trainer = DpoTrainer(policy, cfg, total_steps=4)
+    at_syncs, sync = [], trainer.sync_reference
+
+    def recorded() -> None:
+        at_syncs.append(weights_of(policy.model))
+        sync()
+
+    trainer.sync_reference = recorded
+    pairs = trainer.with_reference(encode(policy, table_of(tmp_path, number_pairs(8))))
+    before = list(pairs.ref_chosen)
+    trainer.train_epoch(pairs, 1)
+    assert len(at_syncs) == 2  # after steps 2 and 4
+    want = {n: 0.5 * at_syncs[1][n] + 0.5 * (0.5 * at_syncs[0][n] + 0.5 * start[n]) for n in start}
+    held = {name: w for (name, _), w in zip(trainer.moving_reference.named, trainer.moving_reference.weights)}
+    assert max(float((held[n] - want[n]).abs().max()) for n in want) < 1e-6
+    assert all(torch.equal(p, at_syncs[1][n]) for n, p in policy.model.named_parameters())  # the swaps gave the policy its weights back, bit for bit
+    mixed = HFPolicy.load(tiny_model, "cpu")
+    mixed.model.load_state_dict(want, strict=False)
+    with torch.no_grad():
+        for side, values in ((pairs.chosen, pairs.ref_chosen), (pairs.rejected, pairs.ref_rejected)):
+            assert values == pytest.approx(summed_logps(mixed.model, pairs.chosen.prompt_ids, side.response_ids).tolist(), abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(before, pairs.ref_chosen)) > 1e-3
+
+
+def test_a_run_stopped_mid_epoch_resumes_its_mixed_reference_to_the_uninterrupted_weights(tiny_model, tmp_path):
+    """The epoch checkpoints keep the held copy: step 4, after the resume, mixes into the copy of step 3."""
+
+    class Stopped(Exception):
+        pass
+
+    def stop_in_epoch_2(row: dict) -> None:
+        if row["epoch"] == 2:
+            raise Stopped
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in number_pairs(8)))
+    cfg = load_config(None, ["dpo.epochs=2", "dpo.lr=1e-3", "dpo.batch_size=4", "dpo.bf16=false", "dpo.save_steps=1", "dpo.ref_sync_every=1", "dpo.ref_sync_alpha=0.5"])
+    args = {"data": str(tmp_path / "train.jsonl"), "val_data": str(tmp_path / "train.jsonl"), "model": tiny_model, "cfg": cfg, "device": "cpu"}
+    whole = run(out=str(tmp_path / "whole"), **args)
+    with pytest.raises(Stopped):
+        run(out=str(tmp_path / "dpo"), report=stop_in_epoch_2, **args)
+    checkpoint = tmp_path / "dpo.progress" / "epoch-0001-step-000001"
+    kept = set(load_file(str(checkpoint / "kept.safetensors")))
+    assert {"train", "held_out"} <= kept and {f"reference_weights/{name}" for name in weights_of(HFPolicy.load(tiny_model, "cpu").model)} <= kept
+    resumed = run(out=str(tmp_path / "dpo"), **args)
+    assert (tmp_path / "dpo" / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
+    for key in ("loss", "val_loss", "margin"):  # the last sync's reference, mixed into the restored copy, measures the held-out pairs
+        assert [r[key] for r in resumed.state["epochs"][1:]] == pytest.approx([r[key] for r in whole.state["epochs"][1:]], abs=1e-6)
+    assert resumed.state["ref_syncs"] == 4
+
