@@ -31,7 +31,7 @@ _rlctl() {
         "replay") opts="--check --help --out --reward --set --trust-run-code" ;;
         "reshard") opts="--check --checkpoint --config --dtype --force --help --json --merge-lora --out --set --to" ;;
         "reward-model") opts="--batch-size --config --data --device --epochs --eval --force --help --json --lr --model --out --set --val-data" ;;
-        "rollout") opts="--address --backend --chat-template --config --device --dtype --force --format --greedy-baseline --help --json --max-new-tokens --max-prompt-tokens --min-p --model --n --no-chat-template --no-greedy-baseline --out --prompts --repetition-penalty --rows-per-part --seed --set --stop --temperature --top-k --top-p --truncate --workers --workers-backend" ;;
+        "rollout") opts="--address --backend --chat-template --config --device --dtype --force --format --greedy-baseline --help --json --max-new-tokens --max-prompt-tokens --min-p --model --n --no-chat-template --no-greedy-baseline --out --prompt-template --prompts --repetition-penalty --rows-per-part --seed --set --stop --system-prompt --temperature --top-k --top-p --truncate --workers --workers-backend" ;;
         "score") opts="--address --batch-size --config --critic --device --dtype --force --format --help --json --no-sum-pi-squared --out --policy --ref --reward --reward-timeout --rollouts --rows-per-part --set --sum-pi-squared --workers --workers-backend" ;;
         "sft") opts="--batch-size --config --data --device --epochs --eval --force --help --json --lr --model --out --set --val-data" ;;
         "show") opts="--columns --help --json --layout --rows --sort --where --width" ;;

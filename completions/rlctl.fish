@@ -144,12 +144,14 @@ complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l n
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l no-chat-template
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l no-greedy-baseline
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l out
+complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l prompt-template
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l prompts
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l repetition-penalty
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l rows-per-part
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l seed
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l set
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l stop
+complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l system-prompt
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l temperature
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l top-k
 complete -c rlctl -n '__fish_seen_subcommand_from rollout' -l top-p

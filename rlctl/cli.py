@@ -169,6 +169,8 @@ def rollout(
     max_prompt_tokens: Annotated[Optional[int], typer.Option("--max-prompt-tokens", help="Longest prompt in tokens." + _default("data.max_prompt_tokens"))] = None,
     truncate: Annotated[Optional[str], typer.Option("--truncate", help="A too-long prompt is an error, left-truncated (left), or left out (drop)." + _default("data.truncate"), metavar=_choices(choices.TRUNCATE))] = None,
     chat_template: Annotated[Optional[bool], typer.Option("--chat-template/--no-chat-template", help="Render plain prompts with the chat template." + _default("data.chat_template"))] = None,
+    prompt_template: Annotated[Optional[str], typer.Option("--prompt-template", help="Put each plain prompt into this text where it says {prompt}, before any chat template.")] = None,
+    system_prompt: Annotated[Optional[str], typer.Option("--system-prompt", help="A system message first in every chat prompt that has none.")] = None,
     workers_backend: WorkersBackendOpt = None,
     workers: WorkersOpt = None,
     address: AddressOpt = None,
@@ -188,7 +190,7 @@ def rollout(
     rollout_cfg = override_section(cfg.rollout, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, backend=backend, dtype=dtype, stop=stop or None,
         greedy_baseline=greedy_baseline,
     )
-    data_cfg = override_section(cfg.data, max_prompt_tokens=max_prompt_tokens, truncate=truncate, chat_template=chat_template)
+    data_cfg = override_section(cfg.data, max_prompt_tokens=max_prompt_tokens, truncate=truncate, chat_template=chat_template, prompt_template=prompt_template, system_prompt=system_prompt)
     device = device or cfg.model.device
     manifest = stage.run(
         prompts=prompts, model=model, out=_output(out, fmt, rows_per_part, as_json), cfg=rollout_cfg, data=data_cfg, device=device, force=force,

@@ -112,9 +112,13 @@ class DataConfig:
     max_prompt_tokens: int = 512  # longest prompt in tokens (see truncate)
     truncate: str = "error"  # a prompt over max_prompt_tokens (or the model's context less max_new_tokens): error | left (its start cut) | drop (left out of the prompts drawn from, named on stderr: verl's filter_overlong_prompts)
     chat_template: bool = False  # render plain prompts through the tokenizer's chat template
+    prompt_template: str = ""  # a plain prompt put into this text where it says {prompt}, before any chat template (e.g. "{prompt} Let's think step by step."; OpenRLHF's input_template); "" = as it is
+    system_prompt: str = ""  # a system message put first in every chat prompt (messages, or a plain one under chat_template) that has none; "" = none
 
     def __post_init__(self) -> None:
         check_ranges(self, "data", {"batch_size": at_least(1), "max_prompt_tokens": at_least(1), "truncate": one_of(*TRUNCATE)})
+        if self.prompt_template and "{prompt}" not in self.prompt_template:
+            raise ConfigError(f"data.prompt_template must say where the prompt goes with {{prompt}}, got {self.prompt_template!r}")
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,9 @@ def response_tokens(
     to its last end token, its header and anything else context; the context after the last
     trained token left out (a template's newline after the end token is never sampled:
     generation stops there)."""
-    chat = context if context is not None else [{"role": "user", "content": prompt}] if data.chat_template else None
+    from rlctl.stages.rollout import prompt_chat
+
+    _, chat = prompt_chat(example, prompt, context, data)  # the conversation the prompt's tokens were rendered from
     if chat is None:
         if not isinstance(response, str):
             raise InputError(f"example {example!r}: a chat response (messages) needs a chat prompt (messages, or data.chat_template = true)")

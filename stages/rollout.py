@@ -90,18 +90,35 @@ def prompt_limit(data: DataConfig, context_length: int | None, max_new_tokens: i
     return limit, f"the model's context of {context_length} tokens less max_new_tokens={max_new_tokens}"
 
 
+def prompt_chat(prompt_id, prompt: str | None, chat: list[dict] | None, data: DataConfig) -> tuple[str | None, list[dict] | None]:
+    """(plain text, conversation) a prompt is rendered from — one of them None: a plain prompt
+    put into `data.prompt_template`, and under `chat_template` made the user's message; a
+    conversation with `data.system_prompt` first where it has no system message. The rollout,
+    validation, eval and the supervised commands' prompts all read prompts through this."""
+    if chat is None and prompt is None:
+        raise InputError(f"prompt {prompt_id!r} has neither prompt nor messages")
+    if chat is None and data.prompt_template:
+        prompt = data.prompt_template.replace("{prompt}", prompt)
+    if chat is None and data.chat_template:
+        chat = [{"role": "user", "content": prompt}]
+    if chat is None:
+        if data.system_prompt:
+            raise InputError(f"prompt {prompt_id!r} is plain text, and data.system_prompt is a chat message: set data.chat_template = true (or give messages)")
+        return prompt, None
+    if data.system_prompt and not (chat and chat[0].get("role") == "system"):
+        chat = [{"role": "system", "content": data.system_prompt}, *chat]
+    return None, chat
+
+
 def prompt_tokens(table: pa.Table, tokenizer, data: DataConfig) -> list[tuple[str, list[int]]]:
-    """(id, token ids) of every prompt: chat messages through the chat template, plain strings
-    as they are (or through the template with `chat_template`)."""
+    """(id, token ids) of every prompt as `prompt_chat` makes it: a conversation through the
+    chat template with its generation prompt, plain text as it is."""
     ids = table.column("id").to_pylist()
     prompts = table.column("prompt").to_pylist() if "prompt" in table.column_names else [None] * len(ids)
     messages = table.column("messages").to_pylist() if "messages" in table.column_names else [None] * len(ids)
     encoded = []
     for prompt_id, prompt, chat in zip(ids, prompts, messages):
-        if chat is None and prompt is None:
-            raise InputError(f"prompt {prompt_id!r} has neither prompt nor messages")
-        if chat is None and data.chat_template:
-            chat = [{"role": "user", "content": prompt}]
+        prompt, chat = prompt_chat(prompt_id, prompt, chat, data)
         text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) if chat is not None else prompt
         tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not tokens:

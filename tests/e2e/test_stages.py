@@ -228,6 +228,38 @@ def test_chat_template_flag_renders_plain_prompts(cli, tmp_path, tiny_model, pro
     assert AutoTokenizer.from_pretrained(tiny_model).decode(first) == "<|im_start|>user\nThe answer is<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_a_prompt_template_and_a_system_prompt_shape_every_prompt_before_the_chat_template(cli, tmp_path, tiny_model, prompts_file):
+    """A plain prompt goes into the template and becomes the user's message; a conversation
+    (messages) keeps its text and gets the system message first."""
+    from transformers import AutoTokenizer
+
+    result = cli("rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", tmp_path / "c", "--chat-template",
+                 "--prompt-template", "Q: {prompt}\nThink step by step.", "--system-prompt", "Be brief.", *ROLL)
+    assert result.exit_code == 0, result.stderr
+    table = shards.read(str(tmp_path / "c")).table
+    decode = AutoTokenizer.from_pretrained(tiny_model).decode
+    rendered = {row_id: decode(ids) for row_id, ids in zip(table.column("id").to_pylist(), table.column("prompt_ids").to_pylist())}
+    system = "<|im_start|>system\nBe brief.<|im_end|>\n"
+    assert rendered["p0"] == system + "<|im_start|>user\nQ: The answer is\nThink step by step.<|im_end|>\n<|im_start|>assistant\n"
+    assert rendered["p1"] == system + "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    assert table.column("prompt").to_pylist()[0] == "The answer is"  # the row keeps the prompt as the data gave it (rewards read it)
+    plain = cli("rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", tmp_path / "p", "--prompt-template", "Q: {prompt} A:", "--set", "data.max_prompt_tokens=64", *ROLL)
+    assert plain.exit_code == 0, plain.stderr
+    first = shards.read(str(tmp_path / "p")).table.column("prompt_ids")[0].as_py()
+    assert decode(first) == "Q: The answer is A:"
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["--prompt-template", "Q: A:"], "data.prompt_template must say where the prompt goes with {prompt}"),
+    (["--system-prompt", "Be brief."], "prompt 'p0' is plain text, and data.system_prompt is a chat message: set data.chat_template = true"),
+])
+def test_a_prompt_shape_that_cannot_apply_is_one_line_and_nothing_written(cli, tmp_path, tiny_model, prompts_file, args, fragment):
+    result = cli("rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", tmp_path / "bad", *args, *ROLL)
+    assert result.exit_code == 2, result.stderr
+    assert fragment in one_line_error(result)
+    assert_not_written(tmp_path / "bad")
+
+
 def test_format_parquet_writes_parquet_parts_that_read_back(cli, tmp_path, scored):
     result = cli("advantage", "--scores", scored, "--out", tmp_path / "pq", "--estimator", "grpo", "--format", "parquet", "--rows-per-part", "4")
     assert result.exit_code == 0, result.stderr

@@ -51,6 +51,24 @@ def test_a_chat_example_trains_on_the_assistants_turn_up_to_its_end_token(policy
     assert got.response_ids[0][-1] == tok.eos_token_id
 
 
+def test_a_system_prompt_and_a_prompt_template_shape_an_examples_prompt_as_the_rollout_shapes_it(policy, tmp_path):
+    """data.system_prompt before a conversation without one, data.prompt_template around a plain
+    prompt: the prompt's tokens are the rollout's, and the response's follow them in the template."""
+    data = DataConfig(chat_template=True, system_prompt="be brief", prompt_template="Q: {prompt}")
+    tok = policy.tokenizer
+    plain = read_rows(tmp_path, [{"prompt": "2+2", "response": "4"}])
+    chat = read_rows(tmp_path, [{"messages": [{"role": "user", "content": "3+3"}, {"role": "assistant", "content": "6"}]}])
+    spelled = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "Q: 2+2"}, {"role": "assistant", "content": "4"}],
+               [{"role": "system", "content": "be brief"}, {"role": "user", "content": "3+3"}, {"role": "assistant", "content": "6"}]]
+    for table, whole in zip((plain, chat), spelled):
+        got = encode(policy, table, data=data)
+        assert tok.decode(got.prompt_ids[0]) == tok.apply_chat_template(whole[:2], tokenize=False, add_generation_prompt=True)
+        assert tok.decode(got.prompt_ids[0] + got.response_ids[0]) == tok.apply_chat_template(whole, tokenize=False)[: -len("\n")]
+    assert encode(policy, plain, data=data).prompt_ids == encode_prompts(plain, tok, data)
+    own = read_rows(tmp_path, [{"messages": [{"role": "system", "content": "be long"}, {"role": "user", "content": "3+3"}, {"role": "assistant", "content": "6"}]}])
+    assert tok.decode(encode(policy, own, data=data).prompt_ids[0]).startswith("<|im_start|>system\nbe long<|im_end|>")  # its own system message stays
+
+
 def test_a_response_column_beside_messages_or_a_plain_prompt_under_the_chat_template_is_the_assistants_turn(policy, tmp_path):
     question = [{"role": "user", "content": "2+2"}]
     beside = encode(policy, read_rows(tmp_path, [{"messages": question, "completion": "4"}]))
