@@ -53,7 +53,7 @@ class FolderLock:
                     f.write(json.dumps(owner, sort_keys=True).encode())
                 return cls(fs, lock_path, owner, broke)
             except FileExistsError:
-                holder = _read_holder(fs, lock_path)
+                holder = read_holder(fs, lock_path)
                 if holder is None:
                     continue  # released between our create and our read
                 if not is_stale(holder):
@@ -64,7 +64,7 @@ class FolderLock:
         raise LockedError(f"{folder}: could not take the {what} lock ({lock_path} keeps reappearing)")
 
     def release(self) -> None:
-        holder = _read_holder(self.fs, self.path)
+        holder = read_holder(self.fs, self.path)
         if holder is not None and holder.get("token") == self.owner["token"]:
             _remove(self.fs, self.path)
 
@@ -109,7 +109,9 @@ def _me(write_id: str) -> dict:
     }
 
 
-def _read_holder(fs: fsspec.AbstractFileSystem, lock_path: str) -> dict | None:
+def read_holder(fs: fsspec.AbstractFileSystem, lock_path: str) -> dict | None:
+    """The lock file's holder (who, where, since when); None where there is no lock, {} where
+    it cannot be read (no host, no time: stale)."""
     try:
         raw = fs.cat_file(lock_path)
     except FileNotFoundError:

@@ -151,6 +151,14 @@ def warm_start_base(cfg: Config, run_dir: Path, name: str) -> str:
     return str(run_dir / before[-1]) if before else cfg.model.path
 
 
+def moving_reference_plan(dpo) -> str:
+    """The plan's words for DPO's moving reference (dpo.ref_sync_every), or nothing."""
+    if not dpo.ref_sync_every:
+        return ""
+    towards = "reset to the policy" if dpo.ref_sync_alpha == 1 else f"moved {dpo.ref_sync_alpha:g} of the way to the policy"
+    return f", the reference {towards} every {dpo.ref_sync_every} steps"
+
+
 def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | None = None) -> None:
     """Everything that can be checked before any work: fails with one line, exit code 2."""
     from rlctl.algos.advantages import (
@@ -663,7 +671,7 @@ class Pipeline:
         cfg, names = self.cfg, warm_starts(self.cfg)
         how = {
             "sft": lambda: f"fine-tuned on {cfg.sft.data}",
-            "dpo": lambda: f"trained on the pairs {cfg.dpo.data} (DPO, {cfg.dpo.loss} loss, beta {cfg.dpo.beta:g})",
+            "dpo": lambda: f"trained on the pairs {cfg.dpo.data} (DPO, {cfg.dpo.loss} loss, beta {cfg.dpo.beta:g}{moving_reference_plan(cfg.dpo)})",
             "kto": lambda: f"trained on the labelled examples {cfg.kto.data} (KTO, beta {cfg.kto.beta:g})",
         }
         lines = []

@@ -23,7 +23,7 @@ import fsspec
 
 from rlctl.errors import InputError
 from rlctl.folders import verify_files
-from rlctl.locks import _read_holder, describe, is_stale
+from rlctl.locks import describe, is_stale, read_holder
 from rlctl.manifest import LOCK_NAME, MANIFEST_NAME, RESERVED_NAMES, InputRef, Manifest
 from rlctl.shards import filesystem, read_manifest
 
@@ -57,13 +57,15 @@ def verify_tree(uri: str, *, digests: bool = True) -> list[Finding]:
         raise InputError(f"{uri}: a file, not a folder; rlctl verify checks a committed folder or a tree of them")
     tree = {path.rstrip("/") or "/": (list(dirs), list(files)) for path, dirs, files in fs.walk(root)}
     committed = {path for path, (_, files) in tree.items() if MANIFEST_NAME in files}
+    children = subfolders(tree, root)
+    owners = committed_above(root, children, committed)
     findings = []
     for path in sorted(tree):
         dirs, files = tree[path]
         name = relative(path, root)
-        owner = next((c for c in committed if path != c and inside(path, c)), None)
+        owner = owners.get(path)
         if path in committed:
-            findings.append(check_committed(fs, path, name, tree, committed, digests))
+            findings.append(check_committed(fs, path, name, tree, children, committed, digests))
         elif owner is None and any(is_part(f) for f in files):
             parts = [f for f in files if is_part(f)]
             findings.append(Finding(name, "uncommitted", files=len(parts), detail="parts without a manifest: a write that never committed (no reader uses them; safe to delete)"))
@@ -72,7 +74,7 @@ def verify_tree(uri: str, *, digests: bool = True) -> list[Finding]:
     return findings
 
 
-def check_committed(fs: fsspec.AbstractFileSystem, path: str, name: str, tree: dict, committed: set[str], digests: bool) -> Finding:
+def check_committed(fs: fsspec.AbstractFileSystem, path: str, name: str, tree: dict, children: dict, committed: set[str], digests: bool) -> Finding:
     """A committed folder: its manifest readable, its files intact, nothing unlisted in a model
     folder, its inputs as they were."""
     uri = protocol_path(fs, path)
@@ -86,7 +88,7 @@ def check_committed(fs: fsspec.AbstractFileSystem, path: str, name: str, tree: d
     except InputError as exc:
         return replace(found, status="damaged", detail=without_prefix(str(exc), uri))
     listed = {entry.path for entry in manifest.files}
-    unlisted = sorted(set(files_under(path, tree, committed)) - listed)
+    unlisted = sorted(set(files_under(path, tree, children, committed)) - listed)
     if unlisted and any(model in listed for model in MODEL_FILES):
         return replace(found, status="damaged", detail=f"holds {unlisted[0]!r}, which its manifest does not list (added after commit); loading refuses it")
     changed = changed_inputs(manifest, digests)
@@ -132,33 +134,50 @@ def current_digest(ref: InputRef, digests: bool) -> str | None:
 
 
 def lock_finding(fs: fsspec.AbstractFileSystem, path: str, name: str) -> Finding:
-    holder = _read_holder(fs, posixpath.join(path, LOCK_NAME))
+    holder = read_holder(fs, posixpath.join(path, LOCK_NAME))
     if holder is None:
         return Finding(name, "locked", detail="the lock went while it was read")
     state = "a writer that is gone (the next write takes it over)" if is_stale(holder) else "a live writer"
     return Finding(name, "locked", detail=f"held by {describe(holder)}: {state}")
 
 
-def files_under(path: str, tree: dict, committed: set[str]) -> list[str]:
+def subfolders(tree: dict, root: str) -> dict[str, list[str]]:
+    """Each walked folder's folders one level down, by the walk's own paths."""
+    children: dict[str, list[str]] = {}
+    for folder in tree:
+        if folder != root:
+            children.setdefault(posixpath.dirname(folder) or "/", []).append(folder)
+    return children
+
+
+def committed_above(root: str, children: dict, committed: set[str]) -> dict[str, str]:
+    """Each folder inside a committed one: the nearest committed folder above it (one pass down
+    the tree, so a run of thousands of folders costs what it holds)."""
+    owners, stack = {}, [(root, None)]
+    while stack:
+        folder, above = stack.pop()
+        if above is not None:
+            owners[folder] = above
+        below = folder if folder in committed else above
+        stack += [(child, below) for child in children.get(folder, [])]
+    return owners
+
+
+def files_under(path: str, tree: dict, children: dict, committed: set[str]) -> list[str]:
     """The files of `path`'s subtree, relative to it, leaving out reserved names (and a
     manifest's temporary name) and folders committed in their own right."""
-    nested = [c for c in committed if inside(c, path)]
-    found = []
-    for folder, (_, files) in tree.items():
-        if folder != path and not inside(folder, path) or any(folder == c or inside(folder, c) for c in nested):
-            continue
+    found, stack = [], [path]
+    while stack:
+        folder = stack.pop()
         prefix = relative(folder, path)
-        found += [name if prefix == "." else f"{prefix}/{name}" for name in files if name not in RESERVED_NAMES and not name.startswith(MANIFEST_NAME)]
+        found += [name if prefix == "." else f"{prefix}/{name}" for name in tree[folder][1] if name not in RESERVED_NAMES and not name.startswith(MANIFEST_NAME)]
+        stack += [child for child in children.get(folder, []) if child not in committed]
     return found
 
 
 def is_part(name: str) -> bool:
     """A file an output write puts before its commit: parts, their temporary names."""
     return name.startswith("part-") or name.endswith(".tmp")
-
-
-def inside(path: str, folder: str) -> bool:
-    return path.startswith(folder.rstrip("/") + "/")
 
 
 def relative(path: str, root: str) -> str:

@@ -180,3 +180,16 @@ def test_a_dpo_killed_after_an_epoch_resumes_with_the_starting_weights_reference
     assert (tmp_path / "dpo" / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
     got, want = (json.loads((tmp_path / name / "_manifest.json").read_text())["state"]["epochs"] for name in ("dpo", "whole"))
     assert comparable(got) == comparable(want) and len(got) == 4
+
+
+@pytest.mark.parametrize(("alpha", "words"), [(1.0, "the reference reset to the policy every 8 steps"), (0.6, "the reference moved 0.6 of the way to the policy every 8 steps")])
+def test_the_plan_says_how_a_dpo_warm_starts_reference_moves(cli, tmp_path, tiny_model, pairs, alpha, words):
+    from tests.e2e.test_pipeline import write_config
+
+    config = write_config(
+        tmp_path, tiny_model, model={"critic": ""}, advantage={"estimator": "grpo"}, pipeline={"iterations": 1},
+        dpo={"data": str(pairs), "ref_sync_every": 8, "ref_sync_alpha": alpha},
+    )
+    plan = cli("pipeline", config, "--run-dir", tmp_path / "run", "--dry-run")
+    assert plan.exit_code == 0, plan.stderr
+    assert f"trained on the pairs {pairs} (DPO, sigmoid loss, beta 0.1, {words}), 1 epoch(s)" in plan.stdout
