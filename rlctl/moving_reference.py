@@ -1,8 +1,8 @@
 """A reference that moves towards the policy during `rlctl dpo` (TR-DPO, Gorbatovski et al.,
 2024; TRL's sync_ref_model): after every `dpo.ref_sync_every`-th optimizer step the reference
 becomes α·policy + (1 − α)·reference (`dpo.ref_sync_alpha`), and the trainer recomputes its
-log-probabilities of every pair, so each later step compares with the reference of its time, as
-TRL's reference forward per batch does.
+log-probabilities of the training pairs, so each later step compares with the reference of its
+time, as TRL's reference forward per batch does.
 
 With α = 1 the reference is the policy as it is at the sync, so its log-probabilities are the
 current weights' and no copy is held. Below 1 a copy of the weights is held beside the policy
@@ -41,10 +41,6 @@ class MovingReference:
     def due(self, step: int) -> bool:
         """Whether the reference moves after the run's `step`-th optimizer step."""
         return step > 0 and step % self.every == 0
-
-    def syncs(self, steps: int) -> int:
-        """How many times the reference has moved after `steps` optimizer steps."""
-        return steps // self.every
 
     @torch.no_grad()
     def move(self) -> None:
