@@ -44,6 +44,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l out
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l ref
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l set
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l val-data
+complete -c rlctl -n '__fish_seen_subcommand_from eval' -l chat-template
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l config
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l device
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l help
@@ -51,11 +52,14 @@ complete -c rlctl -n '__fish_seen_subcommand_from eval' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l max-new-tokens
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l model
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l n
+complete -c rlctl -n '__fish_seen_subcommand_from eval' -l no-chat-template
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l out
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l pass-threshold
+complete -c rlctl -n '__fish_seen_subcommand_from eval' -l prompt-template
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l prompts
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l reward
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l set
+complete -c rlctl -n '__fish_seen_subcommand_from eval' -l system-prompt
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l temperature
 complete -c rlctl -n '__fish_seen_subcommand_from kto' -l batch-size
 complete -c rlctl -n '__fish_seen_subcommand_from kto' -l beta

@@ -61,6 +61,9 @@ OutOpt = Annotated[str, typer.Option("--out", help="Output folder URI, or - for 
 WorkersBackendOpt = Annotated[Optional[str], typer.Option("--workers-backend", help="Who holds the models: local (this process) or ray (a worker group)." + _default("workers.backend"), metavar=_choices(choices.WORKER_BACKENDS))]
 WorkersOpt = Annotated[Optional[int], typer.Option("--workers", help="Ranks of the Ray worker group (data-parallel, FSDP2 for training)." + _default("workers.num_workers"))]
 AddressOpt = Annotated[Optional[str], typer.Option("--address", help="Ray cluster to join: auto or HOST:PORT; empty starts one for this command.")]
+ChatTemplateOpt = Annotated[Optional[bool], typer.Option("--chat-template/--no-chat-template", help="Render plain prompts with the chat template." + _default("data.chat_template"))]
+PromptTemplateOpt = Annotated[Optional[str], typer.Option("--prompt-template", help="Put each plain prompt into this text where it says {prompt}, before any chat template.")]
+SystemPromptOpt = Annotated[Optional[str], typer.Option("--system-prompt", help="A system message first in every chat prompt that has none.")]
 
 
 def _workers_config(cfg, backend: str | None, workers: int | None, address: str | None):
@@ -168,9 +171,9 @@ def rollout(
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype of generation." + _default("rollout.dtype"), metavar=_choices(choices.COMPUTE_DTYPES))] = None,
     max_prompt_tokens: Annotated[Optional[int], typer.Option("--max-prompt-tokens", help="Longest prompt in tokens." + _default("data.max_prompt_tokens"))] = None,
     truncate: Annotated[Optional[str], typer.Option("--truncate", help="A too-long prompt is an error, left-truncated (left), or left out (drop)." + _default("data.truncate"), metavar=_choices(choices.TRUNCATE))] = None,
-    chat_template: Annotated[Optional[bool], typer.Option("--chat-template/--no-chat-template", help="Render plain prompts with the chat template." + _default("data.chat_template"))] = None,
-    prompt_template: Annotated[Optional[str], typer.Option("--prompt-template", help="Put each plain prompt into this text where it says {prompt}, before any chat template.")] = None,
-    system_prompt: Annotated[Optional[str], typer.Option("--system-prompt", help="A system message first in every chat prompt that has none.")] = None,
+    chat_template: ChatTemplateOpt = None,
+    prompt_template: PromptTemplateOpt = None,
+    system_prompt: SystemPromptOpt = None,
     workers_backend: WorkersBackendOpt = None,
     workers: WorkersOpt = None,
     address: AddressOpt = None,
@@ -369,6 +372,9 @@ def eval_(
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Longest response in tokens." + _default("rollout.max_new_tokens"))] = None,
     pass_threshold: Annotated[float, typer.Option("--pass-threshold", help="A sample passes (pass@k) when its reward is at least this.")] = 1.0,
     out: Annotated[Optional[str], typer.Option("--out", help="Also commit the scored samples here, the summary in their manifest.")] = None,
+    chat_template: ChatTemplateOpt = None,
+    prompt_template: PromptTemplateOpt = None,
+    system_prompt: SystemPromptOpt = None,
     device: DeviceOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -385,6 +391,7 @@ def eval_(
     cfg = replace(
         cfg, rollout=override_section(cfg.rollout, n=n, temperature=temperature, max_new_tokens=max_new_tokens),
         score=override_section(cfg.score, reward=reward),
+        data=override_section(cfg.data, chat_template=chat_template, prompt_template=prompt_template, system_prompt=system_prompt),
     )
     rows, _ = run(model=model, prompts=prompts, cfg=cfg, threshold=pass_threshold, device=device or cfg.model.device, out=_output(out, "arrow", 65536, False) if out else None)
     if as_json:

@@ -243,6 +243,11 @@ def test_a_prompt_template_and_a_system_prompt_shape_every_prompt_before_the_cha
     assert rendered["p0"] == system + "<|im_start|>user\nQ: The answer is\nThink step by step.<|im_end|>\n<|im_start|>assistant\n"
     assert rendered["p1"] == system + "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
     assert table.column("prompt").to_pylist()[0] == "The answer is"  # the row keeps the prompt as the data gave it (rewards read it)
+    evaluated = cli("eval", "--model", tiny_model, "--prompts", prompts_file, "--reward", "builtin:length", "--n", "1", "--max-new-tokens", "4", "--out", tmp_path / "e",
+                    "--chat-template", "--prompt-template", "Q: {prompt}\nThink step by step.", "--system-prompt", "Be brief.")
+    assert evaluated.exit_code == 0, evaluated.stderr
+    samples = shards.read(str(tmp_path / "e")).table
+    assert {row_id: decode(ids) for row_id, ids in zip(samples.column("id").to_pylist(), samples.column("prompt_ids").to_pylist())} == rendered  # eval reads prompts as the rollout does
     plain = cli("rollout", "--prompts", prompts_file, "--model", tiny_model, "--out", tmp_path / "p", "--prompt-template", "Q: {prompt} A:", "--set", "data.max_prompt_tokens=64", *ROLL)
     assert plain.exit_code == 0, plain.stderr
     first = shards.read(str(tmp_path / "p")).table.column("prompt_ids")[0].as_py()
