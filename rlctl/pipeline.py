@@ -151,6 +151,19 @@ def warm_start_base(cfg: Config, run_dir: Path, name: str) -> str:
     return str(run_dir / before[-1]) if before else cfg.model.path
 
 
+def checked_shapes(table: pa.Table | None, data, source: str) -> None:
+    """Every prompt of a prompt file shaped as the rollout will shape it (data.prompt_template,
+    data.system_prompt), before any work: a prompt it cannot apply to is one error naming the file."""
+    from rlctl.stages.rollout import shaped_prompts
+
+    if table is None:
+        return
+    try:
+        shaped_prompts(table, data)
+    except InputError as exc:
+        raise InputError(f"{source}: {exc}") from None
+
+
 def moving_reference_plan(dpo) -> str:
     """The plan's words for DPO's moving reference (dpo.ref_sync_every), or nothing."""
     if not dpo.ref_sync_every:
@@ -285,6 +298,8 @@ class Pipeline:
         dataset = read(cfg.data.prompts, "prompts")
         self.dataset, self.dataset_ref = dataset.table, shards_ref(dataset)
         self.val_dataset = read(cfg.data.val_prompts, "prompts").table if cfg.data.val_prompts else None
+        for table, source in ((self.dataset, cfg.data.prompts), (self.val_dataset, cfg.data.val_prompts)):
+            checked_shapes(table, cfg.data, source)
         self._run_lock = None
         self._loggers: Loggers | None = None
         self._governor: ThreadGovernor | None = None

@@ -110,15 +110,21 @@ def prompt_chat(prompt_id, prompt: str | None, chat: list[dict] | None, data: Da
     return None, chat
 
 
-def prompt_tokens(table: pa.Table, tokenizer, data: DataConfig) -> list[tuple[str, list[int]]]:
-    """(id, token ids) of every prompt as `prompt_chat` makes it: a conversation through the
-    chat template with its generation prompt, plain text as it is."""
+def shaped_prompts(table: pa.Table, data: DataConfig) -> list[tuple[str, str | None, list[dict] | None]]:
+    """(id, plain text, conversation) of every prompt row, as `prompt_chat` shapes it. A
+    pipeline calls this on its prompt files before any work, so a shape that cannot apply is
+    refused first."""
     ids = table.column("id").to_pylist()
     prompts = table.column("prompt").to_pylist() if "prompt" in table.column_names else [None] * len(ids)
     messages = table.column("messages").to_pylist() if "messages" in table.column_names else [None] * len(ids)
+    return [(prompt_id, *prompt_chat(prompt_id, prompt, chat, data)) for prompt_id, prompt, chat in zip(ids, prompts, messages)]
+
+
+def prompt_tokens(table: pa.Table, tokenizer, data: DataConfig) -> list[tuple[str, list[int]]]:
+    """(id, token ids) of every prompt as `prompt_chat` makes it: a conversation through the
+    chat template with its generation prompt, plain text as it is."""
     encoded = []
-    for prompt_id, prompt, chat in zip(ids, prompts, messages):
-        prompt, chat = prompt_chat(prompt_id, prompt, chat, data)
+    for prompt_id, prompt, chat in shaped_prompts(table, data):
         text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) if chat is not None else prompt
         tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not tokens:

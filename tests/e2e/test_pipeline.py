@@ -455,6 +455,7 @@ def test_keep_best_saves_and_keeps_the_checkpoint_of_the_best_iteration(cli, tmp
     (["--set", "pipeline.val_n=4"], "pipeline.val_n = 4 with val_temperature = 0: greedy samples of a prompt are all alike"),
     (["--set", "model.critic=", "--set", "advantage.estimator=grpo", "--set", "update.critic_warmup=4"], "update.critic_warmup trains only the critic for its steps: set model.critic"),
     (["--set", "update.lr_schedule=cosine"], "decays until update.decay_steps (0), which must exceed update.warmup_steps (0): set it in optimizer steps; this batch takes 4 optimizer steps per update"),
+    (["--set", 'data.system_prompt="Be brief."'], "prompts.jsonl: prompt 'p0' is plain text, and data.system_prompt is a chat message: set data.chat_template = true"),
 ])
 def test_bad_configs_fail_before_any_work(cli, tmp_path, tiny_model, args, fragment):
     config = write_config(tmp_path, tiny_model)
