@@ -28,16 +28,21 @@ def reference_tensors(rows, held_out) -> dict[str, torch.Tensor]:
     return kept
 
 
-def kept_file(trainer, rows, held_out) -> dict[str, bytes]:
+def kept_tensors(trainer, rows, held_out) -> dict[str, torch.Tensor]:
     """What an epoch checkpoint keeps beside the weights, as of now: the reference's
     log-probabilities (`reference_tensors`) and, where the reference moves and a copy of it is
     held (rlctl.moving_reference), its weights. On FSDP2 ranks a collective."""
+    moving = getattr(trainer, "moving_reference", None)
+    return {**reference_tensors(rows, held_out), **(moving.kept() if moving is not None else {})}
+
+
+def kept_file(tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    """`kept_tensors` as the epoch checkpoint's file."""
     from safetensors.torch import save as save_tensors
 
     from rlctl.epoch_checkpoints import KEPT_FILE
 
-    moving = getattr(trainer, "moving_reference", None)
-    return {KEPT_FILE: save_tensors({**reference_tensors(rows, held_out), **(moving.kept() if moving is not None else {})})}
+    return {KEPT_FILE: save_tensors(tensors)}
 
 
 def restore_moving_reference(trainer, kept: dict[str, torch.Tensor]) -> None:
@@ -74,7 +79,7 @@ class LocalReferenced(LocalPolicy):
 
     def save_progress(self, folder, manifest: Manifest, files: dict[str, bytes] | None = None) -> Manifest:
         """The epoch checkpoint, with the reference's log-probabilities (and a moving reference's weights) as they are now."""
-        return super().save_progress(folder, manifest, {**(files or {}), **kept_file(self.trainer, self.rows, self.held_out)})
+        return super().save_progress(folder, manifest, {**(files or {}), **kept_file(kept_tensors(self.trainer, self.rows, self.held_out))})
 
     def steps(self, epoch: int, first: int, last: int) -> dict:
         return self.trainer.train_steps(self.rows, epoch, first, last)

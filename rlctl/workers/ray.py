@@ -824,10 +824,10 @@ class RankWorker:
     def referenced_save_progress(self, directory: str, manifest_json: str, files: dict | None) -> str:
         """The epoch checkpoint with what is kept beside the weights as of now (the reference's
         log-probabilities, a moving reference's weights gathered: every rank calls this)."""
-        from rlctl.referenced import kept_file
+        from rlctl.referenced import kept_file, kept_tensors
 
-        kept = kept_file(self.referenced, self.referenced_rows, self.referenced_held_out)
-        return self.save_progress(directory, manifest_json, {**(files or {}), **kept})
+        kept = kept_tensors(self.referenced, self.referenced_rows, self.referenced_held_out)  # every rank: the gather
+        return self.save_progress(directory, manifest_json, {**(files or {}), **kept_file(kept)} if self.rank == 0 else None)  # rank 0 writes
 
     def referenced_evaluate(self) -> tuple:
         """The held-out rows' figures (mean loss, and accuracy or margin), summed over the ranks' shares."""
