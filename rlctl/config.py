@@ -689,6 +689,10 @@ def section_from_dict(name: str, values: dict[str, Any], source: str = "config")
 
 
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """`cfg` with every `--set section.key=value` applied, each section checked once with all of
+    its new values, so that settings which depend on each other can come in any order."""
+    pending: dict[str, dict[str, Any]] = {}
+    given: dict[str, list[str]] = {}
     for item in overrides:
         dotted, sep, text = item.partition("=")
         section, dot, key = dotted.strip().partition(".")
@@ -703,16 +707,19 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         value = parse_scalar(text)
         if hints[key] is str and isinstance(value, (int, float)) and not isinstance(value, bool):
             value = text.strip()  # a text key keeps what was typed: TOML would read update.rollout_rs_threshold=1_2 as 12
+        changes = pending.setdefault(section, {})
         if inner:
-            table = dataclasses.asdict(getattr(getattr(cfg, section), key))
+            table = dataclasses.asdict(changes.get(key, getattr(getattr(cfg, section), key)))
             if inner not in table:
                 raise ConfigError(f"--set {item!r}: unknown key {section}.{key}.{inner}{suggest(inner, table, prefix=f'{section}.{key}.')}")
             value = {**table, inner: value}
-        value = coerce(value, hints[key], dotted)
+        changes[key] = coerce(value, hints[key], dotted)
+        given.setdefault(section, []).append(item)
+    for section, changes in pending.items():
         try:
-            cfg = replace(cfg, **{section: replace(getattr(cfg, section), **{key: value})})
+            cfg = replace(cfg, **{section: replace(getattr(cfg, section), **changes)})
         except ConfigError as exc:
-            raise ConfigError(f"--set {item!r}: {exc}") from None
+            raise ConfigError(f"--set {', '.join(repr(item) for item in given[section])}: {exc}") from None
     return cfg
 
 

@@ -67,6 +67,17 @@ def test_set_of_unknown_key_is_an_error():
         load_config(None, ["update.learning_rate=1"])
 
 
+def test_settings_that_depend_on_each_other_can_be_set_in_any_order():
+    """Each section is checked once with all of its new values: a setting that another one
+    allows, or a LoRA table given key by key, need not come in the order the checks read them."""
+    cfg = load_config(None, ["dpo.loss=ipo", "dpo.label_smoothing=0.1", "dpo.loss=robust"])  # ipo takes no label smoothing; robust does
+    assert (cfg.dpo.loss, cfg.dpo.label_smoothing) == ("robust", 0.1)
+    cfg = load_config(None, ["dpo.ref_sync_alpha=0.5", "dpo.lora.r=4", "dpo.ref_sync_every=8", "dpo.lora.r=0", "dpo.lora.alpha=8"])
+    assert (cfg.dpo.lora.r, cfg.dpo.lora.alpha, cfg.dpo.ref_sync_every) == (0, 8.0, 8)  # the last value of a key counts, a table's other keys kept
+    with pytest.raises(ConfigError, match=r"^--set 'dpo.ref_sync_alpha=0.5', 'dpo.ref_sync_every=8', 'dpo.lora.r=4': dpo.ref_sync_alpha below 1"):  # the section's settings named
+        load_config(None, ["dpo.ref_sync_alpha=0.5", "update.lr=1e-5", "dpo.ref_sync_every=8", "dpo.lora.r=4"])
+
+
 def test_set_needs_section_dot_key():
     with pytest.raises(ConfigError, match="expected section.key=value"):
         load_config(None, ["lr=1"])
