@@ -31,7 +31,9 @@ REJECTION_RULES = (  # update.rollout_rs (rlctl.algos.rejection): verl's rollout
     "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
 )
 LR_SCHEDULES = ("constant", "linear", "cosine")
-DPO_LOSSES = ("sigmoid", "robust", "ipo", "hinge", "simpo", "orpo")
+DPO_LOSSES = ("sigmoid", "robust", "ipo", "hinge", "simpo", "orpo", "sigmoid_norm", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down", "discopop")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # preference losses without a reference model
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")  # dpo.f_divergence (rlctl.dpo.f_score)
+F_DIVERGENCE_LOSSES = ("sigmoid", "robust", "ipo", "hinge", "sigmoid_norm", "exo_pair", "discopop")  # the losses on the difference of the two sides' scores, which take any of them
 PRESETS = ("tiny", "small", "medium")
 BUILTIN_REWARDS = ("countdown", "gsm8k", "gsm8k_flexible", "length", "math", "think_format")

@@ -509,7 +509,7 @@ def dpo(
     lr: Annotated[Optional[float], typer.Option("--lr", help="Learning rate." + _default("dpo.lr"))] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Pairs per optimizer step." + _default("dpo.batch_size"))] = None,
     beta: Annotated[Optional[float], typer.Option("--beta", help="Strength of the pull towards the reference." + _default("dpo.beta"))] = None,
-    loss: Annotated[Optional[str], typer.Option("--loss", help="Preference loss: DPO's sigmoid, robust DPO, IPO, hinge, or SimPO and ORPO (no reference) (docs/algorithms.md)." + _default("dpo.loss"), metavar=_choices(choices.DPO_LOSSES))] = None,
+    loss: Annotated[Optional[str], typer.Option("--loss", help="Preference loss: DPO's sigmoid, robust DPO, IPO, hinge, SimPO and ORPO (no reference), or TRL's further losses by their names (docs/algorithms.md)." + _default("dpo.loss"), metavar=_choices(choices.DPO_LOSSES))] = None,
     device: DeviceOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,

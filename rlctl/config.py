@@ -26,6 +26,8 @@ from rlctl.choices import (
     AUTOCAST_CHOICES,
     COMPUTE_DTYPES,
     DPO_LOSSES,
+    F_DIVERGENCE_LOSSES,
+    F_DIVERGENCES,
     KL_CONTROLLERS,
     LR_SCHEDULES,
     OLD_LOGPROBS,
@@ -499,9 +501,12 @@ class DpoConfig:
     data: str = ""  # in a pipeline: preference pairs to train the policy on before iteration 1, after sft.data's warm start (RUN/dpo, the run's initial policy unless kto.data's follows; "" = none)
     val_data: str = ""  # in a pipeline: held-out pairs, their loss and accuracy before and after each epoch
     beta: float = 0.1  # strength of the pull towards the reference: the implicit reward is beta × (log π − log π_ref) of a response (orpo: the odds-ratio term's weight, its paper's lambda)
-    loss: str = "sigmoid"  # sigmoid (DPO) | robust (rDPO: unbiased under label noise) | ipo (squared, per-token log-ratios) | hinge (SLiC) | simpo (no reference: per-token log-probs, margin simpo_gamma) | orpo (no reference: the chosen NLL plus beta × the odds ratio's loss)
-    label_smoothing: float = 0.0  # the assumed share of pairs labelled the wrong way round (sigmoid: conservative DPO; robust; simpo); 0 = none
+    loss: str = "sigmoid"  # sigmoid (DPO) | robust (rDPO: unbiased under label noise) | ipo (squared, per-token log-ratios) | hinge (SLiC) | simpo (no reference: per-token log-probs, margin simpo_gamma) | orpo (no reference: the chosen NLL plus beta × the odds ratio's loss) | TRL's sigmoid_norm, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop (docs/algorithms.md)
+    label_smoothing: float = 0.0  # the assumed share of pairs labelled the wrong way round (sigmoid: conservative DPO; robust; simpo; exo_pair, which needs it > 0); 0 = none
     simpo_gamma: float = 0.5  # SimPO's target reward margin (dpo.loss = "simpo"; the paper's beta is 2-2.5)
+    discopop_tau: float = 0.05  # DiscoPOP's temperature of the mix of its logistic and exponential losses (dpo.loss = "discopop"; TRL's discopop_tau)
+    f_divergence: str = "reverse_kl"  # the divergence from the reference the loss regularizes with (f-DPO): reverse_kl (DPO's) | forward_kl | js_divergence | alpha_divergence; not reverse_kl: the losses on the chosen-rejected difference only (sigmoid, robust, ipo, hinge, sigmoid_norm, exo_pair, discopop)
+    f_alpha: float = 0.5  # alpha_divergence's α in (0, 1): f'(u) = (1 − u^−α)/α, near 0 the reverse KL, near 1 the forward (TRL's f_alpha_divergence_coef is 1 − α; equal at 0.5)
     sft_weight: float = 0.0  # the chosen responses' NLL per token added to the loss with this weight (RPO; TRL's loss_type [..., "sft"]); 0 = none
     min_reward_gap: float = 0.0  # data that is scored rollouts (a score stage's output): each prompt's best and worst sample are a pair where their rewards differ by more than this
     disable_dropout: bool = True  # the model's dropout off while training (TRL's disable_dropout): the policy's log-probs at the first step are the reference's, computed without dropout
@@ -531,23 +536,34 @@ class DpoConfig:
         if isinstance(self.micro_batch_tokens, int) and not isinstance(self.micro_batch_tokens, bool):
             object.__setattr__(self, "micro_batch_tokens", str(self.micro_batch_tokens))
         check_ranges(self, "dpo", {
-            "beta": above(0.0), "loss": one_of(*DPO_LOSSES), "simpo_gamma": at_least(0.0), "sft_weight": at_least(0.0), "min_reward_gap": at_least(0.0), "label_smoothing": lambda v: None if 0.0 <= v < 0.5 else "must be at least 0 and below 0.5",
+            "beta": above(0.0), "loss": one_of(*DPO_LOSSES), "simpo_gamma": at_least(0.0), "discopop_tau": above(0.0), "f_divergence": one_of(*F_DIVERGENCES), "sft_weight": at_least(0.0), "min_reward_gap": at_least(0.0), "label_smoothing": lambda v: None if 0.0 <= v < 0.5 else "must be at least 0 and below 0.5",
             "lr": above(0.0), "epochs": at_least(1), "save_steps": at_least(0), "batch_size": at_least(1),
             "micro_batch_size": at_least(1), "max_tokens": at_least(0), "truncate": one_of("error", "right"), "max_grad_norm": at_least(0.0),
             "weight_decay": at_least(0.0), "warmup_steps": at_least(0), "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0),
             "bf16": one_of(*AUTOCAST_CHOICES), "ref_sync_every": at_least(0),
             "micro_batch_tokens": lambda v: None if v == "auto" or (isinstance(v, str) and v.isascii() and v.isdigit()) else "must be auto, 0 (no cap) or a number of tokens",
         })
-        if self.label_smoothing and self.loss not in ("sigmoid", "robust", "simpo"):
-            raise ConfigError(f"dpo.label_smoothing applies to the sigmoid, robust and simpo losses, not dpo.loss = {self.loss!r}: set it to 0")
+        if self.label_smoothing and self.loss not in ("sigmoid", "robust", "simpo", "exo_pair"):
+            raise ConfigError(f"dpo.label_smoothing applies to the sigmoid, robust, simpo and exo_pair losses, not dpo.loss = {self.loss!r}: set it to 0")
+        if not 0 < self.f_alpha < 1:
+            raise ConfigError(f"dpo.f_alpha must be between 0 and 1 (exclusive), got {self.f_alpha!r}")
+        if self.f_divergence != "reverse_kl" and self.loss not in F_DIVERGENCE_LOSSES:
+            raise ConfigError(f"dpo.f_divergence = {self.f_divergence!r} applies to the losses on the chosen-rejected difference ({', '.join(F_DIVERGENCE_LOSSES)}), not dpo.loss = {self.loss!r}: leave it reverse_kl")
+        if self.loss == "exo_pair" and not self.label_smoothing:
+            raise ConfigError("dpo.loss = \"exo_pair\" needs dpo.label_smoothing > 0 (EXO's ε, the labels' assumed error; the paper's 1e-3)")
         if self.sft_weight and self.loss == "orpo":
             raise ConfigError("dpo.sft_weight adds the chosen responses' NLL, which dpo.loss = \"orpo\" has already: set it to 0")
-        if not 0 < self.ref_sync_alpha <= 1:
-            raise ConfigError(f"dpo.ref_sync_alpha must be in (0, 1], got {self.ref_sync_alpha!r}")
         if self.ref_sync_every and self.loss in REFERENCE_FREE_LOSSES:
             raise ConfigError(f"dpo.ref_sync_every moves the reference, which dpo.loss = {self.loss!r} has none of: set it to 0")
-        if self.ref_sync_every and self.lora.r and self.ref_sync_alpha < 1:
-            raise ConfigError("dpo.ref_sync_alpha below 1 mixes every weight of the policy into a held copy, and a LoRA run trains its adapters only: set it to 1 (the policy's weights) or lora.r = 0")
+        check_ref_sync(self, "dpo")
+
+
+def check_ref_sync(section, name: str) -> None:
+    """A moving reference's settings (`ref_sync_every`, `ref_sync_alpha` of dpo or kto) that can work."""
+    if not 0 < section.ref_sync_alpha <= 1:
+        raise ConfigError(f"{name}.ref_sync_alpha must be in (0, 1], got {section.ref_sync_alpha!r}")
+    if section.ref_sync_every and section.lora.r and section.ref_sync_alpha < 1:
+        raise ConfigError(f"{name}.ref_sync_alpha below 1 mixes every weight of the policy into a held copy, and a LoRA run trains its adapters only: set it to 1 (the policy's weights) or lora.r = 0")
 
 
 @dataclass(frozen=True)
@@ -563,6 +579,8 @@ class KtoConfig:
     undesirable_weight: float = 1.0  # the undesirable examples' loss weight (lambda_U)
     min_reward_gap: float = 0.0  # data that is scored rollouts (a score stage's output): each prompt's best (desirable) and worst (undesirable) sample, where their rewards differ by more than this
     disable_dropout: bool = True  # the model's dropout off while training (TRL's disable_dropout): the policy's log-probs at the first step are the reference's, computed without dropout
+    ref_sync_every: int = 0  # move the reference towards the policy after every N optimizer steps: ref ← α·policy + (1 − α)·ref, then its log-probs of the training examples and their mismatched pairs recomputed (TR-KTO; TRL's sync_ref_model); 0 = the starting weights throughout
+    ref_sync_alpha: float = 1.0  # α of ref_sync_every, in (0, 1], as dpo.ref_sync_alpha
     lr: float = 1e-6  # learning rate (AdamW)
     epochs: int = 1  # passes over the examples
     save_steps: int = 0  # a checkpoint also every N optimizer steps within an epoch, to resume from mid-epoch (beside OUT, removed at the end); 0 = at each epoch's end only
@@ -591,9 +609,10 @@ class KtoConfig:
             "lr": above(0.0), "epochs": at_least(1), "save_steps": at_least(0), "batch_size": at_least(2),
             "micro_batch_size": at_least(1), "max_tokens": at_least(0), "truncate": one_of("error", "right"), "max_grad_norm": at_least(0.0),
             "weight_decay": at_least(0.0), "warmup_steps": at_least(0), "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0),
-            "bf16": one_of(*AUTOCAST_CHOICES),
+            "bf16": one_of(*AUTOCAST_CHOICES), "ref_sync_every": at_least(0),
             "micro_batch_tokens": lambda v: None if v == "auto" or (isinstance(v, str) and v.isascii() and v.isdigit()) else "must be auto, 0 (no cap) or a number of tokens",
         })
+        check_ref_sync(self, "kto")
 
 
 @dataclass(frozen=True)

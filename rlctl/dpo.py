@@ -22,6 +22,11 @@ a pair's loss is, by `dpo.loss` (β = `dpo.beta`, ε = `dpo.label_smoothing`):
              o = log odds(y_c) − log odds(y_r)                  NLL beside an odds-ratio term; odds(y) =
                                                                 p/(1 − p), p = exp(log π(y)/|y|)
 
+and TRL's further losses by their names (r_c, r_r: each response's log π − log π_ref):
+`sigmoid_norm` (DPO on per-token log-ratios), `exo_pair` (EXO, ε > 0), `nca_pair`, `bco_pair`,
+`sppo_hard`, `apo_zero`, `apo_down` and `discopop` (τ = `dpo.discopop_tau`); docs/algorithms.md
+has each formula.
+
 plus, with `dpo.sft_weight` = α > 0, α·(−log π(y_c)/|y_c|), the chosen response's NLL per token
 (RPO), the mean over each optimizer step's pairs. β·(log π − log π_ref) is a response's implicit
 reward (SimPO's and ORPO's: β·log π/|y|): `accuracy` is the share of pairs whose chosen response has the
@@ -39,6 +44,7 @@ manifest."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -48,6 +54,7 @@ import torch
 
 from rlctl.config import Config, DataConfig, DpoConfig
 from rlctl.manifest import Manifest
+from rlctl.moving_reference import ReferenceSyncs
 from rlctl.referenced import LocalReferenced, RayReferenced, ReferencedCommand
 from rlctl.reward_model import EpochRow as PairsEpochRow
 from rlctl.reward_model import PairsRow
@@ -131,16 +138,16 @@ def encode_dpo_pairs(table: pa.Table, tokenizer, data: DataConfig, cfg: DpoConfi
 def dpo_losses(
     chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, *, beta: float, loss: str = "sigmoid",
     label_smoothing: float = 0.0, chosen_tokens: torch.Tensor | None = None, rejected_tokens: torch.Tensor | None = None, simpo_gamma: float = 0.0,
-    sft_weight: float = 0.0,
+    sft_weight: float = 0.0, discopop_tau: float = 0.05, f_divergence: str = "reverse_kl", f_alpha: float = 0.5,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(each pair's loss, the chosen response's implicit reward, the rejected one's) from the
     responses' summed log-probabilities under the policy and the reference [P] (SimPO and ORPO
-    ignore the reference); "ipo", "simpo" and "orpo" also need each side's trained tokens,
+    ignore the reference); "ipo", "sigmoid_norm", "simpo" and "orpo" also need each side's trained tokens,
     since they compare per-token values, as does `sft_weight`, the weight of the chosen side's
     NLL per token added to each pair's loss."""
     losses, chosen_reward, rejected_reward = _preference_losses(
         chosen, rejected, ref_chosen, ref_rejected, beta=beta, loss=loss, label_smoothing=label_smoothing, chosen_tokens=chosen_tokens,
-        rejected_tokens=rejected_tokens, simpo_gamma=simpo_gamma,
+        rejected_tokens=rejected_tokens, simpo_gamma=simpo_gamma, discopop_tau=discopop_tau, f_divergence=f_divergence, f_alpha=f_alpha,
     )
     if sft_weight:  # RPO (Pang et al.): DPO beside the chosen response's NLL
         if chosen_tokens is None:
@@ -151,11 +158,12 @@ def dpo_losses(
 
 def _preference_losses(
     chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, *, beta: float, loss: str,
-    label_smoothing: float, chosen_tokens: torch.Tensor | None, rejected_tokens: torch.Tensor | None, simpo_gamma: float,
+    label_smoothing: float, chosen_tokens: torch.Tensor | None, rejected_tokens: torch.Tensor | None, simpo_gamma: float, discopop_tau: float,
+    f_divergence: str, f_alpha: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from torch.nn.functional import logsigmoid, relu
 
-    if loss in ("ipo", "simpo", "orpo") and (chosen_tokens is None or rejected_tokens is None):
+    if loss in ("ipo", "simpo", "orpo", "sigmoid_norm") and (chosen_tokens is None or rejected_tokens is None):
         raise ValueError(f"the {loss} loss needs each side's trained tokens")
     eps = label_smoothing
     if loss == "simpo":  # Meng et al.: length-normalized log-probs, a target margin, no reference (TRL's CPOTrainer, loss_type "simpo")
@@ -168,20 +176,66 @@ def _preference_losses(
         log_odds = (chosen_mean - rejected_mean) - (log1mexp(chosen_mean) - log1mexp(rejected_mean))
         losses = -chosen_mean - beta * logsigmoid(log_odds)
         return losses, (beta * chosen_mean).detach(), (beta * rejected_mean).detach()
+    from rlctl.choices import F_DIVERGENCE_LOSSES
+
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
-    h = chosen_ratio - rejected_ratio
+    if loss in F_DIVERGENCE_LOSSES:  # f-DPO: each log-ratio r as f'(e^r) of the divergence the loss regularizes with
+        chosen_score, rejected_score = (f_score(ratio, f_divergence, f_alpha) for ratio in (chosen_ratio, rejected_ratio))
+    elif f_divergence != "reverse_kl":
+        raise ValueError(f"the {loss} loss takes the reverse KL only, not {f_divergence!r}")
+    else:
+        chosen_score, rejected_score = chosen_ratio, rejected_ratio
+    h = chosen_score - rejected_score
     if loss == "sigmoid":  # Rafailov et al.; with eps, conservative DPO (Mitchell)
         losses = -(1 - eps) * logsigmoid(beta * h) - eps * logsigmoid(-beta * h)
     elif loss == "robust":  # Chowdhury et al.: unbiased for labels flipped with probability eps
         losses = (-(1 - eps) * logsigmoid(beta * h) + eps * logsigmoid(-beta * h)) / (1 - 2 * eps)
     elif loss == "ipo":  # Azar et al., eq. 17, beta as their tau; log-ratios per trained token, as the IPO authors and TRL compute them
-        per_token = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
+        per_token = chosen_score / chosen_tokens.clamp(min=1) - rejected_score / rejected_tokens.clamp(min=1)
         losses = (per_token - 1 / (2 * beta)) ** 2
     elif loss == "hinge":  # SLiC (Zhao et al.) on the log-ratios, as TRL's "hinge"
         losses = relu(1 - beta * h)
+    elif loss == "sigmoid_norm":  # DPO on the log-ratios per trained token (TRL's "sigmoid_norm")
+        per_token = chosen_score / chosen_tokens.clamp(min=1) - rejected_score / rejected_tokens.clamp(min=1)
+        losses = -logsigmoid(beta * per_token)
+    elif loss == "exo_pair":  # Ji et al., EXO: KL from the pair's softmax of β·ratios to the labels' (1 − eps, eps)
+        q = torch.sigmoid(beta * h)
+        losses = q * (logsigmoid(beta * h) - math.log1p(-eps)) + (1 - q) * (logsigmoid(-beta * h) - math.log(eps))
+    elif loss == "nca_pair":  # Chen et al., NCA: each response's own likelihood against the reference's, not just their difference
+        losses = -logsigmoid(beta * chosen_ratio) - 0.5 * logsigmoid(-beta * chosen_ratio) - 0.5 * logsigmoid(-beta * rejected_ratio)
+    elif loss == "bco_pair":  # Jung et al., BCO on pairs, without its running reward shift (TRL DPOTrainer's "bco_pair")
+        losses = -logsigmoid(beta * chosen_ratio) - logsigmoid(-beta * rejected_ratio)
+    elif loss == "sppo_hard":  # Wu et al., SPPO with hard win probabilities: the chosen log-ratio towards 1/(2β), the rejected towards −1/(2β)
+        losses = (chosen_ratio - 0.5 / beta) ** 2 + (rejected_ratio + 0.5 / beta) ** 2
+    elif loss == "apo_zero":  # D'Oosterlinck et al., APO-zero: the chosen response up and the rejected down, each on its own
+        losses = 1 - torch.sigmoid(beta * chosen_ratio) + torch.sigmoid(beta * rejected_ratio)
+    elif loss == "apo_down":  # APO-down: both down, the rejected more (chosen responses worse than the policy's own)
+        losses = torch.sigmoid(beta * chosen_ratio) + 1 - torch.sigmoid(beta * (chosen_ratio - rejected_ratio))
+    elif loss == "discopop":  # Chris Lu et al., DiscoPOP: logistic and exponential losses mixed by σ(β·h / τ)
+        mix = torch.sigmoid(beta * h / discopop_tau)
+        losses = -logsigmoid(beta * h) * (1 - mix) + torch.exp(-beta * h) * mix
     else:
         raise ValueError(f"unknown DPO loss {loss!r}")
     return losses, (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
+
+
+def f_score(logratio: torch.Tensor, divergence: str, alpha: float = 0.5) -> torch.Tensor:
+    """f'(u) at u = π/π_ref = e^r, for the f-divergence a preference loss regularizes with (Wang
+    et al., 2023, "Beyond Reverse KL"): reverse KL log u = r (DPO's), forward KL 1 − 1/u,
+    Jensen-Shannon log(2u/(1 + u)) = log 2 + log σ(r), and the α-divergence (1 − u^−α)/α, α in
+    (0, 1), which runs from the reverse KL (α → 0) to the forward (α → 1). The exponent is held
+    at 80 at most, so that a response far less likely than under the reference stays finite."""
+    from torch.nn.functional import logsigmoid
+
+    if divergence == "reverse_kl":
+        return logratio
+    if divergence == "forward_kl":
+        return 1 - torch.exp((-logratio).clamp(max=80.0))
+    if divergence == "js_divergence":
+        return math.log(2) + logsigmoid(logratio)
+    if divergence == "alpha_divergence":
+        return (1 - torch.exp((-alpha * logratio).clamp(max=80.0))) / alpha
+    raise ValueError(f"unknown f-divergence {divergence!r}")
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -280,6 +334,7 @@ class DpoPasses:
                 losses, chosen_reward, rejected_reward = dpo_losses(
                     chosen, rejected, ref_chosen, ref_rejected, beta=cfg.beta, loss=cfg.loss, label_smoothing=cfg.label_smoothing,
                     chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens, simpo_gamma=cfg.simpo_gamma, sft_weight=cfg.sft_weight,
+                    discopop_tau=cfg.discopop_tau, f_divergence=cfg.f_divergence, f_alpha=cfg.f_alpha,
                 )
                 summed = losses.sum()
                 if backward is not None:
@@ -312,37 +367,18 @@ class DpoPasses:
         return summed[:count], summed[count:]
 
 
-class DpoTrainer(SupervisedSteps, DpoPasses):
+class DpoTrainer(ReferenceSyncs, SupervisedSteps, DpoPasses):
     """AdamW on the policy (or its LoRA adapters), an optimizer step per `batch_size` pairs,
     each accumulated over DpoPasses' passes; with `dpo.ref_sync_every`, the reference moved
     towards the policy after every N-th step and its log-probabilities of the training pairs
-    recomputed in place."""
+    recomputed in place (ReferenceSyncs)."""
 
     def __init__(self, policy, cfg: DpoConfig, *, total_steps: int, ranks=None) -> None:
-        from rlctl.moving_reference import MovingReference
         from rlctl.trainer import ALONE
 
         SupervisedSteps.__init__(self, policy.model, cfg, device_type=policy.device.type, total_steps=total_steps, command="dpo")
         self.policy, self.ranks = policy, ranks or ALONE
-        self.moving_reference = MovingReference(policy.model, every=cfg.ref_sync_every, alpha=cfg.ref_sync_alpha) if cfg.ref_sync_every else None
-        self.training: DpoPairs | None = None  # the pairs a sync recomputes: the ones in training
-
-    def after_step(self) -> None:
-        if self.moving_reference is not None and self.moving_reference.due(self.step):
-            self.sync_reference()
-
-    def sync_reference(self) -> None:
-        """The reference moved towards the policy, and its log-probabilities of the training
-        pairs recomputed (in eval mode: the step loop trains in training mode). Held-out pairs
-        keep the starting weights' as their reference, so that epochs compare."""
-        moving = self.moving_reference
-        moving.move()
-        self.model.eval()
-        try:
-            with moving.swapped_in():
-                self.training.refresh_reference_values(self.reference_values(self.training))
-        finally:
-            self.model.train()
+        self.start_moving_reference(policy.model, cfg)
 
     def train_epoch(self, pairs: DpoPairs, epoch: int) -> EpochRow:
         return self.epoch_row(epoch, self.train_steps(pairs, epoch))

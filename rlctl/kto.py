@@ -17,7 +17,10 @@ pairs: each example's prompt with another example's response (a seeded derangeme
 the run), z = max(0, mean over the step's examples of log π(y'|x) − log π_ref(y'|x)), computed
 without a gradient before the step's passes (the paper's; TRL estimates it per micro-batch).
 The reference's log-probabilities, of the responses and of the mismatched ones, are computed
-once before the first step with the starting weights: no second model is held. β·r is an
+once before the first step with the starting weights: no second model is held. With
+`kto.ref_sync_every` the reference moves towards the policy every N optimizer steps (TR-KTO,
+rlctl.moving_reference) and both are computed again after each move (held-out examples are
+measured against the starting weights throughout, as `--eval` measures). β·r is an
 example's implicit reward; each epoch reports the mean over the desirable examples, over the
 undesirable ones, their difference (`margin`) and z (`kl`).
 
@@ -37,6 +40,7 @@ import torch
 from rlctl.config import Config, DataConfig, KtoConfig
 from rlctl.errors import InputError
 from rlctl.manifest import Manifest
+from rlctl.moving_reference import ReferenceSyncs
 from rlctl.referenced import LocalReferenced, RayReferenced, ReferencedCommand
 from rlctl.sft import Examples
 from rlctl.supervised import SupervisedSteps
@@ -65,6 +69,11 @@ class KtoExamples:
 
     def with_reference_values(self, values: torch.Tensor) -> KtoExamples:
         return replace(self, ref=values[0].tolist(), ref_mismatched=values[1].tolist())
+
+    def refresh_reference_values(self, values: torch.Tensor) -> None:
+        """The reference's log-probabilities replaced in place, after the reference moved
+        (rlctl.moving_reference): whoever holds these examples sees the new ones."""
+        self.ref[:], self.ref_mismatched[:] = values[0].tolist(), values[1].tolist()
 
     @property
     def ids(self) -> list[str]:
@@ -226,20 +235,24 @@ class KtoPasses:
         self.policy, self.cfg, self.bf16, self.ranks = policy, cfg, bf16, ranks or ALONE
         self.weights_whole = held_whole(policy.model)
 
-    @torch.no_grad()
     def with_reference(self, examples: KtoExamples) -> KtoExamples:
         """`examples` with the current weights' log-probabilities as the reference's, of each
         response and each mismatched one (before training), every rank getting all of them."""
         if examples.ref:  # computed already: a resumed run's, from its epoch checkpoint
             return examples
+        return examples.with_reference_values(self.reference_values(examples))
+
+    @torch.no_grad()
+    def reference_values(self, examples: KtoExamples) -> torch.Tensor:
+        """The current weights' log-probabilities [2, examples] of each response and each
+        mismatched one, each rank computing its share, every rank getting all of them."""
         values = torch.zeros(2, len(examples), dtype=torch.float64)
         everyone = list(range(len(examples)))
         for side, sequences in enumerate((examples.examples, examples.mismatched)):
             for micro, weight, logps in self._logps(sequences, everyone):
                 if weight:
                     values[side, micro] = logps.double().cpu()
-        values = self.ranks.sum_tensor(values)
-        return replace(examples, ref=values[0].tolist(), ref_mismatched=values[1].tolist())
+        return self.ranks.sum_tensor(values)
 
     @torch.no_grad()
     def reference_point(self, examples: KtoExamples, rows: list[int]) -> float:
@@ -296,22 +309,25 @@ class KtoPasses:
                 yield micro, weight, summed
 
 
-class KtoTrainer(SupervisedSteps, KtoPasses):
+class KtoTrainer(ReferenceSyncs, SupervisedSteps, KtoPasses):
     """AdamW on the policy (or its LoRA adapters), an optimizer step per `batch_size` examples:
-    the step's reference point first, then its passes."""
+    the step's reference point first, then its passes; with `kto.ref_sync_every`, the reference
+    moved towards the policy after every N-th step and its log-probabilities of the training
+    examples and their mismatched pairs recomputed in place (ReferenceSyncs)."""
 
     def __init__(self, policy, cfg: KtoConfig, *, total_steps: int, ranks=None) -> None:
         from rlctl.trainer import ALONE
 
         SupervisedSteps.__init__(self, policy.model, cfg, device_type=policy.device.type, total_steps=total_steps, command="kto")
         self.policy, self.ranks = policy, ranks or ALONE
+        self.start_moving_reference(policy.model, cfg)
 
     def train_epoch(self, examples: KtoExamples, epoch: int) -> EpochRow:
         return self.epoch_row(epoch, self.train_steps(examples, epoch))
 
     def train_steps(self, examples: KtoExamples, epoch: int, first: int = 0, last: int | None = None) -> dict:
         """Optimizer steps `first` to `last` of an epoch: SupervisedSteps' tally with the examples' sums."""
-        sums = KtoSums()
+        self.training, sums = examples, KtoSums()
 
         def passes(rows: list[int]) -> None:
             kl = self.reference_point(examples, rows)

@@ -1,8 +1,9 @@
-"""A reference that moves towards the policy during `rlctl dpo` (TR-DPO, Gorbatovski et al.,
-2024; TRL's sync_ref_model): after every `dpo.ref_sync_every`-th optimizer step the reference
-becomes α·policy + (1 − α)·reference (`dpo.ref_sync_alpha`), and the trainer recomputes its
-log-probabilities of the training pairs, so each later step compares with the reference of its
-time, as TRL's reference forward per batch does.
+"""A reference that moves towards the policy during `rlctl dpo` and `rlctl kto` (TR-DPO and
+TR-KTO, Gorbatovski et al., 2024; TRL's sync_ref_model): after every `ref_sync_every`-th
+optimizer step the reference becomes α·policy + (1 − α)·reference (`ref_sync_alpha`), and the
+trainer recomputes its log-probabilities of the training rows (DPO's pairs; KTO's examples and
+their mismatched pairs), so each later step compares with the reference of its time, as TRL's
+reference forward per batch does.
 
 With α = 1 the reference is the policy as it is at the sync, so its log-probabilities are the
 current weights' and no copy is held. Below 1 a copy of the weights is held beside the policy
@@ -103,3 +104,35 @@ class MovingReference:
                 self.weights[index] = distribute_tensor(whole, param.device_mesh, param.placements)
             else:
                 self.weights[index].copy_(whole)
+
+
+class ReferenceSyncs:
+    """The part of a preference trainer (DpoTrainer, KtoTrainer) whose reference may move: it
+    keeps the rows in training and, after every due optimizer step, moves the reference and
+    recomputes their reference log-probabilities in place. The trainer gives
+    `reference_values(rows)` (the current weights' values, a tensor) and its rows
+    `refresh_reference_values(values)`; held-out rows keep the starting weights' as their
+    reference, so that epochs compare (and `--eval` measures the same)."""
+
+    moving_reference: MovingReference | None = None
+    training = None  # the rows a sync recomputes: the ones in training
+
+    def start_moving_reference(self, model: torch.nn.Module, cfg) -> None:
+        """A moving reference when `cfg.ref_sync_every` asks for one."""
+        self.moving_reference = MovingReference(model, every=cfg.ref_sync_every, alpha=cfg.ref_sync_alpha) if cfg.ref_sync_every else None
+
+    def after_step(self) -> None:
+        if self.moving_reference is not None and self.moving_reference.due(self.step):
+            self.sync_reference()
+
+    def sync_reference(self) -> None:
+        """The reference moved towards the policy, and its log-probabilities of the training rows
+        recomputed (in eval mode: the step loop trains in training mode)."""
+        moving = self.moving_reference
+        moving.move()
+        self.model.eval()
+        try:
+            with moving.swapped_in():
+                self.training.refresh_reference_values(self.reference_values(self.training))
+        finally:
+            self.model.train()

@@ -164,12 +164,12 @@ def checked_shapes(table: pa.Table | None, data, source: str) -> None:
         raise InputError(f"{source}: {exc}") from None
 
 
-def moving_reference_plan(dpo) -> str:
-    """The plan's words for DPO's moving reference (dpo.ref_sync_every), or nothing."""
-    if not dpo.ref_sync_every:
+def moving_reference_plan(section) -> str:
+    """The plan's words for a DPO or KTO warm start's moving reference (`ref_sync_every`), or nothing."""
+    if not section.ref_sync_every:
         return ""
-    towards = "reset to the policy" if dpo.ref_sync_alpha == 1 else f"moved {dpo.ref_sync_alpha:g} of the way to the policy"
-    return f", the reference {towards} every {dpo.ref_sync_every} steps"
+    towards = "reset to the policy" if section.ref_sync_alpha == 1 else f"moved {section.ref_sync_alpha:g} of the way to the policy"
+    return f", the reference {towards} every {section.ref_sync_every} steps"
 
 
 def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | None = None) -> None:
@@ -687,7 +687,7 @@ class Pipeline:
         how = {
             "sft": lambda: f"fine-tuned on {cfg.sft.data}",
             "dpo": lambda: f"trained on the pairs {cfg.dpo.data} (DPO, {cfg.dpo.loss} loss, beta {cfg.dpo.beta:g}{moving_reference_plan(cfg.dpo)})",
-            "kto": lambda: f"trained on the labelled examples {cfg.kto.data} (KTO, beta {cfg.kto.beta:g})",
+            "kto": lambda: f"trained on the labelled examples {cfg.kto.data} (KTO, beta {cfg.kto.beta:g}{moving_reference_plan(cfg.kto)})",
         }
         lines = []
         for name in names:

@@ -45,9 +45,11 @@ def test_dpo_writes_a_checkpoint_with_its_epochs_and_a_rerun_is_skipped(cli, tmp
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--set", "dpo.label_smoothing=0.5"], "dpo.label_smoothing must be at least 0 and below 0.5"),
         ([{"prompt": "a", "chosen": "", "rejected": "c"}], [], "the chosen response of pair '0' has an empty response"),
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "kto"], "dpo.loss must be one of"),
-        ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "ipo", "--set", "dpo.label_smoothing=0.1"], "dpo.label_smoothing applies to the sigmoid, robust and simpo losses"),
+        ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "ipo", "--set", "dpo.label_smoothing=0.1"], "dpo.label_smoothing applies to the sigmoid, robust, simpo and exo_pair losses"),
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "orpo", "--set", "dpo.sft_weight=1"], "dpo.sft_weight adds the chosen responses' NLL, which dpo.loss = \"orpo\" has already"),
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--set", "dpo.sft_weight=-1"], "dpo.sft_weight must be ≥ 0"),
+        ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "exo_pair"], "dpo.loss = \"exo_pair\" needs dpo.label_smoothing > 0"),
+        ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "discopop", "--set", "dpo.discopop_tau=0"], "dpo.discopop_tau must be > 0"),
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--set", "dpo.ref_sync_every=4", "--set", "dpo.ref_sync_alpha=0"], "dpo.ref_sync_alpha must be in (0, 1], got 0"),
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "simpo", "--set", "dpo.ref_sync_every=4"], "dpo.ref_sync_every moves the reference, which dpo.loss = 'simpo' has none of"),
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--set", "dpo.ref_sync_every=4", "--set", "dpo.ref_sync_alpha=0.6", "--set", "dpo.lora.r=4"], "a LoRA run trains its adapters only"),
@@ -183,13 +185,14 @@ def test_a_dpo_killed_after_an_epoch_resumes_with_the_starting_weights_reference
 
 
 @pytest.mark.parametrize(("alpha", "words"), [(1.0, "the reference reset to the policy every 8 steps"), (0.6, "the reference moved 0.6 of the way to the policy every 8 steps")])
-def test_the_plan_says_how_a_dpo_warm_starts_reference_moves(cli, tmp_path, tiny_model, pairs, alpha, words):
+@pytest.mark.parametrize(("section", "trained"), [("dpo", "the pairs {data} (DPO, sigmoid loss, beta 0.1"), ("kto", "the labelled examples {data} (KTO, beta 0.1")])
+def test_the_plan_says_how_a_preference_warm_starts_reference_moves(cli, tmp_path, tiny_model, pairs, alpha, words, section, trained):
     from tests.e2e.test_pipeline import write_config
 
     config = write_config(
         tmp_path, tiny_model, model={"critic": ""}, advantage={"estimator": "grpo"}, pipeline={"iterations": 1},
-        dpo={"data": str(pairs), "ref_sync_every": 8, "ref_sync_alpha": alpha},
+        **{section: {"data": str(pairs), "ref_sync_every": 8, "ref_sync_alpha": alpha}},
     )
     plan = cli("pipeline", config, "--run-dir", tmp_path / "run", "--dry-run")
     assert plan.exit_code == 0, plan.stderr
-    assert f"trained on the pairs {pairs} (DPO, sigmoid loss, beta 0.1, {words}), 1 epoch(s)" in plan.stdout
+    assert f"trained on {trained.format(data=pairs)}, {words}), 1 epoch(s)" in plan.stdout

@@ -516,17 +516,19 @@ def test_two_workers_train_a_reward_model_as_one_process_does(ray_session, tiny_
     assert abs(scores[0][0] - scores[1][0]) < 1e-4
 
 
-def test_two_workers_train_kto_as_one_process_does(ray_session, tiny_model, tmp_path):
+@pytest.mark.parametrize("moving", [[], ["kto.ref_sync_every=1", "kto.ref_sync_alpha=0.5"]], ids=["fixed", "moving"])
+def test_two_workers_train_kto_as_one_process_does(ray_session, tiny_model, tmp_path, moving):
     """`rlctl kto` on two FSDP2 ranks: the reference's log-probabilities (of the responses and
     of the mismatched pairs) computed once and shared; each step's reference point is the
     group's mean, each rank its share of every step's examples (an odd count: one rank runs an
-    empty pass)."""
+    empty pass). A moving reference (TR-KTO) is mixed on each rank's shards and swapped in for
+    its forwards, as in one process."""
     from rlctl import kto
     from tests.unit.test_kto import number_examples
 
     data = tmp_path / "kto.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in number_examples(9)))
-    settings = ["kto.epochs=2", "kto.lr=1e-4", "kto.batch_size=4", "kto.micro_batch_size=1", "kto.bf16=false", "kto.beta=0.5", "model.device=\"cpu\""]
+    settings = ["kto.epochs=2", "kto.lr=1e-4", "kto.batch_size=4", "kto.micro_batch_size=1", "kto.bf16=false", "kto.beta=0.5", "model.device=\"cpu\"", *moving]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each worker (cpus_per_worker = 1)
     try:
@@ -546,6 +548,7 @@ def test_two_workers_train_kto_as_one_process_does(ray_session, tiny_model, tmp_
     got, want = load_file(str(tmp_path / "ray" / "model.safetensors")), load_file(str(tmp_path / "local" / "model.safetensors"))
     assert max(float((got[k] - want[k]).abs().max()) for k in want) < SPLIT_ROUNDING
     assert on_ranks.state["workers"]["num_workers"] == 2
+    assert on_ranks.state.get("ref_syncs") == local.state.get("ref_syncs") == (6 if moving else None)
 
 
 @pytest.mark.parametrize("moving", [[], ["dpo.ref_sync_every=1", "dpo.ref_sync_alpha=0.5"]], ids=["fixed", "moving"])

@@ -13,7 +13,16 @@ from safetensors.torch import load_file
 from rlctl.backends.hf import HFPolicy
 from rlctl.choices import DPO_LOSSES
 from rlctl.config import DataConfig, DpoConfig, load_config
-from rlctl.dpo import DpoPairs, DpoTrainer, dpo_losses, encode_dpo_pairs, evaluate, log1mexp, run
+from rlctl.dpo import (
+    DpoPairs,
+    DpoTrainer,
+    dpo_losses,
+    encode_dpo_pairs,
+    evaluate,
+    f_score,
+    log1mexp,
+    run,
+)
 from rlctl.errors import InputError
 from rlctl.sft import encode_examples
 from rlctl.shards import read
@@ -87,7 +96,19 @@ EXPECTED = {  # each loss as its paper writes it; h = 1.0, -1.5 above, the per-t
     "simpo": lambda h, hp, b, e: -(1 - e) * torch.log(sigma(b * (torch.tensor([-0.7, 0.75]) - 0.6))) - e * torch.log(sigma(-b * (torch.tensor([-0.7, 0.75]) - 0.6))),
     # no reference: the chosen side's NLL per token (3/2, 5/4) plus beta times the odds ratio's loss, odds = p / (1 - p) of p = exp(log-prob per token)
     "orpo": lambda h, hp, b, e: torch.tensor([1.5, 1.25]) - b * torch.log(sigma(log_odds(torch.tensor([-1.5, -1.25])) - log_odds(torch.tensor([-0.8, -2.0])))),
+    "sigmoid_norm": lambda h, hp, b, e: -torch.log(sigma(b * hp)),
+    # EXO: KL(Bernoulli(q) ‖ Bernoulli(1 − e)), q = σ(β·h) the policy's pairwise preference, 1 − e the labels'
+    "exo_pair": lambda h, hp, b, e: sigma(b * h) * torch.log(sigma(b * h) / (1 - e)) + sigma(-b * h) * torch.log(sigma(-b * h) / e),
+    # below, each response's own log-ratio: r_c = 0.5, -1.0 and r_r = -0.5, 0.5
+    "nca_pair": lambda h, hp, b, e: -torch.log(sigma(b * RC)) - 0.5 * torch.log(sigma(-b * RC)) - 0.5 * torch.log(sigma(-b * RR)),
+    "bco_pair": lambda h, hp, b, e: -torch.log(sigma(b * RC)) - torch.log(sigma(-b * RR)),
+    "sppo_hard": lambda h, hp, b, e: (RC - 1 / (2 * b)) ** 2 + (RR + 1 / (2 * b)) ** 2,
+    "apo_zero": lambda h, hp, b, e: (1 - sigma(b * RC)) + sigma(b * RR),
+    "apo_down": lambda h, hp, b, e: sigma(b * RC) + (1 - sigma(b * (RC - RR))),
+    # DiscoPOP at τ = 0.05: the logistic loss where β·h is well below 0, the exponential one above
+    "discopop": lambda h, hp, b, e: (1 - sigma(b * h / 0.05)) * -torch.log(sigma(b * h)) + sigma(b * h / 0.05) * torch.exp(-b * h),
 }
+RC, RR = torch.tensor([0.5, -1.0]), torch.tensor([-0.5, 0.5])
 
 
 def log_odds(mean_logp: torch.Tensor) -> torch.Tensor:
@@ -98,11 +119,12 @@ def log_odds(mean_logp: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("loss", DPO_LOSSES)
 def test_every_loss_is_its_papers_formula_with_dpos_implicit_rewards(loss):
     assert set(EXPECTED) == set(DPO_LOSSES)
-    eps = 0.2 if loss in ("sigmoid", "robust", "simpo") else 0.0
+    eps = 0.2 if loss in ("sigmoid", "robust", "simpo", "exo_pair") else 0.0
     losses, chosen_reward, rejected_reward = dpo_losses(
         CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.5, loss=loss, label_smoothing=eps, chosen_tokens=CHOSEN_TOKENS, rejected_tokens=REJECTED_TOKENS,
         simpo_gamma=0.3,
     )
+    assert torch.equal(RC, CHOSEN - REF_CHOSEN) and torch.equal(RR, REJECTED - REF_REJECTED)
     h = (CHOSEN - REF_CHOSEN) - (REJECTED - REF_REJECTED)
     per_token = (CHOSEN - REF_CHOSEN) / CHOSEN_TOKENS - (REJECTED - REF_REJECTED) / REJECTED_TOKENS
     assert torch.allclose(per_token, torch.tensor([0.35, -0.75]))
@@ -111,6 +133,51 @@ def test_every_loss_is_its_papers_formula_with_dpos_implicit_rewards(loss):
         assert torch.allclose(chosen_reward, 0.5 * CHOSEN / CHOSEN_TOKENS) and torch.allclose(rejected_reward, 0.5 * REJECTED / REJECTED_TOKENS)
     else:
         assert torch.allclose(chosen_reward, 0.5 * (CHOSEN - REF_CHOSEN)) and torch.allclose(rejected_reward, 0.5 * (REJECTED - REF_REJECTED))
+
+
+@pytest.mark.parametrize(("divergence", "derivative"), [
+    ("reverse_kl", lambda u: torch.log(u)), ("forward_kl", lambda u: 1 - 1 / u), ("js_divergence", lambda u: torch.log(2 * u / (1 + u))),
+    ("alpha_divergence", lambda u: (1 - u ** -0.3) / 0.3),
+])
+def test_an_f_divergence_scores_each_log_ratio_as_its_derivative_at_the_likelihood_ratio(divergence, derivative):
+    """f-DPO: with u = π/π_ref, a side's score is f'(u), and the losses on the difference of the
+    sides take the scores' difference where DPO takes the log-ratios'."""
+    logratio = torch.tensor([-3.0, -0.4, 0.0, 0.7, 2.5], dtype=torch.float64)
+    assert torch.allclose(f_score(logratio, divergence, 0.3), derivative(torch.exp(logratio)))
+    losses, chosen_reward, _ = dpo_losses(CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.5, f_divergence=divergence, f_alpha=0.3)
+    h = derivative(torch.exp(RC.double())) - derivative(torch.exp(RR.double()))
+    assert torch.allclose(losses.double(), -torch.log(sigma(0.5 * h)), atol=1e-6)
+    assert torch.allclose(chosen_reward, 0.5 * RC)  # the implicit reward stays β·(log π − log π_ref)
+
+
+def test_the_alpha_divergence_runs_from_the_reverse_kl_to_the_forward_and_stays_finite_far_below_the_reference():
+    logratio = torch.tensor([-2.0, 0.5, 1.5], dtype=torch.float64)
+    assert torch.allclose(f_score(logratio, "alpha_divergence", 1e-6), logratio, atol=1e-5)
+    assert torch.allclose(f_score(logratio, "alpha_divergence", 1 - 1e-6), f_score(logratio, "forward_kl"), atol=1e-4)
+    far = torch.tensor([-500.0])  # a response e^-500 as likely as under the reference: u^-α overflows float32 unheld
+    assert torch.isfinite(f_score(far, "alpha_divergence", 0.5)).all() and torch.isfinite(f_score(far, "forward_kl")).all()
+    assert torch.isfinite(dpo_losses(far, torch.tensor([-1.0]), torch.tensor([0.0]), torch.tensor([-1.0]), beta=0.1, f_divergence="forward_kl")[0]).all()
+
+
+def test_discopops_slope_at_h_0_is_positive_for_a_small_tau_so_training_from_the_reference_first_lowers_h():
+    """DiscoPOP's mix σ(β·h/τ) rises fast around 0 for a small τ, weighing in its exponential term
+    (1 at h = 0, above the logistic's log 2): the loss grows with h there (TRL's β = 0.1, τ = 0.05:
+    slope 0.0784), and falls for a larger τ."""
+    for tau, sign in ((0.05, 1), (1.0, -1)):
+        h = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+        zero = torch.zeros(1, dtype=torch.float64)
+        dpo_losses(h, zero, zero, zero, beta=0.1, loss="discopop", discopop_tau=tau)[0].sum().backward()
+        assert sign * float(h.grad) > 0.05
+    rise, mix = (0.1 / 0.05) / 4, 0.5  # the mix m at h = 0 and its slope (β/τ)·m(1 − m)
+    slope = rise * (1 - math.log(2)) - (1 - mix) * 0.1 * 0.5 - mix * 0.1  # m' times the terms' gap, less each term's own slope (β·σ(0), β) weighted
+    h = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    dpo_losses(h, torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64), beta=0.1, loss="discopop")[0].sum().backward()
+    assert float(h.grad) == pytest.approx(slope, rel=1e-9)
+
+
+def test_a_loss_on_each_sides_own_ratio_takes_no_other_f_divergence():
+    with pytest.raises(ValueError, match="the nca_pair loss takes the reverse KL only"):
+        dpo_losses(CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.5, loss="nca_pair", f_divergence="js_divergence")
 
 
 @pytest.mark.parametrize("loss", ["sigmoid", "ipo", "simpo"])
@@ -147,10 +214,15 @@ def summed_logps(model, prompt_ids, response_ids) -> torch.Tensor:
     return torch.stack(out)
 
 
-@pytest.mark.parametrize(("loss", "first"), [("sigmoid", math.log(2)), ("robust", math.log(2)), ("ipo", (1 / (2 * 0.1)) ** 2), ("hinge", 1.0)])
+@pytest.mark.parametrize(("loss", "first"), [
+    ("sigmoid", math.log(2)), ("robust", math.log(2)), ("ipo", (1 / (2 * 0.1)) ** 2), ("hinge", 1.0), ("sigmoid_norm", math.log(2)),
+    ("exo_pair", math.log(0.5) - 0.5 * math.log(1e-3 * (1 - 1e-3))), ("nca_pair", 2 * math.log(2)), ("bco_pair", 2 * math.log(2)),
+    ("sppo_hard", 2 * (1 / (2 * 0.1)) ** 2), ("apo_zero", 1.0), ("apo_down", 1.0), ("discopop", 0.5 * math.log(2) + 0.5),
+])
 def test_the_reference_is_the_starting_weights_so_the_first_loss_is_the_one_at_h_0(policy, tmp_path, loss, first):
     pairs = encode(policy, table_of(tmp_path, number_pairs(5)))
-    trainer = DpoTrainer(policy, DpoConfig(micro_batch_size=2, micro_batch_tokens="0", bf16="false", loss=loss, beta=0.1), total_steps=1)
+    smoothing = 1e-3 if loss == "exo_pair" else 0.0
+    trainer = DpoTrainer(policy, DpoConfig(micro_batch_size=2, micro_batch_tokens="0", bf16="false", loss=loss, beta=0.1, label_smoothing=smoothing), total_steps=1)
     referenced = trainer.with_reference(pairs)
     with torch.no_grad():
         want = summed_logps(policy.model, pairs.chosen.prompt_ids, pairs.chosen.response_ids)
@@ -218,13 +290,19 @@ def test_a_reference_free_loss_computes_no_reference(policy, tmp_path, monkeypat
     assert referenced.ref_chosen == referenced.ref_rejected == [0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize(("loss", "settings"), [("robust", ["dpo.label_smoothing=0.1"]), ("ipo", ["dpo.beta=0.5"]), ("hinge", []), ("simpo", ["dpo.beta=2.0"]), ("orpo", ["dpo.beta=0.5"])])
-def test_every_loss_learns_to_prefer_the_chosen_responses(tiny_model, tmp_path, loss, settings):
+@pytest.mark.parametrize(("loss", "settings", "fall"), [
+    ("robust", ["dpo.label_smoothing=0.1"], 0.5), ("ipo", ["dpo.beta=0.5"], 0.5), ("hinge", [], 0.5), ("simpo", ["dpo.beta=2.0"], 0.5),
+    ("orpo", ["dpo.beta=0.5"], 0.6),  # ORPO's loss is mostly the chosen responses' NLL per token (6.6 at the start), which falls slower
+    ("sigmoid_norm", [], 0.8), ("exo_pair", ["dpo.label_smoothing=0.001"], 0.5), ("bco_pair", [], 0.5), ("sppo_hard", ["dpo.beta=0.5"], 0.5),
+    ("nca_pair", [], 0.8), ("apo_zero", [], 0.6), ("apo_down", [], 0.6),  # terms on each side's own ratio, which saturate slower
+    ("discopop", ["dpo.discopop_tau=1"], 0.5),  # at TRL's τ = 0.05 its slope at h = 0 is positive: see the test below
+    ("sigmoid", ["dpo.f_divergence=forward_kl"], 0.5), ("sigmoid", ["dpo.f_divergence=js_divergence"], 0.5), ("sigmoid", ["dpo.f_divergence=alpha_divergence"], 0.5),
+])
+def test_every_loss_learns_to_prefer_the_chosen_responses(tiny_model, tmp_path, loss, settings, fall):
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in number_pairs(16)))
     cfg = load_config(None, ["dpo.epochs=3", "dpo.lr=1e-3", "dpo.batch_size=4", "dpo.bf16=false", f"dpo.loss={loss}", *settings])
     reported = []
     manifest = run(data=str(tmp_path / "train.jsonl"), val_data=str(tmp_path / "train.jsonl"), model=tiny_model, out=str(tmp_path / "dpo"), cfg=cfg, device="cpu", report=reported.append)
-    fall = 0.6 if loss == "orpo" else 0.5  # ORPO's loss is mostly the chosen responses' NLL per token (6.6 at the start), which falls slower
     assert reported[-1]["val_loss"] < fall * reported[0]["val_loss"] and reported[-1]["val_accuracy"] == 1.0 and reported[-1]["margin"] > 0
     assert manifest.config["dpo"]["loss"] == loss
 

@@ -134,3 +134,88 @@ def test_kto_learns_to_favour_the_desirable_responses_and_writes_a_checkpoint(ti
     assert float(moved[good].mean()) > 0 > float(moved[~good].mean())  # desirable responses up, undesirable down, against the start
     assert run(data=str(tmp_path / "train.jsonl"), val_data=str(tmp_path / "train.jsonl"), model=tiny_model, out=str(tmp_path / "kto"), cfg=cfg, device="cpu").state.get("skipped")
     assert not math.isnan(manifest.metrics["margin"])
+
+
+# --- a reference that moves towards the policy (kto.ref_sync_every; TR-KTO) ------------------
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_a_reference_reset_to_the_policy_after_every_step_makes_every_steps_loss_one_half(tiny_model, tmp_path, lora):
+    """α = 1 after every step: each step finds the policy equal to its reference (r = z = 0, loss
+    1/2), yet the gradient there is not 0, so the policy moves towards the desirable responses;
+    the held-out figures stay against the starting weights, as `--eval` measures them."""
+    from rlctl.kto import evaluate
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in number_examples(8)))
+    common = ["kto.epochs=2", "kto.lr=1e-3", "kto.batch_size=2", "kto.bf16=false", "kto.beta=0.5", f"kto.lora.r={lora}"]
+    runs = {}
+    for name, extra in (("synced", ["kto.ref_sync_every=1"]), ("fixed", [])):
+        rows = []
+        manifest = run(data=str(tmp_path / "train.jsonl"), val_data=str(tmp_path / "train.jsonl"), model=tiny_model, out=str(tmp_path / name),
+                       cfg=load_config(None, common + extra), device="cpu", report=rows.append)
+        runs[name] = (rows, manifest)
+    synced, manifest = runs["synced"]
+    assert [r["loss"] for r in synced[1:]] == pytest.approx([0.5, 0.5], abs=1e-5) and [r["kl"] for r in synced[1:]] == pytest.approx([0, 0], abs=1e-5)
+    assert synced[-1]["grad_norm"] > 1e-3 and manifest.state["ref_syncs"] == 8
+    measured = evaluate(data=str(tmp_path / "train.jsonl"), model=str(tmp_path / "synced"), cfg=load_config(None, common), device="cpu")[0]
+    assert synced[-1]["val_loss"] == pytest.approx(measured.loss, abs=1e-5) and synced[-1]["val_margin"] == pytest.approx(measured.margin, abs=1e-5)
+    assert measured.margin > 0.05 and measured.loss < 0.5 - 0.005
+    fixed, plain = runs["fixed"]
+    assert fixed[-1]["loss"] < 0.5 - 0.01 and "ref_syncs" not in plain.state
+
+
+def test_a_mixed_kto_reference_scores_the_examples_and_their_mismatched_pairs_as_its_weights(tiny_model, tmp_path):
+    """Two syncs at α = 0.5: the held copy is α·θ₄ + (1 − α)(α·θ₂ + (1 − α)·θ₀), the policy's
+    weights come back from the swaps bit for bit, and both reference values (responses and
+    mismatched pairs) are those of a model loaded with the mixed weights."""
+    policy = HFPolicy.load(tiny_model, "cpu")
+    start = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
+    cfg = KtoConfig(batch_size=2, micro_batch_size=2, micro_batch_tokens="0", bf16="false", lr=1e-3, beta=0.5, ref_sync_every=2, ref_sync_alpha=0.5)
+    trainer = KtoTrainer(policy, cfg, total_steps=4)
+    at_syncs, sync = [], trainer.sync_reference
+
+    def recorded() -> None:
+        at_syncs.append({name: p.detach().clone() for name, p in policy.model.named_parameters()})
+        sync()
+
+    trainer.sync_reference = recorded
+    examples = trainer.with_reference(encode(policy, table_of(tmp_path, number_examples(8))))
+    before = list(examples.ref_mismatched)
+    trainer.train_epoch(examples, 1)
+    assert len(at_syncs) == 2  # after steps 2 and 4
+    want = {n: 0.5 * at_syncs[1][n] + 0.5 * (0.5 * at_syncs[0][n] + 0.5 * start[n]) for n in start}
+    held = {name: w for (name, _), w in zip(trainer.moving_reference.named, trainer.moving_reference.weights)}
+    assert max(float((held[n] - want[n]).abs().max()) for n in want) < 1e-6
+    assert all(torch.equal(p, at_syncs[1][n]) for n, p in policy.model.named_parameters())
+    mixed = HFPolicy.load(tiny_model, "cpu")
+    mixed.model.load_state_dict(want, strict=False)
+    with torch.no_grad():
+        for sequences, values in ((examples.examples, examples.ref), (examples.mismatched, examples.ref_mismatched)):
+            assert values == pytest.approx(summed_logps(mixed.model, sequences.prompt_ids, sequences.response_ids).tolist(), abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(before, examples.ref_mismatched)) > 1e-3
+
+
+def test_a_kto_run_stopped_mid_epoch_resumes_its_mixed_reference_to_the_uninterrupted_weights(tiny_model, tmp_path):
+    """The epoch checkpoints keep the held copy and both reference values as of their step."""
+    from safetensors.torch import load_file
+
+    class Stopped(Exception):
+        pass
+
+    def stop_in_epoch_2(row: dict) -> None:
+        if row["epoch"] == 2:
+            raise Stopped
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in number_examples(8)))
+    cfg = load_config(None, ["kto.epochs=2", "kto.lr=1e-3", "kto.batch_size=4", "kto.bf16=false", "kto.save_steps=1", "kto.ref_sync_every=1", "kto.ref_sync_alpha=0.5"])
+    args = {"data": str(tmp_path / "train.jsonl"), "val_data": str(tmp_path / "train.jsonl"), "model": tiny_model, "cfg": cfg, "device": "cpu"}
+    whole = run(out=str(tmp_path / "whole"), **args)
+    with pytest.raises(Stopped):
+        run(out=str(tmp_path / "kto"), report=stop_in_epoch_2, **args)
+    kept = set(load_file(str(tmp_path / "kto.progress" / "epoch-0001-step-000001" / "kept.safetensors")))
+    assert {"train", "held_out"} <= kept and any(name.startswith("reference_weights/") for name in kept)
+    resumed = run(out=str(tmp_path / "kto"), **args)
+    assert (tmp_path / "kto" / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
+    for key in ("loss", "kl", "margin", "val_loss", "val_margin"):
+        assert [r[key] for r in resumed.state["epochs"][1:]] == pytest.approx([r[key] for r in whole.state["epochs"][1:]], abs=1e-6)
+    assert resumed.state["ref_syncs"] == 4
