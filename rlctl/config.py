@@ -507,6 +507,7 @@ class DpoConfig:
     discopop_tau: float = 0.05  # DiscoPOP's temperature of the mix of its logistic and exponential losses (dpo.loss = "discopop"; TRL's discopop_tau)
     f_divergence: str = "reverse_kl"  # the divergence from the reference the loss regularizes with (f-DPO): reverse_kl (DPO's) | forward_kl | js_divergence | alpha_divergence; not reverse_kl: the losses on the chosen-rejected difference only (sigmoid, robust, ipo, hinge, sigmoid_norm, exo_pair, discopop)
     f_alpha: float = 0.5  # alpha_divergence's α in (0, 1): f'(u) = (1 − u^−α)/α, near 0 the reverse KL, near 1 the forward (TRL's f_alpha_divergence_coef is 1 − α; equal at 0.5)
+    ld_alpha: float = 1.0  # LD-DPO: a response's tokens past its pair's shorter side's length weigh this much in its log-probability (policy and reference alike; TRL's ld_alpha), in [0, 1]; 1 = every token fully (DPO's)
     sft_weight: float = 0.0  # the chosen responses' NLL per token added to the loss with this weight (RPO; TRL's loss_type [..., "sft"]); 0 = none
     min_reward_gap: float = 0.0  # data that is scored rollouts (a score stage's output): each prompt's best and worst sample are a pair where their rewards differ by more than this
     disable_dropout: bool = True  # the model's dropout off while training (TRL's disable_dropout): the policy's log-probs at the first step are the reference's, computed without dropout
@@ -536,7 +537,7 @@ class DpoConfig:
         if isinstance(self.micro_batch_tokens, int) and not isinstance(self.micro_batch_tokens, bool):
             object.__setattr__(self, "micro_batch_tokens", str(self.micro_batch_tokens))
         check_ranges(self, "dpo", {
-            "beta": above(0.0), "loss": one_of(*DPO_LOSSES), "simpo_gamma": at_least(0.0), "discopop_tau": above(0.0), "f_divergence": one_of(*F_DIVERGENCES), "sft_weight": at_least(0.0), "min_reward_gap": at_least(0.0), "label_smoothing": lambda v: None if 0.0 <= v < 0.5 else "must be at least 0 and below 0.5",
+            "beta": above(0.0), "loss": one_of(*DPO_LOSSES), "simpo_gamma": at_least(0.0), "discopop_tau": above(0.0), "f_divergence": one_of(*F_DIVERGENCES), "ld_alpha": between(0.0, 1.0), "sft_weight": at_least(0.0), "min_reward_gap": at_least(0.0), "label_smoothing": lambda v: None if 0.0 <= v < 0.5 else "must be at least 0 and below 0.5",
             "lr": above(0.0), "epochs": at_least(1), "save_steps": at_least(0), "batch_size": at_least(1),
             "micro_batch_size": at_least(1), "max_tokens": at_least(0), "truncate": one_of("error", "right"), "max_grad_norm": at_least(0.0),
             "weight_decay": at_least(0.0), "warmup_steps": at_least(0), "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0),
@@ -547,6 +548,8 @@ class DpoConfig:
             raise ConfigError(f"dpo.label_smoothing applies to the sigmoid, robust, simpo and exo_pair losses, not dpo.loss = {self.loss!r}: set it to 0")
         if not 0 < self.f_alpha < 1:
             raise ConfigError(f"dpo.f_alpha must be between 0 and 1 (exclusive), got {self.f_alpha!r}")
+        if self.ld_alpha != 1 and self.loss in REFERENCE_FREE_LOSSES:
+            raise ConfigError(f"dpo.ld_alpha weighs the log-ratios of DPO's losses against a reference, which dpo.loss = {self.loss!r} has none of: leave it 1")
         if self.f_divergence != "reverse_kl" and self.loss not in F_DIVERGENCE_LOSSES:
             raise ConfigError(f"dpo.f_divergence = {self.f_divergence!r} applies to the losses on the chosen-rejected difference ({', '.join(F_DIVERGENCE_LOSSES)}), not dpo.loss = {self.loss!r}: leave it reverse_kl")
         if self.loss == "exo_pair" and not self.label_smoothing:

@@ -25,7 +25,9 @@ a pair's loss is, by `dpo.loss` (β = `dpo.beta`, ε = `dpo.label_smoothing`):
 and TRL's further losses by their names (r_c, r_r: each response's log π − log π_ref):
 `sigmoid_norm` (DPO on per-token log-ratios), `exo_pair` (EXO, ε > 0), `nca_pair`, `bco_pair`,
 `sppo_hard`, `apo_zero`, `apo_down` and `discopop` (τ = `dpo.discopop_tau`); docs/algorithms.md
-has each formula.
+has each formula. `dpo.f_divergence` puts f'(π/π_ref) of another f-divergence in place of each
+log-ratio (f-DPO), and `dpo.ld_alpha` < 1 weighs a side's tokens past its pair's shorter side's
+length by it, in the policy's and the reference's log-probabilities alike (LD-DPO).
 
 plus, with `dpo.sft_weight` = α > 0, α·(−log π(y_c)/|y_c|), the chosen response's NLL per token
 (RPO), the mean over each optimizer step's pairs. β·(log π − log π_ref) is a response's implicit
@@ -139,12 +141,14 @@ def dpo_losses(
     chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, *, beta: float, loss: str = "sigmoid",
     label_smoothing: float = 0.0, chosen_tokens: torch.Tensor | None = None, rejected_tokens: torch.Tensor | None = None, simpo_gamma: float = 0.0,
     sft_weight: float = 0.0, discopop_tau: float = 0.05, f_divergence: str = "reverse_kl", f_alpha: float = 0.5,
+    chosen_plain: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(each pair's loss, the chosen response's implicit reward, the rejected one's) from the
     responses' summed log-probabilities under the policy and the reference [P] (SimPO and ORPO
     ignore the reference); "ipo", "sigmoid_norm", "simpo" and "orpo" also need each side's trained tokens,
     since they compare per-token values, as does `sft_weight`, the weight of the chosen side's
-    NLL per token added to each pair's loss."""
+    NLL per token added to each pair's loss (of `chosen_plain`, the chosen side's plain summed
+    log-probability, where `chosen` is weighted: LD-DPO)."""
     losses, chosen_reward, rejected_reward = _preference_losses(
         chosen, rejected, ref_chosen, ref_rejected, beta=beta, loss=loss, label_smoothing=label_smoothing, chosen_tokens=chosen_tokens,
         rejected_tokens=rejected_tokens, simpo_gamma=simpo_gamma, discopop_tau=discopop_tau, f_divergence=f_divergence, f_alpha=f_alpha,
@@ -152,7 +156,7 @@ def dpo_losses(
     if sft_weight:  # RPO (Pang et al.): DPO beside the chosen response's NLL
         if chosen_tokens is None:
             raise ValueError("an sft_weight needs the chosen side's trained tokens")
-        losses = losses - sft_weight * chosen / chosen_tokens.clamp(min=1)
+        losses = losses - sft_weight * (chosen if chosen_plain is None else chosen_plain) / chosen_tokens.clamp(min=1)
     return losses, chosen_reward, rejected_reward
 
 
@@ -217,6 +221,19 @@ def _preference_losses(
     else:
         raise ValueError(f"unknown DPO loss {loss!r}")
     return losses, (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
+
+
+def desensitized_weights(counted: torch.Tensor, alpha: float) -> torch.Tensor:
+    """LD-DPO's weight of each token of a micro-batch's pairs (Liu et al., 2024, "Length
+    Desensitization in Direct Preference Optimization"; TRL's ld_alpha): `counted` [2P, L] holds
+    the P chosen sides' trained tokens, then the P rejected sides'; a side's first ℓ trained
+    tokens weigh 1 and the rest α, ℓ the shorter side's count of its pair, so the longer side's
+    excess length moves its log-probability by α of what it would."""
+    pairs = counted.shape[0] // 2
+    position = counted.long().cumsum(-1)  # 1-based among a side's trained tokens
+    lengths = counted.sum(-1)
+    shared = torch.minimum(lengths[:pairs], lengths[pairs:]).repeat(2).unsqueeze(-1)
+    return torch.where(counted, torch.where(position <= shared, 1.0, alpha), 0.0)
 
 
 def f_score(logratio: torch.Tensor, divergence: str, alpha: float = 0.5) -> torch.Tensor:
@@ -307,7 +324,7 @@ class DpoPasses:
         values = torch.zeros(2, len(pairs), dtype=torch.float64)
         with casts_kept(self.policy.device, self.bf16 and self.weights_whole):  # each weight cast to bf16 once for all the passes
             for micro, weight in self._passes_of(pairs, list(range(len(pairs)))):
-                chosen, rejected = self._logps(pairs, micro)
+                chosen, rejected, _ = self._logps(pairs, micro)
                 if weight:
                     values[0, micro], values[1, micro] = chosen.double().cpu(), rejected.double().cpu()
         return self.ranks.sum_tensor(values)
@@ -328,13 +345,13 @@ class DpoPasses:
         sums, cfg = DpoSums(), self.cfg
         with casts_kept(self.policy.device, self.bf16 and self.weights_whole):  # each weight cast to bf16 once for all the passes
             for micro, weight in self._passes_of(pairs, rows):  # weight 0: a rank's empty pass, run to keep FSDP's collectives in step
-                chosen, rejected = self._logps(pairs, micro)
+                chosen, rejected, chosen_plain = self._logps(pairs, micro)
                 ref_chosen, ref_rejected = (torch.tensor([values[i] for i in micro], device=chosen.device) for values in (pairs.ref_chosen, pairs.ref_rejected))
                 chosen_tokens, rejected_tokens = (torch.tensor([side.trained_tokens(i) for i in micro], device=chosen.device) for side in (pairs.chosen, pairs.rejected))
                 losses, chosen_reward, rejected_reward = dpo_losses(
                     chosen, rejected, ref_chosen, ref_rejected, beta=cfg.beta, loss=cfg.loss, label_smoothing=cfg.label_smoothing,
                     chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens, simpo_gamma=cfg.simpo_gamma, sft_weight=cfg.sft_weight,
-                    discopop_tau=cfg.discopop_tau, f_divergence=cfg.f_divergence, f_alpha=cfg.f_alpha,
+                    discopop_tau=cfg.discopop_tau, f_divergence=cfg.f_divergence, f_alpha=cfg.f_alpha, chosen_plain=chosen_plain,
                 )
                 summed = losses.sum()
                 if backward is not None:
@@ -348,9 +365,11 @@ class DpoPasses:
     def _passes_of(self, pairs: DpoPairs, rows: list[int]) -> list[tuple[list[int], float]]:
         return self.ranks.micro_batches(torch.tensor(rows), self.cfg.micro_batch_size, pairs.lengths, None, int(self.cfg.micro_batch_tokens))
 
-    def _logps(self, pairs: DpoPairs, micro: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logps(self, pairs: DpoPairs, micro: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each pair's chosen and rejected response's summed log-probability over its trained
-        tokens, both sides in one forward [P], [P]."""
+        tokens, both sides in one forward [P], [P] (with `dpo.ld_alpha` below 1, the tokens past
+        the shorter side's length weighted by it: `desensitized_weights`), and the chosen side's
+        plain sum (its NLL's)."""
         from rlctl.backends.hf import pack, training_forward
         from rlctl.sft import trained_mask
 
@@ -363,8 +382,12 @@ class DpoPasses:
         counted = torch.cat([
             trained_mask(packed.response_mask[:count], pairs.chosen, micro), trained_mask(packed.response_mask[count:], pairs.rejected, micro),
         ])
-        summed = torch.where(counted, logp.float(), 0).sum(-1)
-        return summed[:count], summed[count:]
+        plain = torch.where(counted, logp.float(), 0)
+        if self.cfg.ld_alpha == 1:
+            summed = plain.sum(-1)
+            return summed[:count], summed[count:], summed[:count]
+        summed = (plain * desensitized_weights(counted, self.cfg.ld_alpha)).sum(-1)
+        return summed[:count], summed[count:], plain[:count].sum(-1)
 
 
 class DpoTrainer(ReferenceSyncs, SupervisedSteps, DpoPasses):

@@ -180,6 +180,66 @@ def test_a_loss_on_each_sides_own_ratio_takes_no_other_f_divergence():
         dpo_losses(CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.5, loss="nca_pair", f_divergence="js_divergence")
 
 
+def test_ld_dpo_weighs_each_sides_tokens_past_the_shorter_sides_length_by_alpha():
+    """Pair 0: chosen 3 trained tokens, rejected 6 (a turn between them not trained); pair 1: 2 and 2."""
+    from rlctl.dpo import desensitized_weights
+
+    counted = torch.tensor([
+        [1, 1, 1, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0, 0],  # the chosen sides
+        [1, 1, 0, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0, 0],  # the rejected sides
+    ], dtype=torch.bool)
+    got = desensitized_weights(counted, 0.25)
+    assert got.tolist() == [
+        [1, 1, 1, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0, 0],
+        [1, 1, 0, 1, 0.25, 0.25, 0.25], [1, 1, 0, 0, 0, 0, 0],  # the rejected side's tokens past the chosen side's 3 weigh α
+    ]
+    assert torch.equal(desensitized_weights(counted, 1.0), counted.float())
+
+
+def test_ld_dpo_scores_the_policy_and_the_reference_alike_and_its_passes_give_the_steps_gradient(tiny_model, tmp_path):
+    """ld_alpha = 0.3: each side's log-probability is the sum over its first ℓ trained tokens plus
+    0.3 × the rest (ℓ the pair's shorter side), the reference's too; the NLL of sft_weight stays the
+    chosen response's plain one; passes of any size give one gradient."""
+    gradients = []
+    for micro in (1, 5):
+        policy = HFPolicy.load(tiny_model, "cpu")
+        cfg = DpoConfig(batch_size=5, micro_batch_size=micro, micro_batch_tokens="0", bf16="false", lr=1e-9, max_grad_norm=0.0, beta=0.3, ld_alpha=0.3, sft_weight=0.5)
+        trainer = DpoTrainer(policy, cfg, total_steps=1)
+        pairs = trainer.with_reference(encode(policy, table_of(tmp_path, number_pairs(5))))
+        pairs = DpoPairs(pairs.chosen, pairs.rejected, [v - 0.5 * i for i, v in enumerate(pairs.ref_chosen)], [v + 0.2 for v in pairs.ref_rejected])
+        trainer.train_epoch(pairs, 1)
+        gradients.append(torch.cat([p.grad.reshape(-1) for p in policy.model.parameters() if p.grad is not None]))
+    assert torch.allclose(gradients[0], gradients[1], atol=1e-6)
+    policy.model.zero_grad()
+
+    def token_logps(prompt_ids, response_ids) -> list[torch.Tensor]:
+        out = []
+        for prompt, response in zip(prompt_ids, response_ids):
+            logp = torch.log_softmax(policy.model(input_ids=torch.tensor([prompt + response])).logits[0].double(), -1)
+            out.append(logp[torch.arange(len(prompt) - 1, len(prompt) - 1 + len(response)), torch.tensor(response)])
+        return out
+
+    chosen, rejected = (token_logps(pairs.chosen.prompt_ids, side.response_ids) for side in (pairs.chosen, pairs.rejected))
+    assert any(len(c) != len(r) for c, r in zip(chosen, rejected))  # some pairs have a longer side to weigh
+    shared = [min(len(c), len(r)) for c, r in zip(chosen, rejected)]
+    weighed = [torch.stack([t[:n].sum() + 0.3 * t[n:].sum() for t, n in zip(side, shared)]) for side in (chosen, rejected)]
+    start = HFPolicy.load(tiny_model, "cpu")
+    fresh = DpoTrainer(start, DpoConfig(micro_batch_size=2, micro_batch_tokens="0", bf16="false", ld_alpha=0.3), total_steps=1).with_reference(encode(start, table_of(tmp_path, number_pairs(5))))
+    for side, values in ((fresh.chosen, fresh.ref_chosen), (fresh.rejected, fresh.ref_rejected)):  # the reference weighed alike
+        with torch.no_grad():
+            start_logps = [torch.log_softmax(start.model(input_ids=torch.tensor([p + r])).logits[0].double(), -1)[torch.arange(len(p) - 1, len(p) - 1 + len(r)), torch.tensor(r)]
+                           for p, r in zip(side.prompt_ids, side.response_ids)]
+        assert values == pytest.approx([float(t[:n].sum() + 0.3 * t[n:].sum()) for t, n in zip(start_logps, shared)], abs=1e-4)
+    tokens = [torch.tensor([len(t) for t in side]) for side in (chosen, rejected)]
+    losses, _, _ = dpo_losses(
+        weighed[0], weighed[1], torch.tensor(pairs.ref_chosen).double(), torch.tensor(pairs.ref_rejected).double(), beta=0.3,
+        chosen_tokens=tokens[0], rejected_tokens=tokens[1], sft_weight=0.5, chosen_plain=torch.stack([t.sum() for t in chosen]),
+    )
+    losses.mean().backward()
+    direct = torch.cat([p.grad.reshape(-1) for p in policy.model.parameters() if p.grad is not None]).float()
+    assert torch.allclose(gradients[0], direct, atol=2e-5 * float(direct.abs().max()))
+
+
 @pytest.mark.parametrize("loss", ["sigmoid", "ipo", "simpo"])
 def test_an_sft_weight_adds_the_chosen_responses_nll_per_token_to_any_loss(loss):
     kwargs = {"beta": 0.5, "loss": loss, "chosen_tokens": CHOSEN_TOKENS, "rejected_tokens": REJECTED_TOKENS}
@@ -296,6 +356,7 @@ def test_a_reference_free_loss_computes_no_reference(policy, tmp_path, monkeypat
     ("sigmoid_norm", [], 0.8), ("exo_pair", ["dpo.label_smoothing=0.001"], 0.5), ("bco_pair", [], 0.5), ("sppo_hard", ["dpo.beta=0.5"], 0.5),
     ("nca_pair", [], 0.8), ("apo_zero", [], 0.6), ("apo_down", [], 0.6),  # terms on each side's own ratio, which saturate slower
     ("discopop", ["dpo.discopop_tau=1"], 0.5),  # at TRL's τ = 0.05 its slope at h = 0 is positive: see the test below
+    ("sigmoid", ["dpo.ld_alpha=0.3"], 0.5),
     ("sigmoid", ["dpo.f_divergence=forward_kl"], 0.5), ("sigmoid", ["dpo.f_divergence=js_divergence"], 0.5), ("sigmoid", ["dpo.f_divergence=alpha_divergence"], 0.5),
 ])
 def test_every_loss_learns_to_prefer_the_chosen_responses(tiny_model, tmp_path, loss, settings, fall):
