@@ -24,7 +24,7 @@ _rlctl() {
         "config show") opts="--help --json --set" ;;
         "dpo") opts="--batch-size --beta --config --data --device --epochs --eval --force --help --json --loss --lr --model --out --ref --set --val-data" ;;
         "eval") opts="--chat-template --config --device --help --json --max-new-tokens --model --n --no-chat-template --out --pass-threshold --prompt-template --prompts --reward --set --system-prompt --temperature" ;;
-        "kto") opts="--batch-size --beta --config --data --device --epochs --eval --force --help --json --lr --model --out --ref --set --val-data" ;;
+        "kto") opts="--batch-size --beta --config --data --device --epochs --eval --force --help --json --loss --lr --model --out --ref --set --val-data" ;;
         "model init") opts="--force --help --preset --seed" ;;
         "pipeline") opts="--address --dry-run --from --help --iterations --quiet --resume --resume-with-changes --run-dir --set --until --workers --workers-backend" ;;
         "plot") opts="--help --metrics --out" ;;
@@ -47,6 +47,7 @@ _rlctl() {
         "advantage --pf-ppo") values="off pow max_min max_random" ;;
         "advantage --format") values="arrow parquet" ;;
         "dpo --loss") values="sigmoid robust ipo hinge simpo orpo sigmoid_norm exo_pair nca_pair bco_pair sppo_hard apo_zero apo_down discopop" ;;
+        "kto --loss") values="kto apo_zero_unpaired" ;;
         "model init --preset") values="tiny small medium" ;;
         "pipeline --from") values="rollout score advantage update" ;;
         "pipeline --until") values="rollout score advantage update" ;;

@@ -71,6 +71,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from kto' -l eval
 complete -c rlctl -n '__fish_seen_subcommand_from kto' -l force
 complete -c rlctl -n '__fish_seen_subcommand_from kto' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from kto' -l json
+complete -c rlctl -n '__fish_seen_subcommand_from kto' -l loss -xa 'kto apo_zero_unpaired'
 complete -c rlctl -n '__fish_seen_subcommand_from kto' -l lr
 complete -c rlctl -n '__fish_seen_subcommand_from kto' -l model
 complete -c rlctl -n '__fish_seen_subcommand_from kto' -l out

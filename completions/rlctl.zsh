@@ -30,7 +30,7 @@ _rlctl() {
     config-show) _arguments '*:file:_files' '--help' '--json' '--set' ;;
     dpo) _arguments '*:file:_files' '--batch-size' '--beta' '--config' '--data' '--device' '--epochs' '--eval' '--force' '--help' '--json' '--loss:loss:(sigmoid robust ipo hinge simpo orpo sigmoid_norm exo_pair nca_pair bco_pair sppo_hard apo_zero apo_down discopop)' '--lr' '--model' '--out' '--ref' '--set' '--val-data' ;;
     eval) _arguments '*:file:_files' '--chat-template' '--config' '--device' '--help' '--json' '--max-new-tokens' '--model' '--n' '--no-chat-template' '--out' '--pass-threshold' '--prompt-template' '--prompts' '--reward' '--set' '--system-prompt' '--temperature' ;;
-    kto) _arguments '*:file:_files' '--batch-size' '--beta' '--config' '--data' '--device' '--epochs' '--eval' '--force' '--help' '--json' '--lr' '--model' '--out' '--ref' '--set' '--val-data' ;;
+    kto) _arguments '*:file:_files' '--batch-size' '--beta' '--config' '--data' '--device' '--epochs' '--eval' '--force' '--help' '--json' '--loss:loss:(kto apo_zero_unpaired)' '--lr' '--model' '--out' '--ref' '--set' '--val-data' ;;
     model-init) _arguments '*:file:_files' '--force' '--help' '--preset:preset:(tiny small medium)' '--seed' ;;
     pipeline) _arguments '*:file:_files' '--address' '--dry-run' '--from:from:(rollout score advantage update)' '--help' '--iterations' '--quiet' '--resume' '--resume-with-changes' '--run-dir' '--set' '--until:until:(rollout score advantage update)' '--workers' '--workers-backend:workers-backend:(local ray)' ;;
     plot) _arguments '*:file:_files' '--help' '--metrics' '--out' ;;

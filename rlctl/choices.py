@@ -33,6 +33,7 @@ REJECTION_RULES = (  # update.rollout_rs (rlctl.algos.rejection): verl's rollout
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DPO_LOSSES = ("sigmoid", "robust", "ipo", "hinge", "simpo", "orpo", "sigmoid_norm", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down", "discopop")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # preference losses without a reference model
+KTO_LOSSES = ("kto", "apo_zero_unpaired")  # kto.loss (rlctl.kto.kto_losses): TRL KTOConfig's loss_type
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")  # dpo.f_divergence (rlctl.dpo.f_score)
 F_DIVERGENCE_LOSSES = ("sigmoid", "robust", "ipo", "hinge", "sigmoid_norm", "exo_pair", "discopop")  # the losses on the difference of the two sides' scores, which take any of them
 PRESETS = ("tiny", "small", "medium")

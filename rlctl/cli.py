@@ -543,6 +543,7 @@ def kto(
     lr: Annotated[Optional[float], typer.Option("--lr", help="Learning rate." + _default("kto.lr"))] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Examples per optimizer step." + _default("kto.batch_size"))] = None,
     beta: Annotated[Optional[float], typer.Option("--beta", help="Strength of the pull towards the reference." + _default("kto.beta"))] = None,
+    loss: Annotated[Optional[str], typer.Option("--loss", help="KTO's loss against the reference point, or APO-zero on single responses (no reference point) (docs/algorithms.md)." + _default("kto.loss"), metavar=_choices(choices.KTO_LOSSES))] = None,
     device: DeviceOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -557,7 +558,7 @@ def kto(
     from rlctl.kto import run
 
     cfg = _stage_config(config, set_)
-    cfg = replace(cfg, kto=override_section(cfg.kto, epochs=epochs, lr=lr, batch_size=batch_size, beta=beta))
+    cfg = replace(cfg, kto=override_section(cfg.kto, epochs=epochs, lr=lr, batch_size=batch_size, beta=beta, loss=loss))
     _train_against_reference_or_measure(
         "kto", "examples", run, _evaluate_kto, data=data, model=model, out=out, val_data=val_data, evaluate=evaluate, ref=ref, cfg=cfg,
         device=device or cfg.model.device, as_json=as_json, force=force,

@@ -29,6 +29,7 @@ from rlctl.choices import (
     F_DIVERGENCE_LOSSES,
     F_DIVERGENCES,
     KL_CONTROLLERS,
+    KTO_LOSSES,
     LR_SCHEDULES,
     OLD_LOGPROBS,
     OTB_ROLLOUT_IS,
@@ -578,6 +579,7 @@ class KtoConfig:
     data: str = ""  # in a pipeline: labelled examples (or pairs) to train the policy on before iteration 1, after sft.data's and dpo.data's warm starts (RUN/kto, the run's initial policy; "" = none)
     val_data: str = ""  # in a pipeline: held-out examples, their loss and margin before and after each epoch
     beta: float = 0.1  # strength of the pull towards the reference: the implicit reward is beta × (log π − log π_ref) of a response
+    loss: str = "kto"  # kto (the paper's, against the reference point z) | apo_zero_unpaired (APO-zero on single responses: desirable ones up, undesirable down, each against the reference; no z, so no mismatched pairs computed; TRL's loss_type)
     desirable_weight: float = 1.0  # the desirable examples' loss weight (lambda_D; the paper keeps lambda_D × desirable / (lambda_U × undesirable) in [1, 4/3])
     undesirable_weight: float = 1.0  # the undesirable examples' loss weight (lambda_U)
     min_reward_gap: float = 0.0  # data that is scored rollouts (a score stage's output): each prompt's best (desirable) and worst (undesirable) sample, where their rewards differ by more than this
@@ -608,7 +610,7 @@ class KtoConfig:
         if isinstance(self.micro_batch_tokens, int) and not isinstance(self.micro_batch_tokens, bool):
             object.__setattr__(self, "micro_batch_tokens", str(self.micro_batch_tokens))
         check_ranges(self, "kto", {
-            "beta": above(0.0), "desirable_weight": above(0.0), "undesirable_weight": above(0.0), "min_reward_gap": at_least(0.0),
+            "beta": above(0.0), "loss": one_of(*KTO_LOSSES), "desirable_weight": above(0.0), "undesirable_weight": above(0.0), "min_reward_gap": at_least(0.0),
             "lr": above(0.0), "epochs": at_least(1), "save_steps": at_least(0), "batch_size": at_least(2),
             "micro_batch_size": at_least(1), "max_tokens": at_least(0), "truncate": one_of("error", "right"), "max_grad_norm": at_least(0.0),
             "weight_decay": at_least(0.0), "warmup_steps": at_least(0), "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0),

@@ -22,7 +22,9 @@ once before the first step with the starting weights: no second model is held. W
 rlctl.moving_reference) and both are computed again after each move (held-out examples are
 measured against the starting weights throughout, as `--eval` measures). β·r is an
 example's implicit reward; each epoch reports the mean over the desirable examples, over the
-undesirable ones, their difference (`margin`) and z (`kl`).
+undesirable ones, their difference (`margin`) and z (`kl`). `kto.loss = "apo_zero_unpaired"`
+(APO-zero on single responses; TRL's loss_type) is λ_D·(1 − σ(β·r)) and λ_U·σ(β·r) instead,
+with no reference point: no mismatched pairs are computed, and `kl` is 0.
 
 It trains in this process or on a Ray group of FSDP2 ranks (`workers.backend = "ray"`), as
 `rlctl dpo` does, and resumes from its epoch checkpoints; the output is a checkpoint folder
@@ -157,11 +159,19 @@ def encode_kto_examples(
 
 def kto_losses(
     logratio: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor | float, *, beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+    loss: str = "kto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(each example's loss, its implicit reward β·r) from r = log π − log π_ref [N], whether it
-    is desirable [N] and the reference point z."""
-    chosen = desirable_weight * (1 - torch.sigmoid(beta * (logratio - kl)))
-    rejected = undesirable_weight * (1 - torch.sigmoid(beta * (kl - logratio)))
+    is desirable [N] and the reference point z (which "apo_zero_unpaired", APO-zero on single
+    responses, does without: a desirable response's log-ratio pushed up, an undesirable one's down)."""
+    if loss == "kto":
+        chosen = desirable_weight * (1 - torch.sigmoid(beta * (logratio - kl)))
+        rejected = undesirable_weight * (1 - torch.sigmoid(beta * (kl - logratio)))
+    elif loss == "apo_zero_unpaired":  # D'Oosterlinck et al., eq. 7 with each response on its own (TRL's KTO loss_type)
+        chosen = desirable_weight * (1 - torch.sigmoid(beta * logratio))
+        rejected = undesirable_weight * torch.sigmoid(beta * logratio)
+    else:
+        raise ValueError(f"unknown KTO loss {loss!r}")
     return torch.where(desirable, chosen, rejected), (beta * logratio).detach()
 
 
@@ -245,10 +255,12 @@ class KtoPasses:
     @torch.no_grad()
     def reference_values(self, examples: KtoExamples) -> torch.Tensor:
         """The current weights' log-probabilities [2, examples] of each response and each
-        mismatched one, each rank computing its share, every rank getting all of them."""
+        mismatched one (0 for a loss without a reference point), each rank computing its share,
+        every rank getting all of them."""
         values = torch.zeros(2, len(examples), dtype=torch.float64)
         everyone = list(range(len(examples)))
-        for side, sequences in enumerate((examples.examples, examples.mismatched)):
+        sides = (examples.examples, examples.mismatched) if self.cfg.loss == "kto" else (examples.examples,)  # no reference point: no mismatched pairs
+        for side, sequences in enumerate(sides):
             for micro, weight, logps in self._logps(sequences, everyone):
                 if weight:
                     values[side, micro] = logps.double().cpu()
@@ -256,7 +268,10 @@ class KtoPasses:
 
     @torch.no_grad()
     def reference_point(self, examples: KtoExamples, rows: list[int]) -> float:
-        """z over `rows`: max(0, the mean of log π − log π_ref over their mismatched pairs)."""
+        """z over `rows`: max(0, the mean of log π − log π_ref over their mismatched pairs); 0
+        without a forward for a loss that has no reference point."""
+        if self.cfg.loss != "kto":
+            return 0.0
         total = 0.0
         for micro, weight, logps in self._logps(examples.mismatched, rows):
             total += weight * float((logps.double().cpu() - torch.tensor([examples.ref_mismatched[i] for i in micro], dtype=torch.float64)).sum())
@@ -279,7 +294,7 @@ class KtoPasses:
             ref = torch.tensor([examples.ref[i] for i in micro], device=logps.device)
             desirable = torch.tensor([examples.desirable[i] for i in micro], device=logps.device)
             losses, rewards = kto_losses(
-                logps - ref, desirable, kl, beta=cfg.beta, desirable_weight=cfg.desirable_weight, undesirable_weight=cfg.undesirable_weight,
+                logps - ref, desirable, kl, beta=cfg.beta, desirable_weight=cfg.desirable_weight, undesirable_weight=cfg.undesirable_weight, loss=cfg.loss,
             )
             summed = losses.sum()
             if backward is not None:

@@ -125,6 +125,7 @@ def test_eval_without_a_known_reference_or_a_write_asked_of_eval_is_one_line(cli
         ([{"prompt": "a", "completion": "b", "label": True}, {"prompt": "c", "completion": "d", "label": False}], ["--set", "kto.undesirable_weight=0"], "kto.undesirable_weight must be > 0"),
         ([{"prompt": "a", "completion": "b", "label": True}, {"prompt": "c", "completion": "d", "label": False}], ["--set", "kto.ref_sync_every=4", "--set", "kto.ref_sync_alpha=1.5"], "kto.ref_sync_alpha must be in (0, 1], got 1.5"),
         ([{"prompt": "a", "completion": "b", "label": True}, {"prompt": "c", "completion": "d", "label": False}], ["--set", "kto.ref_sync_every=-1"], "kto.ref_sync_every must be ≥ 0"),
+        ([{"prompt": "a", "completion": "b", "label": True}, {"prompt": "c", "completion": "d", "label": False}], ["--loss", "apo_zero"], "kto.loss must be one of kto, apo_zero_unpaired"),
         ([{"prompt": "a", "completion": "b", "label": True}, {"prompt": "c", "completion": "d", "label": False}], ["--set", "kto.ref_sync_every=4", "--set", "kto.ref_sync_alpha=0.6", "--set", "kto.lora.r=4"], "a LoRA run trains its adapters only"),
     ],
 )

@@ -53,6 +53,34 @@ def test_the_loss_is_the_papers_with_the_reference_point():
     assert torch.allclose(at_start, torch.full((4,), 0.5))  # r = z = 0: 1 - sigma(0)
 
 
+def test_apo_zero_unpaired_pushes_each_response_against_the_reference_with_no_reference_point():
+    logratio, desirable = torch.tensor([1.0, -0.5, 2.0, 0.3]), torch.tensor([True, True, False, False])
+    losses, rewards = kto_losses(logratio, desirable, 0.4, beta=0.5, desirable_weight=1.5, undesirable_weight=0.8, loss="apo_zero_unpaired")
+    sigma = torch.sigmoid
+    want = torch.tensor([1.5 * (1 - sigma(torch.tensor(0.5))), 1.5 * (1 - sigma(torch.tensor(-0.25))), 0.8 * sigma(torch.tensor(1.0)), 0.8 * sigma(torch.tensor(0.15))])
+    assert torch.allclose(losses, want) and torch.allclose(rewards, 0.5 * logratio)  # z = 0.4 given, and not used
+
+
+def test_apo_zero_unpaired_computes_no_mismatched_pairs_and_learns(tiny_model, tmp_path, monkeypatch):
+    """No reference point: the mismatched pairs' reference values stay 0 (no forward over them)
+    and z is 0, yet the desirable responses rise against the undesirable ones."""
+    policy = HFPolicy.load(tiny_model, "cpu")
+    trainer = KtoTrainer(policy, KtoConfig(micro_batch_tokens="0", bf16="false", loss="apo_zero_unpaired"), total_steps=1)
+    examples = encode(policy, table_of(tmp_path, number_examples(6)))
+    seen = []
+    forward = policy.forward
+    monkeypatch.setattr(policy, "forward", lambda packed, **kw: (seen.append(packed.input_ids.shape[0]), forward(packed, **kw))[1])
+    referenced = trainer.with_reference(examples)
+    assert sum(seen) == 6 and referenced.ref_mismatched == [0.0] * 6  # one forward row per example, none for mismatched pairs
+    assert trainer.reference_point(referenced, list(range(6))) == 0.0 and sum(seen) == 6
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in number_examples(16)))
+    cfg = load_config(None, ["kto.epochs=3", "kto.lr=1e-3", "kto.batch_size=4", "kto.bf16=false", "kto.beta=0.5", "kto.loss=apo_zero_unpaired"])
+    reported = []
+    run(data=str(tmp_path / "train.jsonl"), val_data=str(tmp_path / "train.jsonl"), model=tiny_model, out=str(tmp_path / "apo"), cfg=cfg, device="cpu", report=reported.append)
+    assert reported[0]["val_loss"] == pytest.approx(0.5, abs=1e-6) and reported[-1]["val_loss"] < 0.35 and reported[-1]["val_margin"] > 1.0
+    assert all(r.get("kl", 0) == 0 for r in reported)
+
+
 def test_each_prompt_meets_another_examples_response_in_a_fixed_seeded_derangement():
     partner = mismatched_partners(7, seed=3)
     assert sorted(partner) == list(range(7)) and all(p != i for i, p in enumerate(partner))
