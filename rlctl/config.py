@@ -509,6 +509,7 @@ class DpoConfig:
     f_divergence: str = "reverse_kl"  # the divergence from the reference the loss regularizes with (f-DPO): reverse_kl (DPO's) | forward_kl | js_divergence | alpha_divergence; not reverse_kl: the losses on the chosen-rejected difference only (sigmoid, robust, ipo, hinge, sigmoid_norm, exo_pair, discopop)
     f_alpha: float = 0.5  # alpha_divergence's α in (0, 1): f'(u) = (1 − u^−α)/α, near 0 the reverse KL, near 1 the forward (TRL's f_alpha_divergence_coef is 1 − α; equal at 0.5)
     ld_alpha: float = 1.0  # LD-DPO: a response's tokens past its pair's shorter side's length weigh this much in its log-probability (policy and reference alike; TRL's ld_alpha), in [0, 1]; 1 = every token fully (DPO's)
+    use_weighting: bool = False  # WPO: each pair's loss times its responses' weights, exp of the mean of log π(y_t) − log Σπ² over each response's tokens (how likely the policy is to sample it; TRL's use_weighting)
     sft_weight: float = 0.0  # the chosen responses' NLL per token added to the loss with this weight (RPO; TRL's loss_type [..., "sft"]); 0 = none
     min_reward_gap: float = 0.0  # data that is scored rollouts (a score stage's output): each prompt's best and worst sample are a pair where their rewards differ by more than this
     disable_dropout: bool = True  # the model's dropout off while training (TRL's disable_dropout): the policy's log-probs at the first step are the reference's, computed without dropout

@@ -28,6 +28,7 @@ and TRL's further losses by their names (r_c, r_r: each response's log π − lo
 has each formula. `dpo.f_divergence` puts f'(π/π_ref) of another f-divergence in place of each
 log-ratio (f-DPO), and `dpo.ld_alpha` < 1 weighs a side's tokens past its pair's shorter side's
 length by it, in the policy's and the reference's log-probabilities alike (LD-DPO).
+`dpo.use_weighting` multiplies each pair's loss by WPO's weights of its two responses.
 
 plus, with `dpo.sft_weight` = α > 0, α·(−log π(y_c)/|y_c|), the chosen response's NLL per token
 (RPO), the mean over each optimizer step's pairs. β·(log π − log π_ref) is a response's implicit
@@ -50,6 +51,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import NamedTuple
 
 import pyarrow as pa
 import torch
@@ -324,7 +326,7 @@ class DpoPasses:
         values = torch.zeros(2, len(pairs), dtype=torch.float64)
         with casts_kept(self.policy.device, self.bf16 and self.weights_whole):  # each weight cast to bf16 once for all the passes
             for micro, weight in self._passes_of(pairs, list(range(len(pairs)))):
-                chosen, rejected, _ = self._logps(pairs, micro)
+                chosen, rejected, _, _ = self._logps(pairs, micro)
                 if weight:
                     values[0, micro], values[1, micro] = chosen.double().cpu(), rejected.double().cpu()
         return self.ranks.sum_tensor(values)
@@ -345,7 +347,7 @@ class DpoPasses:
         sums, cfg = DpoSums(), self.cfg
         with casts_kept(self.policy.device, self.bf16 and self.weights_whole):  # each weight cast to bf16 once for all the passes
             for micro, weight in self._passes_of(pairs, rows):  # weight 0: a rank's empty pass, run to keep FSDP's collectives in step
-                chosen, rejected, chosen_plain = self._logps(pairs, micro)
+                chosen, rejected, chosen_plain, pair_weight = self._logps(pairs, micro, weighing=cfg.use_weighting)
                 ref_chosen, ref_rejected = (torch.tensor([values[i] for i in micro], device=chosen.device) for values in (pairs.ref_chosen, pairs.ref_rejected))
                 chosen_tokens, rejected_tokens = (torch.tensor([side.trained_tokens(i) for i in micro], device=chosen.device) for side in (pairs.chosen, pairs.rejected))
                 losses, chosen_reward, rejected_reward = dpo_losses(
@@ -353,6 +355,8 @@ class DpoPasses:
                     chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens, simpo_gamma=cfg.simpo_gamma, sft_weight=cfg.sft_weight,
                     discopop_tau=cfg.discopop_tau, f_divergence=cfg.f_divergence, f_alpha=cfg.f_alpha, chosen_plain=chosen_plain,
                 )
+                if pair_weight is not None:  # WPO: each pair's loss as if its responses were sampled from the policy
+                    losses = losses * pair_weight
                 summed = losses.sum()
                 if backward is not None:
                     backward(summed * (weight * self.ranks.grad_scale))
@@ -365,11 +369,11 @@ class DpoPasses:
     def _passes_of(self, pairs: DpoPairs, rows: list[int]) -> list[tuple[list[int], float]]:
         return self.ranks.micro_batches(torch.tensor(rows), self.cfg.micro_batch_size, pairs.lengths, None, int(self.cfg.micro_batch_tokens))
 
-    def _logps(self, pairs: DpoPairs, micro: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _logps(self, pairs: DpoPairs, micro: list[int], *, weighing: bool = False) -> PairLogps:
         """Each pair's chosen and rejected response's summed log-probability over its trained
-        tokens, both sides in one forward [P], [P] (with `dpo.ld_alpha` below 1, the tokens past
-        the shorter side's length weighted by it: `desensitized_weights`), and the chosen side's
-        plain sum (its NLL's)."""
+        tokens, both sides in one forward (with `dpo.ld_alpha` below 1, the tokens past the
+        shorter side's length weighted by it: `desensitized_weights`), the chosen side's plain
+        sum (its NLL's), and with `weighing` (dpo.use_weighting) WPO's weight of each pair."""
         from rlctl.backends.hf import pack, training_forward
         from rlctl.sft import trained_mask
 
@@ -378,16 +382,36 @@ class DpoPasses:
         responses = [pairs.chosen.response_ids[i] for i in micro] + [pairs.rejected.response_ids[i] for i in micro]
         packed = pack(prompts + prompts, responses, policy.pad_id, policy.device)
         with training_forward(policy.model, policy.device, self.bf16, rows=2 * count, length=packed.input_ids.shape[1]):
-            logp, _ = policy.forward(packed, temperature=1.0)
+            logp, sum_pi_squared = policy.forward(packed, temperature=1.0, statistic="sum_pi_squared" if weighing else None)
         counted = torch.cat([
             trained_mask(packed.response_mask[:count], pairs.chosen, micro), trained_mask(packed.response_mask[count:], pairs.rejected, micro),
         ])
         plain = torch.where(counted, logp.float(), 0)
-        if self.cfg.ld_alpha == 1:
-            summed = plain.sum(-1)
-            return summed[:count], summed[count:], summed[:count]
-        summed = (plain * desensitized_weights(counted, self.cfg.ld_alpha)).sum(-1)
-        return summed[:count], summed[count:], plain[:count].sum(-1)
+        summed = plain.sum(-1) if self.cfg.ld_alpha == 1 else (plain * desensitized_weights(counted, self.cfg.ld_alpha)).sum(-1)
+        pair_weight = None
+        if weighing:
+            side_weight = wpo_weights(logp.detach().float(), sum_pi_squared.detach().float(), counted)
+            pair_weight = side_weight[:count] * side_weight[count:]
+        return PairLogps(summed[:count], summed[count:], plain[:count].sum(-1), pair_weight)
+
+
+class PairLogps(NamedTuple):
+    """A pass's log-probabilities of its pairs [P] each (rlctl.dpo.DpoPasses._logps)."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    chosen_plain: torch.Tensor  # the chosen side's plain sum, where `chosen` is LD-DPO's weighted one
+    pair_weight: torch.Tensor | None  # WPO's weight of each pair (dpo.use_weighting), or None
+
+
+def wpo_weights(logp: torch.Tensor, sum_pi_squared: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+    """WPO's weight of each sequence (Zhou et al., 2024, "WPO: Enhancing RLHF with Weighted
+    Preference Optimization"; TRL's use_weighting): exp of the mean over its trained tokens of
+    log π(y_t) − log Σ_v π(v)², how likely the response is under the policy's own sampling,
+    relative to the distribution's own sharpness (1 for a response of argmax tokens of one-hot
+    distributions), without a gradient. `logp`, `sum_pi_squared`, `counted`: [S, T]."""
+    aligned = torch.where(counted, logp - torch.log(sum_pi_squared.clamp(min=1e-30)), 0).sum(-1)
+    return torch.exp(aligned / counted.sum(-1).clamp(min=1)).detach()
 
 
 class DpoTrainer(ReferenceSyncs, SupervisedSteps, DpoPasses):

@@ -240,6 +240,51 @@ def test_ld_dpo_scores_the_policy_and_the_reference_alike_and_its_passes_give_th
     assert torch.allclose(gradients[0], direct, atol=2e-5 * float(direct.abs().max()))
 
 
+def test_wpos_weight_is_how_likely_the_policy_samples_a_response_relative_to_its_distributions_sharpness():
+    from rlctl.dpo import wpo_weights
+
+    # row 0: p = 0.1 where Σp² = 0.5, then p = 0.5 where Σp² = 0.25 (a position not trained between); row 1: a uniform distribution's token
+    logp = torch.log(torch.tensor([[0.1, 0.9, 0.5], [0.25, 0.0, 0.0]]).clamp(min=1e-12))
+    sum_pi_squared = torch.tensor([[0.5, 0.9, 0.25], [0.25, 1.0, 1.0]])
+    counted = torch.tensor([[True, False, True], [True, False, False]])
+    got = wpo_weights(logp, sum_pi_squared, counted)
+    assert torch.allclose(got, torch.tensor([math.exp((math.log(0.1 / 0.5) + math.log(0.5 / 0.25)) / 2), 1.0]))
+
+
+def test_wpo_weighs_each_pairs_loss_by_its_responses_weights_under_the_policy_in_passes_of_any_size(tiny_model, tmp_path):
+    losses_seen, gradients = [], []
+    for micro in (1, 5):
+        policy = HFPolicy.load(tiny_model, "cpu")
+        cfg = DpoConfig(batch_size=5, micro_batch_size=micro, micro_batch_tokens="0", bf16="false", lr=1e-9, max_grad_norm=0.0, beta=0.3, use_weighting=True)
+        trainer = DpoTrainer(policy, cfg, total_steps=1)
+        pairs = trainer.with_reference(encode(policy, table_of(tmp_path, number_pairs(5))))
+        pairs = DpoPairs(pairs.chosen, pairs.rejected, [v - 0.5 * i for i, v in enumerate(pairs.ref_chosen)], [v + 0.2 for v in pairs.ref_rejected])
+        losses_seen.append(trainer.evaluate(pairs)[0])
+        trainer.train_epoch(pairs, 1)
+        gradients.append(torch.cat([p.grad.reshape(-1) for p in policy.model.parameters() if p.grad is not None]))
+    assert losses_seen[0] == pytest.approx(losses_seen[1], rel=1e-5) and torch.allclose(gradients[0], gradients[1], atol=1e-6)
+    policy.model.zero_grad()
+
+    def side(prompt_ids, response_ids):
+        sums, weights = [], []
+        for prompt, response in zip(prompt_ids, response_ids):
+            logits = policy.model(input_ids=torch.tensor([prompt + response])).logits[0].double()[len(prompt) - 1: len(prompt) - 1 + len(response)]
+            logp = torch.log_softmax(logits, -1)
+            token = logp[torch.arange(len(response)), torch.tensor(response)]
+            sums.append(token.sum())
+            weights.append(torch.exp((token - torch.log(torch.exp(2 * logp).sum(-1))).mean()).detach())
+        return torch.stack(sums), torch.stack(weights)
+
+    (chosen, chosen_weight), (rejected, rejected_weight) = side(pairs.chosen.prompt_ids, pairs.chosen.response_ids), side(pairs.chosen.prompt_ids, pairs.rejected.response_ids)
+    assert float((chosen_weight * rejected_weight).min()) < 0.9  # weights that matter
+    plain, _, _ = dpo_losses(chosen, rejected, torch.tensor(pairs.ref_chosen).double(), torch.tensor(pairs.ref_rejected).double(), beta=0.3)
+    weighed = plain * chosen_weight * rejected_weight
+    assert losses_seen[0] == pytest.approx(float(weighed.detach().mean()), rel=1e-4)
+    weighed.mean().backward()
+    direct = torch.cat([p.grad.reshape(-1) for p in policy.model.parameters() if p.grad is not None]).float()
+    assert torch.allclose(gradients[0], direct, atol=2e-5 * float(direct.abs().max()))
+
+
 @pytest.mark.parametrize("loss", ["sigmoid", "ipo", "simpo"])
 def test_an_sft_weight_adds_the_chosen_responses_nll_per_token_to_any_loss(loss):
     kwargs = {"beta": 0.5, "loss": loss, "chosen_tokens": CHOSEN_TOKENS, "rejected_tokens": REJECTED_TOKENS}
@@ -357,6 +402,7 @@ def test_a_reference_free_loss_computes_no_reference(policy, tmp_path, monkeypat
     ("nca_pair", [], 0.8), ("apo_zero", [], 0.6), ("apo_down", [], 0.6),  # terms on each side's own ratio, which saturate slower
     ("discopop", ["dpo.discopop_tau=1"], 0.5),  # at TRL's τ = 0.05 its slope at h = 0 is positive: see the test below
     ("sigmoid", ["dpo.ld_alpha=0.3"], 0.5),
+    ("sigmoid", ["dpo.use_weighting=true"], 0.5),
     ("sigmoid", ["dpo.f_divergence=forward_kl"], 0.5), ("sigmoid", ["dpo.f_divergence=js_divergence"], 0.5), ("sigmoid", ["dpo.f_divergence=alpha_divergence"], 0.5),
 ])
 def test_every_loss_learns_to_prefer_the_chosen_responses(tiny_model, tmp_path, loss, settings, fall):
