@@ -510,6 +510,7 @@ class DpoConfig:
     f_alpha: float = 0.5  # alpha_divergence's α in (0, 1): f'(u) = (1 − u^−α)/α, near 0 the reverse KL, near 1 the forward (TRL's f_alpha_divergence_coef is 1 − α; equal at 0.5)
     ld_alpha: float = 1.0  # LD-DPO: a response's tokens past its pair's shorter side's length weigh this much in its log-probability (policy and reference alike; TRL's ld_alpha), in [0, 1]; 1 = every token fully (DPO's)
     use_weighting: bool = False  # WPO: each pair's loss times its responses' weights, exp of the mean of log π(y_t) − log Σπ² over each response's tokens (how likely the policy is to sample it; TRL's use_weighting)
+    reference_free: bool = False  # no reference: its log-probabilities taken as 0, so the loss compares the policy's own (TRL's reference_free; with sft_weight = 1, CPO's loss); none computed
     sft_weight: float = 0.0  # the chosen responses' NLL per token added to the loss with this weight (RPO; TRL's loss_type [..., "sft"]); 0 = none
     min_reward_gap: float = 0.0  # data that is scored rollouts (a score stage's output): each prompt's best and worst sample are a pair where their rewards differ by more than this
     disable_dropout: bool = True  # the model's dropout off while training (TRL's disable_dropout): the policy's log-probs at the first step are the reference's, computed without dropout
@@ -560,7 +561,14 @@ class DpoConfig:
             raise ConfigError("dpo.sft_weight adds the chosen responses' NLL, which dpo.loss = \"orpo\" has already: set it to 0")
         if self.ref_sync_every and self.loss in REFERENCE_FREE_LOSSES:
             raise ConfigError(f"dpo.ref_sync_every moves the reference, which dpo.loss = {self.loss!r} has none of: set it to 0")
+        if self.ref_sync_every and self.reference_free:
+            raise ConfigError("dpo.ref_sync_every moves the reference, which dpo.reference_free leaves out: set one of them off")
         check_ref_sync(self, "dpo")
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether the loss compares with a reference's log-probabilities (computed once, before training)."""
+        return not self.reference_free and self.loss not in REFERENCE_FREE_LOSSES
 
 
 def check_ref_sync(section, name: str) -> None:

@@ -29,6 +29,7 @@ has each formula. `dpo.f_divergence` puts f'(π/π_ref) of another f-divergence 
 log-ratio (f-DPO), and `dpo.ld_alpha` < 1 weighs a side's tokens past its pair's shorter side's
 length by it, in the policy's and the reference's log-probabilities alike (LD-DPO).
 `dpo.use_weighting` multiplies each pair's loss by WPO's weights of its two responses.
+`dpo.reference_free` takes the reference's log-probabilities as 0 (CPO's loss with sft_weight = 1).
 
 plus, with `dpo.sft_weight` = α > 0, α·(−log π(y_c)/|y_c|), the chosen response's NLL per token
 (RPO), the mean over each optimizer step's pairs. β·(log π − log π_ref) is a response's implicit
@@ -308,12 +309,10 @@ class DpoPasses:
     def with_reference(self, pairs: DpoPairs) -> DpoPairs:
         """`pairs` with the current weights' log-probabilities as the reference's (before training),
         each rank computing its share, every rank getting all of them; zeros for a loss without
-        a reference (no forward)."""
-        from rlctl.choices import REFERENCE_FREE_LOSSES
-
+        a reference, or with dpo.reference_free (no forward)."""
         if pairs.ref_chosen:  # computed already: a resumed run's, from its epoch checkpoint
             return pairs
-        if self.cfg.loss in REFERENCE_FREE_LOSSES:
+        if not self.cfg.has_reference:
             return pairs.with_reference_values(torch.zeros(2, len(pairs), dtype=torch.float64))
         return pairs.with_reference_values(self.reference_values(pairs))
 
@@ -474,12 +473,11 @@ def evaluate(*, data: str, model: str, cfg: Config, ref: str | None = None, devi
     was trained against; none for a reference-free loss) on the pairs at `data`, read as training
     reads them, under `cfg.dpo`'s loss: one row over every pair ("all"), then one per
     data_source where the pairs name several."""
-    from rlctl.choices import REFERENCE_FREE_LOSSES
     from rlctl.referenced import measured_against_reference
     from rlctl.reward_model import source_groups
 
     pairs, measuring, table = measured_against_reference(
-        COMMAND, DpoPasses, data=data, model=model, cfg=cfg, ref=ref, device=device, free=cfg.dpo.loss in REFERENCE_FREE_LOSSES,
+        COMMAND, DpoPasses, data=data, model=model, cfg=cfg, ref=ref, device=device, free=not cfg.dpo.has_reference,
     )
     rows = []
     with torch.no_grad():

@@ -686,7 +686,7 @@ class Pipeline:
         cfg, names = self.cfg, warm_starts(self.cfg)
         how = {
             "sft": lambda: f"fine-tuned on {cfg.sft.data}",
-            "dpo": lambda: f"trained on the pairs {cfg.dpo.data} (DPO, {cfg.dpo.loss} loss, beta {cfg.dpo.beta:g}{moving_reference_plan(cfg.dpo)})",
+            "dpo": lambda: f"trained on the pairs {cfg.dpo.data} (DPO, {cfg.dpo.loss} loss, beta {cfg.dpo.beta:g}{', no reference' if cfg.dpo.reference_free else ''}{moving_reference_plan(cfg.dpo)})",
             "kto": lambda: f"trained on the labelled examples {cfg.kto.data} (KTO, beta {cfg.kto.beta:g}{moving_reference_plan(cfg.kto)})",
         }
         lines = []

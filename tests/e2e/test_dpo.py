@@ -50,6 +50,7 @@ def test_dpo_writes_a_checkpoint_with_its_epochs_and_a_rerun_is_skipped(cli, tmp
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--set", "dpo.sft_weight=-1"], "dpo.sft_weight must be ≥ 0"),
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "exo_pair"], "dpo.loss = \"exo_pair\" needs dpo.label_smoothing > 0"),
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "discopop", "--set", "dpo.discopop_tau=0"], "dpo.discopop_tau must be > 0"),
+        ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--set", "dpo.reference_free=true", "--set", "dpo.ref_sync_every=8"], "dpo.ref_sync_every moves the reference, which dpo.reference_free leaves out"),
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "simpo", "--set", "dpo.ld_alpha=0.5"], "dpo.ld_alpha weighs the log-ratios of DPO's losses against a reference"),
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss", "nca_pair", "--set", "dpo.f_divergence=js_divergence"], "dpo.f_divergence = 'js_divergence' applies to the losses on the chosen-rejected difference"),
         ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--set", "dpo.ref_sync_every=4", "--set", "dpo.ref_sync_alpha=0"], "dpo.ref_sync_alpha must be in (0, 1], got 0"),

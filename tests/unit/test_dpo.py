@@ -382,17 +382,30 @@ def test_dpo_learns_to_prefer_the_chosen_responses_and_writes_a_checkpoint(tiny_
     assert again.state.get("skipped")
 
 
-@pytest.mark.parametrize("loss", ["simpo", "orpo"])
-def test_a_reference_free_loss_computes_no_reference(policy, tmp_path, monkeypatch, loss):
+@pytest.mark.parametrize(("loss", "free"), [("simpo", False), ("orpo", False), ("sigmoid", True), ("ipo", True)])
+def test_a_reference_free_loss_computes_no_reference(policy, tmp_path, monkeypatch, loss, free):
     pairs = encode(policy, table_of(tmp_path, number_pairs(3)))
 
     def no_forward(*args, **kwargs):
         raise AssertionError("a reference forward for a reference-free loss")
 
-    trainer = DpoTrainer(policy, DpoConfig(micro_batch_tokens="0", bf16="false", loss=loss), total_steps=1)
+    trainer = DpoTrainer(policy, DpoConfig(micro_batch_tokens="0", bf16="false", loss=loss, reference_free=free), total_steps=1)
     monkeypatch.setattr(policy, "forward", no_forward)
     referenced = trainer.with_reference(pairs)
     assert referenced.ref_chosen == referenced.ref_rejected == [0.0, 0.0, 0.0]
+
+
+def test_reference_free_dpo_with_the_chosen_nll_is_cpos_loss(policy, tmp_path):
+    """dpo.reference_free with sft_weight = 1: −log σ(β·(log π(y_c) − log π(y_r))) + the chosen
+    response's NLL per token (Xu et al.'s CPO; TRL's CPOTrainer with cpo_alpha = 1)."""
+    pairs = encode(policy, table_of(tmp_path, number_pairs(4)))
+    trainer = DpoTrainer(policy, DpoConfig(micro_batch_tokens="0", bf16="false", beta=0.2, reference_free=True, sft_weight=1.0), total_steps=1)
+    loss, _ = trainer.evaluate(trainer.with_reference(pairs))
+    with torch.no_grad():
+        chosen, rejected = (summed_logps(policy.model, pairs.chosen.prompt_ids, side.response_ids) for side in (pairs.chosen, pairs.rejected))
+    tokens = torch.tensor([len(r) for r in pairs.chosen.response_ids])
+    want = -torch.nn.functional.logsigmoid(0.2 * (chosen - rejected)) - chosen / tokens
+    assert loss == pytest.approx(float(want.mean()), rel=1e-5)
 
 
 @pytest.mark.parametrize(("loss", "settings", "fall"), [
@@ -403,6 +416,7 @@ def test_a_reference_free_loss_computes_no_reference(policy, tmp_path, monkeypat
     ("discopop", ["dpo.discopop_tau=1"], 0.5),  # at TRL's τ = 0.05 its slope at h = 0 is positive: see the test below
     ("sigmoid", ["dpo.ld_alpha=0.3"], 0.5),
     ("sigmoid", ["dpo.use_weighting=true"], 0.5),
+    ("sigmoid", ["dpo.reference_free=true", "dpo.sft_weight=1"], 0.6),  # CPO: mostly the chosen responses' NLL, as ORPO's
     ("sigmoid", ["dpo.f_divergence=forward_kl"], 0.5), ("sigmoid", ["dpo.f_divergence=js_divergence"], 0.5), ("sigmoid", ["dpo.f_divergence=alpha_divergence"], 0.5),
 ])
 def test_every_loss_learns_to_prefer_the_chosen_responses(tiny_model, tmp_path, loss, settings, fall):
