@@ -21,7 +21,7 @@ PIPELINE_STAGES = ("rollout", "score", "advantage", "update")
 SHOW_LAYOUTS = ("auto", "table", "records")
 RUN_CHECKS = ("truncated", "constant_reward", "equal_rewards", "engine_mismatch", "rejected", "kl_stopped", "skipped_steps")  # rlctl.run_checks' findings
 
-ESTIMATORS = ("gae", "gpg", "grpo", "grpo_passk", "opo", "optimal_token_baseline", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo")
+ESTIMATORS = ("gae", "gpg", "grpo", "grpo_passk", "online_dpo", "opo", "optimal_token_baseline", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo")
 SUM_PI_SQUARED_ESTIMATORS = ("optimal_token_baseline",)  # estimators that read score's Σπ² and old log-probs
 KL_ESTIMATORS = ("abs", "abs+", "k1", "k1+", "k2", "k2+", "k3", "k3+", "kl", "kl+", "low_var_kl", "low_var_kl+", "mse", "mse+")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -33,6 +33,7 @@ REJECTION_RULES = (  # update.rollout_rs (rlctl.algos.rejection): verl's rollout
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DPO_LOSSES = ("sigmoid", "robust", "ipo", "hinge", "simpo", "orpo", "sigmoid_norm", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down", "discopop")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # preference losses without a reference model
+ONLINE_DPO_LOSSES = ("sigmoid", "ipo", "hinge", "sigmoid_norm", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down")  # advantage.dpo_loss: the preference losses with no setting beyond β
 KTO_LOSSES = ("kto", "apo_zero_unpaired")  # kto.loss (rlctl.kto.kto_losses): TRL KTOConfig's loss_type
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")  # dpo.f_divergence (rlctl.dpo.f_score)
 F_DIVERGENCE_LOSSES = ("sigmoid", "robust", "ipo", "hinge", "sigmoid_norm", "exo_pair", "discopop")  # the losses on the difference of the two sides' scores, which take any of them

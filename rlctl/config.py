@@ -30,8 +30,10 @@ from rlctl.choices import (
     F_DIVERGENCES,
     KL_CONTROLLERS,
     KTO_LOSSES,
+    LOSS_AGG_MODES,
     LR_SCHEDULES,
     OLD_LOGPROBS,
+    ONLINE_DPO_LOSSES,
     OTB_ROLLOUT_IS,
     PF_PPO,
     POLICY_LOSSES,
@@ -197,13 +199,17 @@ class ScoreConfig:
 class AdvantageConfig:
     """Rewards → advantages and returns (pure math), with the optional KL penalty."""
 
-    estimator: str = "grpo"  # gae | gpg (α·(score − group mean), with update.policy_loss = gpg) | grpo | rloo | opo | grpo_passk | reinforce_pp | reinforce_pp_baseline | remax (with rollout.greedy_baseline) | optimal_token_baseline (with score's old log-probs and Σπ²; docs/algorithms.md)
+    estimator: str = "grpo"  # gae | gpg (α·(score − group mean), with update.policy_loss = gpg) | grpo | rloo | opo | grpo_passk | reinforce_pp | reinforce_pp_baseline | remax (with rollout.greedy_baseline) | optimal_token_baseline (with score's old log-probs and Σπ²) | online_dpo (each group's best and worst sample a DPO pair, against model.ref; docs/algorithms.md)
     gamma: float = 1.0  # discount of GAE and REINFORCE++ returns
     lam: float = 1.0  # GAE's lambda
     norm_by_std: bool = True  # GRPO: divide by the group's reward std (false = Dr. GRPO)
     otb_zero_tail: bool = False  # optimal_token_baseline: no baseline for a group's one longest sample past its second longest (verl's handle_zero_tail)
     otb_rollout_is: str = "auto"  # optimal_token_baseline: weigh paths by the squared truncated IS weights π_old/π_rollout the update applies (verl's, with rollout correction): auto (update.rollout_is and its threshold, where the config has an [update]: a pipeline, --config) | off | token | sequence
     otb_rollout_is_threshold: float = 2.0  # the truncation of those weights (auto: update.rollout_is_threshold)
+    dpo_beta: float = 0.1  # online_dpo: the preference loss's β
+    dpo_loss: str = "sigmoid"  # online_dpo: the preference loss (rlctl dpo's of that name): sigmoid | ipo | hinge | sigmoid_norm | nca_pair | bco_pair | sppo_hard | apo_zero | apo_down
+    dpo_loss_agg: str = "auto"  # online_dpo: the update's loss_agg_mode its advantages are scaled for (auto: update.loss_agg_mode, where the config has an [update])
+    dpo_loss_horizon: int = 0  # online_dpo with seq-mean-token-sum-norm: the update's loss_horizon (auto: update.loss_horizon); 0 = the batch's longest response
     std_scope: str = "group"  # GRPO with norm_by_std: the std of the prompt's group, or of the whole batch (TRL's scale_rewards="batch", Lite PPO)
     kl_coef: float = 0.0  # KL penalty in the per-token reward (needs model.ref); 0 = off
     pf_ppo: str = "off"  # policy filtration (PF-PPO, verl's use_pf_ppo): train on the batch redrawn with replacement by a weight of each reward: pow (|reward|^pf_ppo_weight_pow) | max_min (the batch's best and worst) | max_random (the best 4× the others) | off
@@ -219,7 +225,8 @@ class AdvantageConfig:
             "gamma": between(0.0, 1.0), "lam": between(0.0, 1.0), "kl_coef": at_least(0.0), "kl_controller": one_of(*KL_CONTROLLERS),
             "kl_target": above(0.0), "kl_horizon": at_least(1), "std_scope": one_of(*STD_SCOPES), "pf_ppo": one_of(*PF_PPO),
             "otb_rollout_is": one_of(*OTB_ROLLOUT_IS), "otb_rollout_is_threshold": above(1.0),
-            "pf_ppo_weight_pow": at_least(0.0),
+            "pf_ppo_weight_pow": at_least(0.0), "dpo_beta": above(0.0), "dpo_loss": one_of(*ONLINE_DPO_LOSSES),
+            "dpo_loss_agg": one_of("auto", *LOSS_AGG_MODES), "dpo_loss_horizon": at_least(0),
         })
 
 
@@ -656,7 +663,10 @@ RESOLVED_CONFIG = "config.resolved.toml"  # what a pipeline run folder records i
 def resolve_estimator_inputs(cfg: Config) -> Config:
     """What the optimal token baseline reads, decided from the rest of the config: score's Σπ²
     on (`score.sum_pi_squared`), and `advantage.otb_rollout_is = auto` as the update's
-    importance weights. Other estimators' configs are returned as they are."""
+    importance weights; online DPO's `dpo_loss_agg = auto` as the update's aggregation. Other
+    estimators' configs are returned as they are."""
+    if cfg.advantage.estimator == "online_dpo" and cfg.advantage.dpo_loss_agg == "auto":
+        return replace(cfg, advantage=replace(cfg.advantage, dpo_loss_agg=cfg.update.loss_agg_mode, dpo_loss_horizon=cfg.update.loss_horizon))
     if cfg.advantage.estimator not in SUM_PI_SQUARED_ESTIMATORS:
         return cfg
     advantage = cfg.advantage

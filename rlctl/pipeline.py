@@ -177,6 +177,7 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
     from rlctl.algos.advantages import (
         ESTIMATORS,
         NEEDS_BASELINES,
+        NEEDS_PAIRS,
         NEEDS_SUM_PI_SQUARED,
         NEEDS_VALUES,
     )
@@ -222,6 +223,13 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
         raise ConfigError("update.critic_warmup trains only the critic for its steps: set model.critic")
     if cfg.advantage.estimator in NEEDS_VALUES and not cfg.model.critic:
         raise ConfigError(f"estimator {cfg.advantage.estimator} needs a critic: set model.critic")
+    if cfg.advantage.estimator in NEEDS_PAIRS:
+        if not cfg.model.ref:
+            raise ConfigError(f"estimator {cfg.advantage.estimator} compares the policy's pairs with a reference: set model.ref (\"policy\": the starting weights)")
+        if cfg.rollout.n < 2:
+            raise ConfigError(f"estimator {cfg.advantage.estimator} makes a pair of each prompt's best and worst sample: set rollout.n ≥ 2")
+        if cfg.advantage.kl_coef > 0:
+            raise ConfigError(f"estimator {cfg.advantage.estimator} holds the policy to the reference through advantage.dpo_beta: set advantage.kl_coef = 0")
     if cfg.advantage.estimator in NEEDS_BASELINES and not cfg.rollout.greedy_baseline:
         raise ConfigError(f"estimator {cfg.advantage.estimator} needs each prompt's greedy reward: set rollout.greedy_baseline = true")
     if cfg.update.rollout_is != "off" and cfg.update.rollout_is_batch_normalize and old_logprobs_source(cfg) == "update":
@@ -1187,6 +1195,8 @@ def describe_algorithm(cfg: Config) -> str:
     elif estimator == "optimal_token_baseline":
         weights = f", × ρ̄² of {advantage.otb_rollout_is} IS weights ≤ {advantage.otb_rollout_is_threshold:g}" if advantage.otb_rollout_is in ("token", "sequence") else ""
         estimator += f" (paths weighed by score's Σπ²{weights}{', zero tail' if advantage.otb_zero_tail else ''})"
+    elif estimator == "online_dpo":
+        estimator += f" (each prompt's best and worst sample a pair, {advantage.dpo_loss} loss, β {advantage.dpo_beta:g}, scaled for {advantage.dpo_loss_agg})"
     if advantage.kl_coef > 0:
         estimator += f", KL {advantage.kl_estimator} × {advantage.kl_coef:g} in the reward" + (" (adaptive)" if advantage.kl_controller == "adaptive" else "")
     if advantage.pf_ppo != "off":

@@ -15,9 +15,12 @@ import torch
 from rlctl.algos.advantages import (
     ESTIMATORS,
     NEEDS_BASELINES,
+    NEEDS_PAIRS,
     NEEDS_SUM_PI_SQUARED,
     NEEDS_VALUES,
     PathWeights,
+    PreferencePairs,
+    aggregation_divisors,
     masked_mean,
     sequence_mean,
 )
@@ -82,6 +85,8 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
         raise InputError(f"estimator {cfg.estimator} needs baseline_reward: roll out with rollout.greedy_baseline = true (--greedy-baseline), then score")
     if cfg.estimator in NEEDS_SUM_PI_SQUARED and any(name not in names or table.column(name).null_count for name in ("old_logprobs", "sum_pi_squared")):
         raise InputError(f"estimator {cfg.estimator} needs the policy's old_logprobs and sum_pi_squared: score with --policy and --sum-pi-squared")
+    if cfg.estimator in NEEDS_PAIRS and ("ref_logprobs" not in names or table.column("ref_logprobs").null_count):
+        raise InputError(f"estimator {cfg.estimator} compares with the reference: score with --ref")
     kl_coef = state.kl_coef
     if kl_coef > 0 and ("ref_logprobs" not in names or table.column("ref_logprobs").null_count):
         raise InputError("kl_coef > 0 needs ref_logprobs: score with --ref")
@@ -121,6 +126,7 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
         gamma=cfg.gamma, lam=cfg.lam, norm_by_std=cfg.norm_by_std, std_scope=cfg.std_scope,
         baselines=torch.from_numpy(table.column("baseline_reward").to_numpy().astype(np.float64)) if cfg.estimator in NEEDS_BASELINES else None,
         paths=path_weights(table, cfg, old_logprobs, sum_pi_squared, policy, width, mask) if cfg.estimator in NEEDS_SUM_PI_SQUARED else None,
+        pairs=preference_pairs(table, cfg, policy, width, mask) if cfg.estimator in NEEDS_PAIRS else None,
     )
     advantages, returns = result.advantages, result.returns
     if tokens is not None:
@@ -140,6 +146,19 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
         table, filtration = filtered(table, rewards.numpy(), cfg)
         stats.update(filtration)
     return table, next_state, stats
+
+
+def preference_pairs(table: pa.Table, cfg: AdvantageConfig, policy, width: int, mask: torch.Tensor) -> PreferencePairs:
+    """Online DPO's inputs: the sampling policy's log-probs (score's recomputed old ones, else the
+    rollout's), the reference's, and each row's divisor in the update's aggregation
+    (`dpo_loss_agg`; unresolved auto: the update's default, token-mean)."""
+    names = table.column_names
+    policy_column = "old_logprobs" if "old_logprobs" in names and not table.column("old_logprobs").null_count else "rollout_logprobs"
+    mode = "token-mean" if cfg.dpo_loss_agg == "auto" else cfg.dpo_loss_agg
+    return PreferencePairs(
+        logprobs=policy(padded(table.column(policy_column), width=width)), ref_logprobs=policy(padded(table.column("ref_logprobs"), width=width)),
+        divisors=aggregation_divisors(mask, mode, cfg.dpo_loss_horizon or width), beta=cfg.dpo_beta, loss=cfg.dpo_loss,
+    )
 
 
 def path_weights(

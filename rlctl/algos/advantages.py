@@ -6,7 +6,7 @@ of each sequence (samples of one prompt share it), and returns advantages and re
 Positions where `response_mask` is 0 never influence any output and come out as 0.
 
 Groups of one (one sample of a prompt) give advantage 0 for `grpo`, `rloo`, `opo`,
-`grpo_passk`, `gpg`, `optimal_token_baseline` and `reinforce_pp_baseline`: with nothing to compare against, the sample carries no signal, so it
+`grpo_passk`, `gpg`, `optimal_token_baseline`, `reinforce_pp_baseline` and `online_dpo`: with nothing to compare against, the sample carries no signal, so it
 contributes no policy gradient (verl differs: a singleton's baseline is 0 there, and for grpo
 its std is 1, so its raw score becomes its advantage).
 """
@@ -40,6 +40,19 @@ class PathWeights(NamedTuple):
     zero_tail: bool = False
 
 
+class PreferencePairs(NamedTuple):
+    """What online DPO reads beside the rewards: each token's log-prob under the policy that
+    sampled it (the update's starting weights) and under the reference, the preference loss,
+    and each row's divisor in the update's loss aggregation (`aggregation_divisors`), so that the
+    advantages give the loss's exact gradient at the update's first step."""
+
+    logprobs: torch.Tensor  # [B, T]
+    ref_logprobs: torch.Tensor  # [B, T]
+    divisors: torch.Tensor  # [B]
+    beta: float
+    loss: str = "sigmoid"
+
+
 class AdvantageEstimator(Protocol):
     def __call__(
         self,
@@ -54,6 +67,7 @@ class AdvantageEstimator(Protocol):
         std_scope: str = "group",  # grpo's divisor with norm_by_std: its group's std, or the batch's
         baselines: torch.Tensor | None = None,  # [B]: each sequence's own baseline (remax: its prompt's greedy reward)
         paths: PathWeights | None = None,  # optimal_token_baseline: what weighs each sample's path
+        pairs: PreferencePairs | None = None,  # online_dpo: the pairs' log-probs and loss
     ) -> AdvantageOutput: ...
 
 
@@ -61,6 +75,7 @@ ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 NEEDS_VALUES = {"gae"}
 NEEDS_BASELINES = {"remax"}
 NEEDS_SUM_PI_SQUARED = set(SUM_PI_SQUARED_ESTIMATORS)  # and the policy's old log-probs, from the same forward
+NEEDS_PAIRS = {"online_dpo"}  # the policy's and the reference's log-probs
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -103,7 +118,7 @@ def group_stats(scores: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.
 
 
 @ESTIMATORS.register("gae")
-def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
+def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
     """Generalised advantage estimation with a critic; advantages whitened over the batch.
 
     Masked positions are skipped, as if absent: the recursion carries over them unchanged.
@@ -127,7 +142,7 @@ def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_b
 
 
 @ESTIMATORS.register("grpo")
-def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
+def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
     """Group-relative outcome advantage: (score - group mean) [/ std], on every token. The std
     is the group's, or with `std_scope="batch"` every sequence's of the batch (TRL's
     `scale_rewards="batch"`, Lite PPO's group mean with batch std). `norm_by_std=False` (with the
@@ -145,7 +160,7 @@ def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_
 
 
 @ESTIMATORS.register("rloo")
-def rloo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
+def rloo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
     """Leave-one-out baseline: score - mean of the other samples of the same prompt."""
     scores = sequence_scores(token_rewards, response_mask)
     mean, _, size = group_stats(scores, group_index)
@@ -167,14 +182,14 @@ def discounted_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor,
 
 
 @ESTIMATORS.register("reinforce_pp")
-def reinforce_pp(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
+def reinforce_pp(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
     """REINFORCE++: discounted per-token returns, whitened over the whole batch."""
     returns = discounted_returns(token_rewards, response_mask, gamma)
     return AdvantageOutput(masked_whiten(returns, response_mask), returns)
 
 
 @ESTIMATORS.register("reinforce_pp_baseline")
-def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
+def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
     """REINFORCE++ with a group-mean baseline: (score - group mean) on every token, whitened
     over the batch. Groups of one carry no signal (advantage 0) and stay out of the whitening
     statistics, as for grpo and rloo; verl instead uses a baseline of 0 for them, so their
@@ -188,7 +203,7 @@ def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, 
 
 
 @ESTIMATORS.register("opo")
-def opo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
+def opo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
     """OPO's optimal baseline (Hao et al. 2025): score - the group's length-weighted mean
     score Σ|o|·s / Σ|o|, on every token; no std. With exactly on-policy training the variance
     of the gradient is smallest for this baseline."""
@@ -205,7 +220,7 @@ def opo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_b
 
 
 @ESTIMATORS.register("grpo_passk")
-def grpo_passk(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
+def grpo_passk(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
     """Pass@k training (verl's grpo_passk, after Chen et al. 2025): only each group's best sample
     gets an advantage, its margin over the runner-up (best - second best) [/ the group's std],
     on every token; the others 0. It pushes the best of k up, not the average."""
@@ -225,7 +240,7 @@ def grpo_passk(*, token_rewards, response_mask, values, group_index, gamma, lam,
 
 
 @ESTIMATORS.register("remax")
-def remax(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
+def remax(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
     """ReMax (Li et al. 2023): the reward-to-go of each token (undiscounted, as verl's) less
     the reward of the prompt's greedy response, decoded beside the samples and not trained on;
     no critic, no group needed (one sample a prompt is enough), no whitening."""
@@ -237,7 +252,7 @@ def remax(*, token_rewards, response_mask, values, group_index, gamma, lam, norm
 
 
 @ESTIMATORS.register("gpg")
-def gpg(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
+def gpg(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
     """GPG (Chu et al. 2025, Group Policy Gradient): α·(score − group mean) on every token, no
     std (the paper's F_norm = 1, as verl's), where α = B / (B − M) for the batch's B samples of
     which M are in groups whose samples all scored alike (or alone): the batch-mean gradient
@@ -257,7 +272,7 @@ def gpg(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_b
 
 
 @ESTIMATORS.register("optimal_token_baseline")
-def optimal_token_baseline(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None) -> AdvantageOutput:
+def optimal_token_baseline(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
     """The optimal token baseline (verl's optimal_token_baseline): each token's reward-to-go G_t
     (undiscounted) less a baseline of its prompt's group at its position t,
     B_t = Σ_i G_t·W_t / Σ_i W_t over the group's samples that reach t, each weighted by its
@@ -295,3 +310,62 @@ def optimal_token_baseline(*, token_rewards, response_mask, values, group_index,
         baseline = torch.where(tail, 0, baseline)
     advantages = torch.where(response_mask & (size > 1).unsqueeze(-1), returns - baseline, 0)
     return AdvantageOutput(advantages, returns)
+
+
+@ESTIMATORS.register("online_dpo")
+def online_dpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
+    """Online DPO (Guo et al., 2024, "Direct Language Model Alignment from Online AI Feedback";
+    TRL's OnlineDPOTrainer) as advantages: in each prompt's group the best-rewarded sample is
+    chosen and the worst rejected (the first of equals; none where they tie), and each of the two
+    gets, on every token, −∂L/∂(its summed log-prob) × its divisor / the pairs, L the sum of the
+    pairs' preference losses (rlctl.dpo.dpo_losses with `pairs.loss`, β) at the sampling policy's
+    log-probs. The update's surrogate −A·ratio, aggregated as its loss_agg_mode does, then has the
+    gradient of the pairs' mean preference loss at its first optimizer step (ratio 1); other rows
+    get 0. Returns are the advantages."""
+    from rlctl.algos.preference import dpo_losses
+
+    if pairs is None:
+        raise ValueError("online_dpo needs the policy's and the reference's log-probs")
+    scores = sequence_scores(token_rewards, response_mask)
+    chosen, rejected = [], []
+    for group in torch.unique(group_index):
+        rows = torch.nonzero(group_index == group).flatten()
+        best, worst = rows[torch.argmax(scores[rows])], rows[torch.argmin(scores[rows])]
+        if scores[best] > scores[worst]:
+            chosen.append(int(best))
+            rejected.append(int(worst))
+    advantages = torch.zeros(response_mask.shape, dtype=torch.float64)
+    if not chosen:
+        return AdvantageOutput(advantages, advantages.clone())
+    mask = response_mask.bool()
+    logps = torch.where(mask, pairs.logprobs.double(), 0).sum(-1)
+    ref_logps = torch.where(mask, pairs.ref_logprobs.double(), 0).sum(-1)
+    tokens = mask.sum(-1)
+    c, r = torch.tensor(chosen), torch.tensor(rejected)
+    sides = logps[c].clone().requires_grad_(True), logps[r].clone().requires_grad_(True)
+    losses, _, _ = dpo_losses(
+        sides[0], sides[1], ref_logps[c], ref_logps[r], beta=pairs.beta, loss=pairs.loss, chosen_tokens=tokens[c], rejected_tokens=tokens[r],
+    )
+    chosen_grad, rejected_grad = torch.autograd.grad(losses.sum(), sides)
+    count = len(chosen)
+    per_row = torch.zeros(len(scores), dtype=torch.float64)
+    per_row[c] = -chosen_grad * pairs.divisors.double()[c] / count
+    per_row[r] = -rejected_grad * pairs.divisors.double()[r] / count
+    advantages = torch.where(mask, per_row.unsqueeze(-1), 0.0)
+    return AdvantageOutput(advantages, advantages.clone())
+
+
+def aggregation_divisors(response_mask: torch.Tensor, mode: str, horizon: int) -> torch.Tensor:
+    """Each row's divisor of a token's loss in the update's aggregation over this batch as one
+    mini-batch (rlctl.algos.losses.aggregate): ∂loss/∂(a token's loss) = 1 / the divisor."""
+    mask = response_mask.bool()
+    rows = mask.shape[0]
+    if mode == "token-mean":
+        return torch.full((rows,), float(max(int(mask.sum()), 1)), dtype=torch.float64)
+    if mode == "seq-mean-token-sum":
+        return torch.full((rows,), float(max(rows, 1)), dtype=torch.float64)
+    if mode == "seq-mean-token-mean":
+        return mask.sum(-1).clamp(min=1).double() * max(rows, 1)
+    if mode == "seq-mean-token-sum-norm":
+        return torch.full((rows,), float(max(rows, 1) * max(horizon, 1)), dtype=torch.float64)
+    raise ValueError(f"unknown loss_agg_mode {mode!r}")

@@ -13,8 +13,7 @@ from typing import NamedTuple
 import torch
 
 from rlctl.algos.kl import LOG_RATIO_BOUND
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from rlctl.choices import LOSS_AGG_MODES  # noqa: F401 (listed once, in rlctl.choices)
 
 
 class PolicyLoss(NamedTuple):

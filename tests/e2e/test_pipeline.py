@@ -456,6 +456,9 @@ def test_keep_best_saves_and_keeps_the_checkpoint_of_the_best_iteration(cli, tmp
     (["--set", "model.critic=", "--set", "advantage.estimator=grpo", "--set", "update.critic_warmup=4"], "update.critic_warmup trains only the critic for its steps: set model.critic"),
     (["--set", "update.lr_schedule=cosine"], "decays until update.decay_steps (0), which must exceed update.warmup_steps (0): set it in optimizer steps; this batch takes 4 optimizer steps per update"),
     (["--set", 'data.system_prompt="Be brief."'], "prompts.jsonl: prompt 'p0' is plain text, and data.system_prompt is a chat message: set data.chat_template = true"),
+    (["--set", 'advantage.estimator="online_dpo"', "--set", "advantage.kl_coef=0", "--set", "model.ref="], "estimator online_dpo compares the policy's pairs with a reference: set model.ref"),
+    (["--set", 'advantage.estimator="online_dpo"', "--set", "advantage.kl_coef=0", "--set", "rollout.n=1"], "estimator online_dpo makes a pair of each prompt's best and worst sample: set rollout.n ≥ 2"),
+    (["--set", 'advantage.estimator="online_dpo"'], "estimator online_dpo holds the policy to the reference through advantage.dpo_beta: set advantage.kl_coef = 0"),
 ])
 def test_bad_configs_fail_before_any_work(cli, tmp_path, tiny_model, args, fragment):
     config = write_config(tmp_path, tiny_model)
@@ -589,3 +592,56 @@ def test_auto_dtypes_where_bf16_is_native_train_in_bf16_on_the_updates_own_logpr
     Pipeline.from_config(config, [f"pipeline.run_dir={runs['auto']}", "pipeline.iterations=3"]).run()
     assert len(metrics_without_timings(runs["auto"])) == 3
     assert json.loads((runs["auto"] / "iter-0003" / "score" / "_manifest.json").read_text())["config"]["score"]["dtype"] == "bf16"
+
+
+def test_online_dpo_pairs_each_groups_best_and_worst_sample_and_its_update_raises_the_chosen_over_the_rejected(cli, tmp_path, tiny_model):
+    """advantage.estimator = online_dpo: per prompt its best-rewarded sample gets a positive
+    advantage and its worst a negative one (the gradient of the pair's DPO loss, scaled for the
+    update's aggregation), the others none; after the update the pairs' DPO loss is lower; the
+    advantage stage replays identically."""
+    from rlctl.algos.kl import KLControllerState
+    from rlctl.algos.preference import dpo_losses
+    from rlctl.backends.hf import HFPolicy
+    from rlctl.stages.advantage import advantage_table
+
+    config = write_config(
+        tmp_path, tiny_model, model={"critic": "", "ref": "policy"}, rollout={"n": 3, "max_new_tokens": 6},
+        advantage={"estimator": "online_dpo", "kl_coef": 0.0, "kl_controller": "fixed", "dpo_beta": 0.5},
+        update={"epochs": 1, "mini_batch_size": 0, "lr": 1e-3}, pipeline={"iterations": 2, "val_every": 0},
+    )
+    plan = cli("pipeline", config, "--dry-run", "--run-dir", tmp_path / "run")
+    assert "online_dpo (each prompt's best and worst sample a pair, sigmoid loss, β 0.5, scaled for token-mean)" in plan.stdout, plan.stderr
+    pipeline = Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"])
+    assert len(pipeline.run()) == 2
+    folder = tmp_path / "run" / "iter-0001"
+    scores = shards.read(str(folder / "score"), "scores").table
+    batch = shards.read(str(folder / "advantage"), "batch").table
+    expected, _, _ = advantage_table(scores, pipeline.cfg.advantage, KLControllerState(0.0))
+    assert batch.column("advantages").to_pylist() == expected.column("advantages").to_pylist()
+    ids, rewards = batch.column("id").to_pylist(), batch.column("reward").to_pylist()
+    signs = [0 if not any(row) else (1 if row[0] > 0 else -1) for row in batch.column("advantages").to_pylist()]
+    chosen, rejected = [], []
+    for prompt in sorted(set(ids)):
+        rows = [i for i, name in enumerate(ids) if name == prompt]
+        if max(rewards[i] for i in rows) > min(rewards[i] for i in rows):
+            assert sorted(signs[i] for i in rows) == [-1, 0, 1]
+            chosen.append(next(i for i in rows if signs[i] > 0))
+            rejected.append(next(i for i in rows if signs[i] < 0))
+            assert rewards[chosen[-1]] == max(rewards[i] for i in rows) and rewards[rejected[-1]] == min(rewards[i] for i in rows)
+        else:
+            assert all(signs[i] == 0 for i in rows)
+    assert chosen, "no prompt had samples of different rewards"
+    prompts, responses = batch.column("prompt_ids").to_pylist(), batch.column("response_ids").to_pylist()
+    trained = HFPolicy.load(str(tmp_path / "run" / "checkpoints" / "iter-0001"), "cpu")
+    after = trained.logprobs([prompts[i] for i in chosen + rejected], [responses[i] for i in chosen + rejected], temperature=1.0)
+
+    def pair_loss(logprobs: list[list[float]]) -> float:
+        sums = torch.tensor([sum(row) for row in logprobs], dtype=torch.float64)
+        ref = torch.tensor([sum(batch.column("ref_logprobs")[i].as_py()) for i in chosen + rejected], dtype=torch.float64)
+        n = len(chosen)
+        return float(dpo_losses(sums[:n], sums[n:], ref[:n], ref[n:], beta=0.5)[0].mean())
+
+    before = pair_loss([batch.column("rollout_logprobs")[i].as_py() for i in chosen + rejected])
+    assert pair_loss(after) < before - 1e-4
+    replayed = cli("replay", folder / "advantage", "--check")
+    assert replayed.exit_code == 0 and "identical" in replayed.stdout, replayed.stderr

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from rlctl import shards
 from rlctl.manifest import Manifest
@@ -497,3 +498,32 @@ def test_a_stage_configs_reward_and_tool_files_are_relative_to_the_config_file(c
     assert set(shards.read(str(tmp_path / "s3"), "scores").table.column("reward").to_pylist()) == {3.0}
     result = cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "s4", "--config", folder / "c.toml", "--reward", "builtin:length")
     assert result.exit_code == 0, result.stderr  # a flag is the command line's: it overrides the file's value as given
+
+
+def test_online_dpo_advantages_come_from_the_policys_and_the_references_log_probs_and_need_the_reference(cli, tmp_path, tiny_model, scored):
+    """advantage --estimator online_dpo: each prompt's best and worst sample get opposite
+    advantages (its other samples none), scaled for the update's aggregation of the config;
+    scores without the reference's log-probs are refused."""
+    from rlctl.algos.advantages import ESTIMATORS, PreferencePairs, aggregation_divisors
+    from rlctl.tensors import mask_from_lengths, padded
+
+    result = cli("advantage", "--scores", scored, "--out", tmp_path / "b", "--estimator", "online_dpo", "--set", "advantage.dpo_beta=0.5", "--set", "update.loss_agg_mode=seq-mean-token-sum")
+    assert result.exit_code == 0, result.stderr
+    batch = shards.read(str(tmp_path / "b"), "batch").table
+    lengths = np.array([len(r) for r in batch.column("response_ids").to_pylist()])
+    mask = mask_from_lengths(lengths, int(lengths.max()))
+    token_rewards = torch.zeros(mask.shape, dtype=torch.float64)
+    token_rewards[torch.arange(len(lengths)), torch.from_numpy(lengths - 1)] = torch.tensor(batch.column("reward").to_pylist(), dtype=torch.float64)
+    _, groups = np.unique(np.asarray(batch.column("id").to_pylist(), dtype=object).astype(str), return_inverse=True)
+    pairs = PreferencePairs(
+        padded(batch.column("old_logprobs"), width=mask.shape[1]), padded(batch.column("ref_logprobs"), width=mask.shape[1]),
+        aggregation_divisors(mask, "seq-mean-token-sum", mask.shape[1]), 0.5,
+    )
+    want = ESTIMATORS.get("online_dpo")(
+        token_rewards=token_rewards, response_mask=mask, values=None, group_index=torch.from_numpy(groups), gamma=1.0, lam=1.0, norm_by_std=True, pairs=pairs,
+    ).advantages
+    got = batch.column("advantages").to_pylist()
+    assert all(row == pytest.approx(want[i, : len(row)].tolist(), abs=1e-6) for i, row in enumerate(got))
+    assert any(any(row) for row in got)
+    assert cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "s0", "--reward", "builtin:length").exit_code == 0
+    bad(cli("advantage", "--scores", tmp_path / "s0", "--out", tmp_path / "o", "--estimator", "online_dpo"), tmp_path / "o", "estimator online_dpo compares with the reference: score with --ref")

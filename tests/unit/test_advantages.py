@@ -26,10 +26,10 @@ def random_batch(seed=0, B=7, T=6, groups=(0, 0, 0, 1, 1, 2, 3)):
     return rewards, mask, values, torch.tensor(groups[:B]), lengths
 
 
-def call(name, rewards, mask, values, groups, gamma=0.9, lam=0.8, norm_by_std=True, std_scope="group", baselines=None, paths=None):
+def call(name, rewards, mask, values, groups, gamma=0.9, lam=0.8, norm_by_std=True, std_scope="group", baselines=None, paths=None, pairs=None):
     return ESTIMATORS.get(name)(
         token_rewards=rewards, response_mask=mask, values=values, group_index=groups, gamma=gamma, lam=lam, norm_by_std=norm_by_std, std_scope=std_scope,
-        baselines=baselines, paths=paths,
+        baselines=baselines, paths=paths, pairs=pairs,
     )
 
 
@@ -392,7 +392,7 @@ def test_the_kl_fed_to_the_controller_averages_tokens_then_sequences():
 def test_unknown_estimator_lists_the_known_ones():
     from rlctl.errors import InputError
 
-    with pytest.raises(InputError, match="available: gae, gpg, grpo, grpo_passk, opo, optimal_token_baseline, reinforce_pp, reinforce_pp_baseline, remax, rloo"):
+    with pytest.raises(InputError, match="available: gae, gpg, grpo, grpo_passk, online_dpo, opo, optimal_token_baseline, reinforce_pp, reinforce_pp_baseline, remax, rloo"):
         ESTIMATORS.get("ppo2")
 
 
@@ -499,3 +499,59 @@ def test_the_advantage_stage_weighs_the_optimal_token_baselines_paths_by_the_upd
         assert got == pytest.approx(want, abs=1e-5)
     plain, _, _ = advantage_table(table, AdvantageConfig(estimator="optimal_token_baseline", otb_rollout_is="off"), KLControllerState(0.0))
     assert plain.column("advantages").to_pylist() != out.column("advantages").to_pylist()
+
+
+# -- online DPO: a DPO pair per group, as advantages ------------------------------------------
+
+
+def online_dpo_pairs(mask, mode, loss="sigmoid", beta=0.3, horizon=0, seed=5):
+    from rlctl.algos.advantages import PreferencePairs, aggregation_divisors
+
+    g = torch.Generator().manual_seed(seed)
+    logprobs = -torch.rand(mask.shape, generator=g, dtype=torch.float64) * 3
+    ref_logprobs = logprobs + torch.randn(mask.shape, generator=g, dtype=torch.float64) * 0.3
+    divisors = aggregation_divisors(mask, mode, horizon or mask.shape[1])
+    return PreferencePairs(logprobs, ref_logprobs, divisors, beta, loss)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "apo_zero", "nca_pair"])
+def test_online_dpos_advantages_under_the_updates_aggregation_give_the_gradient_of_the_pairs_mean_dpo_loss(mode, loss):
+    """At the update's first step (ratio 1) the surrogate −A·ratio, aggregated as the update
+    aggregates it, has the gradient in each token's log-prob of the mean preference loss over
+    the pairs of each group's best and worst sample (groups 2 and 3, of one sample each, make none)."""
+    from rlctl.algos.losses import aggregate
+    from rlctl.algos.preference import dpo_losses
+
+    rewards, mask, values, groups, lengths = random_batch(seed=3)
+    pairs = online_dpo_pairs(mask, mode, loss=loss)
+    advantages, returns = call("online_dpo", rewards, mask, None, groups, paths=None, pairs=pairs)
+    assert torch.equal(advantages, returns) and (advantages[~mask] == 0).all()
+    logp = pairs.logprobs.clone().requires_grad_(True)
+    ratio = torch.exp(logp - logp.detach())  # 1, with the log-prob's gradient
+    aggregate(loss=-advantages * ratio, response_mask=mask, mode=mode, batch_tokens=int(mask.sum()), batch_seqs=len(lengths), horizon=mask.shape[1]).backward()
+    surrogate_grad = logp.grad.clone()
+    scores = [sum(rewards[i, :n].tolist()) for i, n in enumerate(lengths)]
+    chosen, rejected = [], []
+    for group in sorted(set(groups.tolist())):
+        rows = [i for i in range(len(lengths)) if groups[i] == group]
+        best, worst = max(rows, key=lambda i: scores[i]), min(rows, key=lambda i: scores[i])
+        if scores[best] > scores[worst]:
+            chosen.append(best)
+            rejected.append(worst)
+    assert len(chosen) == 2  # groups 0 and 1
+    logp.grad = None
+    summed, ref = torch.where(mask, logp, 0).sum(-1), torch.where(mask, pairs.ref_logprobs, 0).sum(-1)
+    tokens = mask.sum(-1)
+    losses, _, _ = dpo_losses(summed[chosen], summed[rejected], ref[chosen], ref[rejected], beta=0.3, loss=loss, chosen_tokens=tokens[chosen], rejected_tokens=tokens[rejected])
+    losses.mean().backward()
+    assert torch.allclose(surrogate_grad, torch.where(mask, logp.grad, 0), atol=1e-12)
+    others = [i for i in range(len(lengths)) if i not in chosen + rejected]
+    assert (advantages[others] == 0).all()
+
+
+def test_online_dpo_makes_no_pair_of_a_group_whose_samples_tie():
+    rewards, mask, values, groups, lengths = random_batch(seed=3)
+    rewards = torch.where(torch.arange(mask.shape[1]) == 0, 1.0, 0.0).expand_as(rewards).clone().double()  # every sample's score 1
+    advantages, _ = call("online_dpo", rewards, mask, None, groups, pairs=online_dpo_pairs(mask, "token-mean"))
+    assert (advantages == 0).all()

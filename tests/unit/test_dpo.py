@@ -182,7 +182,7 @@ def test_a_loss_on_each_sides_own_ratio_takes_no_other_f_divergence():
 
 def test_ld_dpo_weighs_each_sides_tokens_past_the_shorter_sides_length_by_alpha():
     """Pair 0: chosen 3 trained tokens, rejected 6 (a turn between them not trained); pair 1: 2 and 2."""
-    from rlctl.dpo import desensitized_weights
+    from rlctl.algos.preference import desensitized_weights
 
     counted = torch.tensor([
         [1, 1, 1, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0, 0],  # the chosen sides
@@ -241,7 +241,7 @@ def test_ld_dpo_scores_the_policy_and_the_reference_alike_and_its_passes_give_th
 
 
 def test_wpos_weight_is_how_likely_the_policy_samples_a_response_relative_to_its_distributions_sharpness():
-    from rlctl.dpo import wpo_weights
+    from rlctl.algos.preference import wpo_weights
 
     # row 0: p = 0.1 where Σp² = 0.5, then p = 0.5 where Σp² = 0.25 (a position not trained between); row 1: a uniform distribution's token
     logp = torch.log(torch.tensor([[0.1, 0.9, 0.5], [0.25, 0.0, 0.0]]).clamp(min=1e-12))
