@@ -958,7 +958,7 @@ class Pipeline:
             **({"entropy_tokens_kept": train["entropy_tokens_kept"]} if "entropy_tokens_kept" in train else {}),  # update.top_entropy_quantile: the share of tokens in the policy gradient
             **{k: train[k] for k in ("approx_kl", "kl_stopped_early", "optimizer_steps") if k in train},  # update.target_kl: its measure, whether it stopped the update, the steps made
             **{k: v for k, v in train.items() if k.startswith("rollout_rs/") or k == "rollout_is_batch_mean"},  # update.rollout_rs: the shares rejected; the IS weights' batch mean before normalizing
-            **{k: v for k, v in adv_stats.items() if k.startswith(("pf_ppo/", "variance_proxy/"))},  # advantage.pf_ppo: the share of rows drawn, their mean reward; with Σπ²: the gradient's variance proxies
+            **{k: v for k, v in adv_stats.items() if k.startswith(("pf_ppo/", "variance_proxy/", "dpo/"))},  # advantage.pf_ppo: the share of rows drawn, their mean reward; with Σπ²: the gradient's variance proxies; online_dpo: its pairs
             "torch_threads": train.get("torch_threads"),
             "seconds/io": io["seconds"],
             **reward_component_means(scores),

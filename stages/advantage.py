@@ -22,6 +22,7 @@ from rlctl.algos.advantages import (
     PreferencePairs,
     aggregation_divisors,
     masked_mean,
+    online_dpo_stats,
     sequence_mean,
 )
 from rlctl.algos.filtration import filtered_rows
@@ -121,13 +122,17 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
     with_sum_pi_squared = all(name in names and not table.column(name).null_count for name in ("old_logprobs", "sum_pi_squared"))
     old_logprobs, sum_pi_squared = (policy(padded(table.column(name), width=width)) for name in ("old_logprobs", "sum_pi_squared")) if with_sum_pi_squared else (None, None)
     _, group_index = np.unique(np.asarray(table.column("id").to_pylist(), dtype=object).astype(str), return_inverse=True)
+    groups = torch.from_numpy(group_index.astype(np.int64))
+    pairs = preference_pairs(table, cfg, policy, width, mask) if cfg.estimator in NEEDS_PAIRS else None
     result = ESTIMATORS.get(cfg.estimator)(
-        token_rewards=token_rewards, response_mask=mask, values=values, group_index=torch.from_numpy(group_index.astype(np.int64)),
+        token_rewards=token_rewards, response_mask=mask, values=values, group_index=groups,
         gamma=cfg.gamma, lam=cfg.lam, norm_by_std=cfg.norm_by_std, std_scope=cfg.std_scope,
         baselines=torch.from_numpy(table.column("baseline_reward").to_numpy().astype(np.float64)) if cfg.estimator in NEEDS_BASELINES else None,
         paths=path_weights(table, cfg, old_logprobs, sum_pi_squared, policy, width, mask) if cfg.estimator in NEEDS_SUM_PI_SQUARED else None,
-        pairs=preference_pairs(table, cfg, policy, width, mask) if cfg.estimator in NEEDS_PAIRS else None,
+        pairs=pairs,
     )
+    if pairs is not None:
+        stats.update(online_dpo_stats(token_rewards, mask, groups, pairs))
     advantages, returns = result.advantages, result.returns
     if tokens is not None:
         token_rewards, advantages, returns = tokens.spread(token_rewards), tokens.spread(advantages), tokens.spread(returns)

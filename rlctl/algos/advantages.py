@@ -17,6 +17,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from rlctl.algos.preference import dpo_losses
 from rlctl.algos.registry import Registry
 from rlctl.choices import SUM_PI_SQUARED_ESTIMATORS
 
@@ -316,17 +317,35 @@ def optimal_token_baseline(*, token_rewards, response_mask, values, group_index,
 def online_dpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
     """Online DPO (Guo et al., 2024, "Direct Language Model Alignment from Online AI Feedback";
     TRL's OnlineDPOTrainer) as advantages: in each prompt's group the best-rewarded sample is
-    chosen and the worst rejected (the first of equals; none where they tie), and each of the two
-    gets, on every token, −∂L/∂(its summed log-prob) × its divisor / the pairs, L the sum of the
-    pairs' preference losses (rlctl.dpo.dpo_losses with `pairs.loss`, β) at the sampling policy's
-    log-probs. The update's surrogate −A·ratio, aggregated as its loss_agg_mode does, then has the
-    gradient of the pairs' mean preference loss at its first optimizer step (ratio 1); other rows
-    get 0. Returns are the advantages."""
-    from rlctl.algos.preference import dpo_losses
-
+    chosen and the worst rejected (`best_and_worst_rows`), and each of the two gets, on every
+    token, −∂L/∂(its summed log-prob) × its divisor / the pairs, L the sum of the pairs'
+    preference losses (rlctl.algos.preference.dpo_losses with `pairs.loss`, β) at the sampling
+    policy's log-probs. The update's surrogate −A·ratio, aggregated as its loss_agg_mode does,
+    then has the gradient of the pairs' mean preference loss at its first optimizer step (ratio
+    1); other rows get 0. Returns are the advantages."""
     if pairs is None:
         raise ValueError("online_dpo needs the policy's and the reference's log-probs")
-    scores = sequence_scores(token_rewards, response_mask)
+    chosen, rejected = best_and_worst_rows(sequence_scores(token_rewards, response_mask), group_index)
+    advantages = torch.zeros(response_mask.shape, dtype=torch.float64)
+    if not len(chosen):
+        return AdvantageOutput(advantages, advantages.clone())
+    mask = response_mask.bool()
+    logps, ref_logps, tokens = pair_sums(pairs, mask)
+    sides = logps[chosen].clone().requires_grad_(True), logps[rejected].clone().requires_grad_(True)
+    losses, _, _ = dpo_losses(
+        sides[0], sides[1], ref_logps[chosen], ref_logps[rejected], beta=pairs.beta, loss=pairs.loss, chosen_tokens=tokens[chosen], rejected_tokens=tokens[rejected],
+    )
+    chosen_grad, rejected_grad = torch.autograd.grad(losses.sum(), sides)
+    per_row = torch.zeros(mask.shape[0], dtype=torch.float64)
+    per_row[chosen] = -chosen_grad * pairs.divisors.double()[chosen] / len(chosen)
+    per_row[rejected] = -rejected_grad * pairs.divisors.double()[rejected] / len(chosen)
+    advantages = torch.where(mask, per_row.unsqueeze(-1), 0.0)
+    return AdvantageOutput(advantages, advantages.clone())
+
+
+def best_and_worst_rows(scores: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of each group's best and of its worst score (the first of equals), for the groups
+    whose scores differ: online DPO's chosen and rejected samples."""
     chosen, rejected = [], []
     for group in torch.unique(group_index):
         rows = torch.nonzero(group_index == group).flatten()
@@ -334,25 +353,29 @@ def online_dpo(*, token_rewards, response_mask, values, group_index, gamma, lam,
         if scores[best] > scores[worst]:
             chosen.append(int(best))
             rejected.append(int(worst))
-    advantages = torch.zeros(response_mask.shape, dtype=torch.float64)
-    if not chosen:
-        return AdvantageOutput(advantages, advantages.clone())
-    mask = response_mask.bool()
-    logps = torch.where(mask, pairs.logprobs.double(), 0).sum(-1)
-    ref_logps = torch.where(mask, pairs.ref_logprobs.double(), 0).sum(-1)
-    tokens = mask.sum(-1)
-    c, r = torch.tensor(chosen), torch.tensor(rejected)
-    sides = logps[c].clone().requires_grad_(True), logps[r].clone().requires_grad_(True)
-    losses, _, _ = dpo_losses(
-        sides[0], sides[1], ref_logps[c], ref_logps[r], beta=pairs.beta, loss=pairs.loss, chosen_tokens=tokens[c], rejected_tokens=tokens[r],
+    return torch.tensor(chosen, dtype=torch.long), torch.tensor(rejected, dtype=torch.long)
+
+
+def pair_sums(pairs: PreferencePairs, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's summed log-prob under the sampling policy and under the reference, and its token count."""
+    return torch.where(mask, pairs.logprobs.double(), 0).sum(-1), torch.where(mask, pairs.ref_logprobs.double(), 0).sum(-1), mask.sum(-1)
+
+
+def online_dpo_stats(token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index: torch.Tensor, pairs: PreferencePairs) -> dict[str, float]:
+    """Online DPO's pairs as TRL's OnlineDPOTrainer reports them, at the sampling policy: how
+    many, their mean loss, the share whose chosen sample has the larger implicit reward
+    β·(log π − log π_ref) (`accuracy`), and the mean difference of the two (`margin`)."""
+    chosen, rejected = best_and_worst_rows(sequence_scores(token_rewards, response_mask), group_index)
+    if not len(chosen):
+        return {"dpo/pairs": 0.0}
+    logps, ref_logps, tokens = pair_sums(pairs, response_mask.bool())
+    losses, chosen_reward, rejected_reward = dpo_losses(
+        logps[chosen], logps[rejected], ref_logps[chosen], ref_logps[rejected], beta=pairs.beta, loss=pairs.loss, chosen_tokens=tokens[chosen], rejected_tokens=tokens[rejected],
     )
-    chosen_grad, rejected_grad = torch.autograd.grad(losses.sum(), sides)
-    count = len(chosen)
-    per_row = torch.zeros(len(scores), dtype=torch.float64)
-    per_row[c] = -chosen_grad * pairs.divisors.double()[c] / count
-    per_row[r] = -rejected_grad * pairs.divisors.double()[r] / count
-    advantages = torch.where(mask, per_row.unsqueeze(-1), 0.0)
-    return AdvantageOutput(advantages, advantages.clone())
+    return {
+        "dpo/pairs": float(len(chosen)), "dpo/loss": float(losses.mean()), "dpo/accuracy": float((chosen_reward > rejected_reward).double().mean()),
+        "dpo/margin": float((chosen_reward - rejected_reward).mean()),
+    }
 
 
 def aggregation_divisors(response_mask: torch.Tensor, mode: str, horizon: int) -> torch.Tensor:

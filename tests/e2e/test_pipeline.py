@@ -612,7 +612,8 @@ def test_online_dpo_pairs_each_groups_best_and_worst_sample_and_its_update_raise
     plan = cli("pipeline", config, "--dry-run", "--run-dir", tmp_path / "run")
     assert "online_dpo (each prompt's best and worst sample a pair, sigmoid loss, β 0.5, scaled for token-mean)" in plan.stdout, plan.stderr
     pipeline = Pipeline.from_config(config, [f"pipeline.run_dir={tmp_path / 'run'}"])
-    assert len(pipeline.run()) == 2
+    metrics = pipeline.run()
+    assert len(metrics) == 2
     folder = tmp_path / "run" / "iter-0001"
     scores = shards.read(str(folder / "score"), "scores").table
     batch = shards.read(str(folder / "advantage"), "batch").table
@@ -643,5 +644,6 @@ def test_online_dpo_pairs_each_groups_best_and_worst_sample_and_its_update_raise
 
     before = pair_loss([batch.column("rollout_logprobs")[i].as_py() for i in chosen + rejected])
     assert pair_loss(after) < before - 1e-4
+    assert metrics[0]["dpo/pairs"] == len(chosen) and metrics[0]["dpo/loss"] == pytest.approx(before, abs=1e-3) and 0 <= metrics[0]["dpo/accuracy"] <= 1
     replayed = cli("replay", folder / "advantage", "--check")
     assert replayed.exit_code == 0 and "identical" in replayed.stdout, replayed.stderr

@@ -548,6 +548,18 @@ def test_online_dpos_advantages_under_the_updates_aggregation_give_the_gradient_
     assert torch.allclose(surrogate_grad, torch.where(mask, logp.grad, 0), atol=1e-12)
     others = [i for i in range(len(lengths)) if i not in chosen + rejected]
     assert (advantages[others] == 0).all()
+    if mode == "token-mean":  # what the advantage stage reports of the pairs, at the sampling policy
+        from rlctl.algos.advantages import online_dpo_stats
+
+        with torch.no_grad():
+            before, chosen_reward, rejected_reward = dpo_losses(
+                summed[chosen], summed[rejected], ref[chosen], ref[rejected], beta=0.3, loss=loss, chosen_tokens=tokens[chosen], rejected_tokens=tokens[rejected],
+            )
+        stats = online_dpo_stats(rewards, mask, groups, pairs)
+        assert stats == pytest.approx({
+            "dpo/pairs": 2, "dpo/loss": float(before.mean()), "dpo/accuracy": float((chosen_reward > rejected_reward).double().mean()),
+            "dpo/margin": float((chosen_reward - rejected_reward).mean()),
+        })
 
 
 def test_online_dpo_makes_no_pair_of_a_group_whose_samples_tie():
