@@ -1,5 +1,6 @@
 """The shipped examples run as a user would run them."""
 
+import math
 import os
 import subprocess
 import sys
@@ -61,6 +62,15 @@ def test_grpo_example_learns_on_two_ray_workers_as_it_does_locally(tmp_path):
     assert rows[0]["reward_mean"] == local[0]["reward_mean"] and abs(rows[0]["pg_loss"] - local[0]["pg_loss"]) < 1e-5
     for ours, theirs in zip(rows[1:3], local[1:3]):
         assert abs(ours["reward_mean"] - theirs["reward_mean"]) < 1e-2 and abs(ours["pg_loss"] - theirs["pg_loss"]) < 1e-3
+
+
+@pytest.mark.slow
+def test_online_dpo_example_learns_by_the_stated_margin(tmp_path):
+    rows = run_example("online_dpo.toml", tmp_path)
+    assert len(rows) == 30
+    assert learning_margin(rows) >= 0.5  # the margin stated in examples/online_dpo.toml
+    assert all(row["dpo/pairs"] >= 1 for row in rows[:10])  # early on most prompts' samples differ
+    assert rows[0]["dpo/loss"] == pytest.approx(math.log(2), abs=1e-3)  # the policy is its reference at the start: h = 0
 
 
 @pytest.mark.slow
