@@ -491,28 +491,38 @@ def test_a_mixed_reference_is_alpha_times_the_policy_at_each_sync_plus_the_rest_
     assert max(abs(a - b) for a, b in zip(before, pairs.ref_chosen)) > 1e-3
 
 
-def test_a_run_stopped_mid_epoch_resumes_its_mixed_reference_to_the_uninterrupted_weights(tiny_model, tmp_path):
-    """The epoch checkpoints keep the held copy: step 4, after the resume, mixes into the copy of step 3."""
+class Stopped(Exception):
+    """What a report raises to stop a run in its second epoch, as a kill would."""
 
-    class Stopped(Exception):
-        pass
 
-    def stop_in_epoch_2(row: dict) -> None:
+def stopped_in_epoch_2(run, **args) -> None:
+    """`run(**args)` stopped as it reports its second epoch (its epoch checkpoints left behind)."""
+
+    def stop(row: dict) -> None:
         if row["epoch"] == 2:
             raise Stopped
 
+    with pytest.raises(Stopped):
+        run(report=stop, **args)
+
+
+def assert_resumed_as_uninterrupted(resumed, whole, out, keys) -> None:
+    """A resumed run's weights are the uninterrupted run's byte for byte, its epochs' figures too."""
+    assert (out / "model.safetensors").read_bytes() == (out.parent / "whole" / "model.safetensors").read_bytes()
+    for key in keys:
+        assert [r[key] for r in resumed.state["epochs"][1:]] == pytest.approx([r[key] for r in whole.state["epochs"][1:]], abs=1e-6)
+
+
+def test_a_run_stopped_mid_epoch_resumes_its_mixed_reference_to_the_uninterrupted_weights(tiny_model, tmp_path):
+    """The epoch checkpoints keep the held copy: step 4, after the resume, mixes into the copy of step 3."""
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in number_pairs(8)))
     cfg = load_config(None, ["dpo.epochs=2", "dpo.lr=1e-3", "dpo.batch_size=4", "dpo.bf16=false", "dpo.save_steps=1", "dpo.ref_sync_every=1", "dpo.ref_sync_alpha=0.5"])
     args = {"data": str(tmp_path / "train.jsonl"), "val_data": str(tmp_path / "train.jsonl"), "model": tiny_model, "cfg": cfg, "device": "cpu"}
     whole = run(out=str(tmp_path / "whole"), **args)
-    with pytest.raises(Stopped):
-        run(out=str(tmp_path / "dpo"), report=stop_in_epoch_2, **args)
+    stopped_in_epoch_2(run, out=str(tmp_path / "dpo"), **args)
     checkpoint = tmp_path / "dpo.progress" / "epoch-0001-step-000001"
     kept = set(load_file(str(checkpoint / "kept.safetensors")))
     assert {"train", "held_out"} <= kept and {f"reference_weights/{name}" for name in weights_of(HFPolicy.load(tiny_model, "cpu").model)} <= kept
     resumed = run(out=str(tmp_path / "dpo"), **args)
-    assert (tmp_path / "dpo" / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
-    for key in ("loss", "val_loss", "margin"):  # the last sync's reference, mixed into the restored copy, measures the held-out pairs
-        assert [r[key] for r in resumed.state["epochs"][1:]] == pytest.approx([r[key] for r in whole.state["epochs"][1:]], abs=1e-6)
+    assert_resumed_as_uninterrupted(resumed, whole, tmp_path / "dpo", ("loss", "val_loss", "margin"))  # the last sync's reference, mixed into the restored copy, measures the held-out pairs
     assert resumed.state["ref_syncs"] == 4
-

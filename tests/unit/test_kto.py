@@ -227,23 +227,15 @@ def test_a_kto_run_stopped_mid_epoch_resumes_its_mixed_reference_to_the_uninterr
     """The epoch checkpoints keep the held copy and both reference values as of their step."""
     from safetensors.torch import load_file
 
-    class Stopped(Exception):
-        pass
-
-    def stop_in_epoch_2(row: dict) -> None:
-        if row["epoch"] == 2:
-            raise Stopped
+    from tests.unit.test_dpo import assert_resumed_as_uninterrupted, stopped_in_epoch_2
 
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in number_examples(8)))
     cfg = load_config(None, ["kto.epochs=2", "kto.lr=1e-3", "kto.batch_size=4", "kto.bf16=false", "kto.save_steps=1", "kto.ref_sync_every=1", "kto.ref_sync_alpha=0.5"])
     args = {"data": str(tmp_path / "train.jsonl"), "val_data": str(tmp_path / "train.jsonl"), "model": tiny_model, "cfg": cfg, "device": "cpu"}
     whole = run(out=str(tmp_path / "whole"), **args)
-    with pytest.raises(Stopped):
-        run(out=str(tmp_path / "kto"), report=stop_in_epoch_2, **args)
+    stopped_in_epoch_2(run, out=str(tmp_path / "kto"), **args)
     kept = set(load_file(str(tmp_path / "kto.progress" / "epoch-0001-step-000001" / "kept.safetensors")))
     assert {"train", "held_out"} <= kept and any(name.startswith("reference_weights/") for name in kept)
     resumed = run(out=str(tmp_path / "kto"), **args)
-    assert (tmp_path / "kto" / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
-    for key in ("loss", "kl", "margin", "val_loss", "val_margin"):
-        assert [r[key] for r in resumed.state["epochs"][1:]] == pytest.approx([r[key] for r in whole.state["epochs"][1:]], abs=1e-6)
+    assert_resumed_as_uninterrupted(resumed, whole, tmp_path / "kto", ("loss", "kl", "margin", "val_loss", "val_margin"))
     assert resumed.state["ref_syncs"] == 4
