@@ -133,13 +133,17 @@ def prompt_tokens(table: pa.Table, tokenizer, data: DataConfig) -> list[tuple[st
     return encoded
 
 
-def encode_prompts(table: pa.Table, tokenizer, data: DataConfig, *, context_length: int | None = None, max_new_tokens: int = 0) -> list[list[int]]:
-    """Token ids of every prompt (`prompt_tokens`). Too long for `max_prompt_tokens`, or for
-    the model's context with `max_new_tokens` to come → error, or left-truncate (a prompt
-    `data.truncate = "drop"` would leave out is an error here: `fitting_prompts` drops first)."""
+def encode_prompts(
+    table: pa.Table, tokenizer, data: DataConfig, *, context_length: int | None = None, max_new_tokens: int = 0,
+    tokenized: list[tuple[str, list[int]]] | None = None,
+) -> list[list[int]]:
+    """Token ids of every prompt (`prompt_tokens`, or `tokenized`: theirs already). Too long for
+    `max_prompt_tokens`, or for the model's context with `max_new_tokens` to come → error, or
+    left-truncate (a prompt `data.truncate = "drop"` would leave out is an error here:
+    `fitting_prompts` drops first)."""
     limit, why = prompt_limit(data, context_length, max_new_tokens)
     encoded = []
-    for prompt_id, tokens in prompt_tokens(table, tokenizer, data):
+    for prompt_id, tokens in tokenized if tokenized is not None else prompt_tokens(table, tokenizer, data):
         if len(tokens) > limit:
             if data.truncate == "drop":  # a caller that samples drops first; others (sft's prompts) cannot leave an example out
                 raise InputError(f"prompt {prompt_id!r} has {len(tokens)} tokens, over {why}: data.truncate = drop leaves out only prompts to sample from; cut it with left")
@@ -153,16 +157,27 @@ def encode_prompts(table: pa.Table, tokenizer, data: DataConfig, *, context_leng
 def fitting_prompts(table: pa.Table, tokenizer, data: DataConfig, *, context_length: int | None = None, max_new_tokens: int = 0) -> tuple[pa.Table, list[str]]:
     """With `data.truncate = "drop"` (verl's filter_overlong_prompts), the rows whose prompt
     fits and the ids of those left out (none left is an error); otherwise the table as it is."""
+    kept, dropped, _ = fitting_prompt_tokens(table, tokenizer, data, context_length=context_length, max_new_tokens=max_new_tokens)
+    return kept, dropped
+
+
+def fitting_prompt_tokens(
+    table: pa.Table, tokenizer, data: DataConfig, *, context_length: int | None = None, max_new_tokens: int = 0,
+) -> tuple[pa.Table, list[str], list[tuple[str, list[int]]] | None]:
+    """`fitting_prompts`, with the kept prompts' (id, tokens) where it tokenized them (with
+    `data.truncate = "drop"`; else None), so that they are not tokenized again."""
     if data.truncate != "drop":
-        return table, []
+        return table, [], None
     limit, why = prompt_limit(data, context_length, max_new_tokens)
-    fits = [len(tokens) <= limit for _, tokens in prompt_tokens(table, tokenizer, data)]
+    tokenized = prompt_tokens(table, tokenizer, data)
+    fits = [len(tokens) <= limit for _, tokens in tokenized]
     dropped = [prompt_id for prompt_id, ok in zip(table.column("id").to_pylist(), fits) if not ok]
     if dropped and len(dropped) == table.num_rows:
         raise InputError(f"every prompt ({table.num_rows}) is over {why}: none left to sample with data.truncate = drop")
     if dropped:
         notice_dropped(dropped, table.num_rows, why)
-    return (table.filter(pa.array(fits, pa.bool_())) if dropped else table), dropped
+    kept = [pair for pair, ok in zip(tokenized, fits) if ok]
+    return (table.filter(pa.array(fits, pa.bool_())) if dropped else table), dropped, kept
 
 
 def notice_dropped(dropped: list[str], total: int, why: str) -> None:
@@ -183,8 +198,8 @@ def rollout_table(
         raise InputError(f"truncate must be one of {', '.join(TRUNCATE)}, got {data.truncate!r}")
     check_tool(cfg.tool, cfg.stop)
     context = {"context_length": getattr(engine, "context_length", None), "max_new_tokens": cfg.max_new_tokens}
-    prompts, _ = fitting_prompts(prompts, engine.tokenizer, data, **context)
-    prompt_ids = encode_prompts(prompts, engine.tokenizer, data, **context)
+    prompts, _, tokenized = fitting_prompt_tokens(prompts, engine.tokenizer, data, **context)
+    prompt_ids = encode_prompts(prompts, engine.tokenizer, data, tokenized=tokenized, **context)
     repeated = [ids for ids in prompt_ids for _ in range(cfg.n)]
     rows = pa.array([i for i in range(prompts.num_rows) for _ in range(cfg.n)], pa.int64())
     table = prompts.take(rows)

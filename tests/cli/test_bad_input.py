@@ -283,6 +283,26 @@ def test_drop_leaves_out_the_prompts_over_the_context_less_the_response_and_keep
         encode_prompts(table, Words(), DataConfig(truncate="drop"), context_length=10, max_new_tokens=6)  # an SFT example's prompt, say
 
 
+
+def test_a_rollout_that_drops_prompts_tokenizes_each_prompt_once_and_samples_the_kept_ones_tokens():
+    from rlctl.config import DataConfig
+    from rlctl.stages.rollout import encode_prompts, fitting_prompt_tokens
+
+    calls = []
+
+    class Words:
+        def __call__(self, text, add_special_tokens=False):
+            calls.append(text)
+            return {"input_ids": list(range(len(text.split())))}
+
+    table = pa.table({"id": ["a", "b", "c"], "prompt": ["one two three four five", "one two", "one two three four"]})
+    data = DataConfig(truncate="drop")
+    kept, dropped, tokenized = fitting_prompt_tokens(table, Words(), data, context_length=10, max_new_tokens=6)
+    ids = encode_prompts(kept, Words(), data, context_length=10, max_new_tokens=6, tokenized=tokenized)
+    assert dropped == ["a"] and ids == [[0, 1], [0, 1, 2, 3]] and len(calls) == 3  # one call per prompt, none again for the kept ones
+    assert fitting_prompt_tokens(table, Words(), DataConfig(truncate="left"), context_length=10, max_new_tokens=6) == (table, [], None) and len(calls) == 3
+
+
 def test_files_that_are_not_utf8(cli, tmp_path, tiny_model):
     prompts = tmp_path / "latin1.jsonl"
     prompts.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
