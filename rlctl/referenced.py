@@ -32,7 +32,7 @@ def kept_tensors(trainer, rows, held_out) -> dict[str, torch.Tensor]:
     """What an epoch checkpoint keeps beside the weights, as of now: the reference's
     log-probabilities (`reference_tensors`) and, where the reference moves and a copy of it is
     held (rlctl.moving_reference), its weights. On FSDP2 ranks a collective."""
-    moving = getattr(trainer, "moving_reference", None)
+    moving = trainer.moving_reference
     return {**reference_tensors(rows, held_out), **(moving.kept() if moving is not None else {})}
 
 
@@ -48,7 +48,7 @@ def kept_file(tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
 def restore_moving_reference(trainer, kept: dict[str, torch.Tensor]) -> None:
     """A resumed run's moving reference as its epoch checkpoint kept it (nothing where the
     reference stays or no copy is held)."""
-    moving = getattr(trainer, "moving_reference", None)
+    moving = trainer.moving_reference
     if moving is not None:
         moving.restore(kept)
 
@@ -204,7 +204,7 @@ def train_against_reference(
         )
         optimizer_steps = sum(row.get("steps", 0) for row in epochs)
         manifest.state = {**command.state(rows), "optimizer_steps": optimizer_steps, "epochs": epochs, "reference": model}  # what `--eval` measures against
-        if getattr(section, "ref_sync_every", 0):
+        if section.ref_sync_every:
             manifest.state["ref_syncs"] = optimizer_steps // section.ref_sync_every  # the reference moved; `--eval` still measures against the starting one
         manifest.metrics = {k: v for k, v in epochs[-1].items() if k in command.metrics}
         saved = where.save(out, manifest)
