@@ -208,6 +208,7 @@ class AdvantageConfig:
     otb_rollout_is_threshold: float = 2.0  # the truncation of those weights (auto: update.rollout_is_threshold)
     dpo_beta: float = 0.1  # online_dpo: the preference loss's β
     dpo_loss: str = "sigmoid"  # online_dpo: the preference loss (rlctl dpo's of that name): sigmoid | ipo | hinge | sigmoid_norm | nca_pair | bco_pair | sppo_hard | apo_zero | apo_down
+    dpo_pairs: str = "best_worst"  # online_dpo: the pairs of a prompt's samples: best_worst (its best and worst, as the paper's two samples) | all (every two whose rewards differ, the better chosen)
     dpo_loss_agg: str = "auto"  # online_dpo: the update's loss_agg_mode its advantages are scaled for (auto: update.loss_agg_mode, where the config has an [update])
     dpo_loss_horizon: int = 0  # online_dpo with seq-mean-token-sum-norm: the update's loss_horizon (auto: update.loss_horizon); 0 = the batch's longest response
     std_scope: str = "group"  # GRPO with norm_by_std: the std of the prompt's group, or of the whole batch (TRL's scale_rewards="batch", Lite PPO)
@@ -225,7 +226,7 @@ class AdvantageConfig:
             "gamma": between(0.0, 1.0), "lam": between(0.0, 1.0), "kl_coef": at_least(0.0), "kl_controller": one_of(*KL_CONTROLLERS),
             "kl_target": above(0.0), "kl_horizon": at_least(1), "std_scope": one_of(*STD_SCOPES), "pf_ppo": one_of(*PF_PPO),
             "otb_rollout_is": one_of(*OTB_ROLLOUT_IS), "otb_rollout_is_threshold": above(1.0),
-            "pf_ppo_weight_pow": at_least(0.0), "dpo_beta": above(0.0), "dpo_loss": one_of(*ONLINE_DPO_LOSSES),
+            "pf_ppo_weight_pow": at_least(0.0), "dpo_beta": above(0.0), "dpo_loss": one_of(*ONLINE_DPO_LOSSES), "dpo_pairs": one_of("best_worst", "all"),
             "dpo_loss_agg": one_of("auto", *LOSS_AGG_MODES), "dpo_loss_horizon": at_least(0),
         })
 

@@ -1196,7 +1196,8 @@ def describe_algorithm(cfg: Config) -> str:
         weights = f", × ρ̄² of {advantage.otb_rollout_is} IS weights ≤ {advantage.otb_rollout_is_threshold:g}" if advantage.otb_rollout_is in ("token", "sequence") else ""
         estimator += f" (paths weighed by score's Σπ²{weights}{', zero tail' if advantage.otb_zero_tail else ''})"
     elif estimator == "online_dpo":
-        estimator += f" (each prompt's best and worst sample a pair, {advantage.dpo_loss} loss, β {advantage.dpo_beta:g}, scaled for {advantage.dpo_loss_agg})"
+        paired = "each prompt's best and worst sample a pair" if advantage.dpo_pairs == "best_worst" else "every two samples of a prompt whose rewards differ a pair"
+        estimator += f" ({paired}, {advantage.dpo_loss} loss, β {advantage.dpo_beta:g}, scaled for {advantage.dpo_loss_agg})"
     if advantage.kl_coef > 0:
         estimator += f", KL {advantage.kl_estimator} × {advantage.kl_coef:g} in the reward" + (" (adaptive)" if advantage.kl_controller == "adaptive" else "")
     if advantage.pf_ppo != "off":

@@ -162,7 +162,7 @@ def preference_pairs(table: pa.Table, cfg: AdvantageConfig, policy, width: int, 
     mode = "token-mean" if cfg.dpo_loss_agg == "auto" else cfg.dpo_loss_agg
     return PreferencePairs(
         logprobs=policy(padded(table.column(policy_column), width=width)), ref_logprobs=policy(padded(table.column("ref_logprobs"), width=width)),
-        divisors=aggregation_divisors(mask, mode, cfg.dpo_loss_horizon or width), beta=cfg.dpo_beta, loss=cfg.dpo_loss,
+        divisors=aggregation_divisors(mask, mode, cfg.dpo_loss_horizon or width), beta=cfg.dpo_beta, loss=cfg.dpo_loss, which=cfg.dpo_pairs,
     )
 
 

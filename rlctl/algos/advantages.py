@@ -52,6 +52,7 @@ class PreferencePairs(NamedTuple):
     divisors: torch.Tensor  # [B]
     beta: float
     loss: str = "sigmoid"
+    which: str = "best_worst"  # the pairs of a group: its best and worst sample, or every two samples whose rewards differ ("all")
 
 
 class AdvantageEstimator(Protocol):
@@ -316,43 +317,49 @@ def optimal_token_baseline(*, token_rewards, response_mask, values, group_index,
 @ESTIMATORS.register("online_dpo")
 def online_dpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
     """Online DPO (Guo et al., 2024, "Direct Language Model Alignment from Online AI Feedback";
-    TRL's OnlineDPOTrainer) as advantages: in each prompt's group the best-rewarded sample is
-    chosen and the worst rejected (`best_and_worst_rows`), and each of the two gets, on every
-    token, −∂L/∂(its summed log-prob) × its divisor / the pairs, L the sum of the pairs'
-    preference losses (rlctl.algos.preference.dpo_losses with `pairs.loss`, β) at the sampling
-    policy's log-probs. The update's surrogate −A·ratio, aggregated as its loss_agg_mode does,
-    then has the gradient of the pairs' mean preference loss at its first optimizer step (ratio
-    1); other rows get 0. Returns are the advantages."""
+    TRL's OnlineDPOTrainer) as advantages: each prompt's group makes preference pairs
+    (`preference_rows`: its best-rewarded sample chosen and its worst rejected, or every two
+    samples whose rewards differ), and every row gets, on each of its tokens, −∂L/∂(its summed
+    log-prob) × its divisor / the pairs, L the sum of the pairs' preference losses
+    (rlctl.algos.preference.dpo_losses with `pairs.loss`, β) at the sampling policy's log-probs.
+    The update's surrogate −A·ratio, aggregated as its loss_agg_mode does, then has the gradient
+    of the pairs' mean preference loss at its first optimizer step (ratio 1); rows in no pair
+    get 0. Returns are the advantages."""
     if pairs is None:
         raise ValueError("online_dpo needs the policy's and the reference's log-probs")
-    chosen, rejected = best_and_worst_rows(sequence_scores(token_rewards, response_mask), group_index)
+    chosen, rejected = preference_rows(sequence_scores(token_rewards, response_mask), group_index, pairs.which)
     advantages = torch.zeros(response_mask.shape, dtype=torch.float64)
     if not len(chosen):
         return AdvantageOutput(advantages, advantages.clone())
     mask = response_mask.bool()
     logps, ref_logps, tokens = pair_sums(pairs, mask)
-    sides = logps[chosen].clone().requires_grad_(True), logps[rejected].clone().requires_grad_(True)
+    sums = logps.clone().requires_grad_(True)
     losses, _, _ = dpo_losses(
-        sides[0], sides[1], ref_logps[chosen], ref_logps[rejected], beta=pairs.beta, loss=pairs.loss, chosen_tokens=tokens[chosen], rejected_tokens=tokens[rejected],
+        sums[chosen], sums[rejected], ref_logps[chosen], ref_logps[rejected], beta=pairs.beta, loss=pairs.loss, chosen_tokens=tokens[chosen], rejected_tokens=tokens[rejected],
     )
-    chosen_grad, rejected_grad = torch.autograd.grad(losses.sum(), sides)
-    per_row = torch.zeros(mask.shape[0], dtype=torch.float64)
-    per_row[chosen] = -chosen_grad * pairs.divisors.double()[chosen] / len(chosen)
-    per_row[rejected] = -rejected_grad * pairs.divisors.double()[rejected] / len(chosen)
+    (grad,) = torch.autograd.grad(losses.sum(), sums)
+    per_row = -grad * pairs.divisors.double() / len(chosen)
     advantages = torch.where(mask, per_row.unsqueeze(-1), 0.0)
     return AdvantageOutput(advantages, advantages.clone())
 
 
-def best_and_worst_rows(scores: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows of each group's best and of its worst score (the first of equals), for the groups
-    whose scores differ: online DPO's chosen and rejected samples."""
+def preference_rows(scores: torch.Tensor, group_index: torch.Tensor, which: str = "best_worst") -> tuple[torch.Tensor, torch.Tensor]:
+    """Online DPO's pairs as (chosen rows, rejected rows): of each group whose scores differ, its
+    best and its worst sample (the first of equals), or with `which = "all"` every two of its
+    samples whose scores differ, the better one chosen."""
     chosen, rejected = [], []
     for group in torch.unique(group_index):
-        rows = torch.nonzero(group_index == group).flatten()
-        best, worst = rows[torch.argmax(scores[rows])], rows[torch.argmin(scores[rows])]
+        rows = torch.nonzero(group_index == group).flatten().tolist()
+        if which == "all":
+            for a in rows:
+                chosen += [a] * sum(1 for b in rows if scores[a] > scores[b])
+                rejected += [b for b in rows if scores[a] > scores[b]]
+            continue
+        best = rows[int(torch.argmax(scores[rows]))]
+        worst = rows[int(torch.argmin(scores[rows]))]
         if scores[best] > scores[worst]:
-            chosen.append(int(best))
-            rejected.append(int(worst))
+            chosen.append(best)
+            rejected.append(worst)
     return torch.tensor(chosen, dtype=torch.long), torch.tensor(rejected, dtype=torch.long)
 
 
@@ -365,7 +372,7 @@ def online_dpo_stats(token_rewards: torch.Tensor, response_mask: torch.Tensor, g
     """Online DPO's pairs as TRL's OnlineDPOTrainer reports them, at the sampling policy: how
     many, their mean loss, the share whose chosen sample has the larger implicit reward
     β·(log π − log π_ref) (`accuracy`), and the mean difference of the two (`margin`)."""
-    chosen, rejected = best_and_worst_rows(sequence_scores(token_rewards, response_mask), group_index)
+    chosen, rejected = preference_rows(sequence_scores(token_rewards, response_mask), group_index, pairs.which)
     if not len(chosen):
         return {"dpo/pairs": 0.0}
     logps, ref_logps, tokens = pair_sums(pairs, response_mask.bool())

@@ -504,27 +504,29 @@ def test_the_advantage_stage_weighs_the_optimal_token_baselines_paths_by_the_upd
 # -- online DPO: a DPO pair per group, as advantages ------------------------------------------
 
 
-def online_dpo_pairs(mask, mode, loss="sigmoid", beta=0.3, horizon=0, seed=5):
+def online_dpo_pairs(mask, mode, loss="sigmoid", beta=0.3, horizon=0, seed=5, which="best_worst"):
     from rlctl.algos.advantages import PreferencePairs, aggregation_divisors
 
     g = torch.Generator().manual_seed(seed)
     logprobs = -torch.rand(mask.shape, generator=g, dtype=torch.float64) * 3
     ref_logprobs = logprobs + torch.randn(mask.shape, generator=g, dtype=torch.float64) * 0.3
     divisors = aggregation_divisors(mask, mode, horizon or mask.shape[1])
-    return PreferencePairs(logprobs, ref_logprobs, divisors, beta, loss)
+    return PreferencePairs(logprobs, ref_logprobs, divisors, beta, loss, which)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 @pytest.mark.parametrize("loss", ["sigmoid", "ipo", "apo_zero", "nca_pair"])
-def test_online_dpos_advantages_under_the_updates_aggregation_give_the_gradient_of_the_pairs_mean_dpo_loss(mode, loss):
+@pytest.mark.parametrize("which", ["best_worst", "all"])
+def test_online_dpos_advantages_under_the_updates_aggregation_give_the_gradient_of_the_pairs_mean_dpo_loss(mode, loss, which):
     """At the update's first step (ratio 1) the surrogate −A·ratio, aggregated as the update
     aggregates it, has the gradient in each token's log-prob of the mean preference loss over
-    the pairs of each group's best and worst sample (groups 2 and 3, of one sample each, make none)."""
+    the pairs of each group's best and worst sample, or of every two of its samples whose rewards
+    differ (groups 2 and 3, of one sample each, make none)."""
     from rlctl.algos.losses import aggregate
     from rlctl.algos.preference import dpo_losses
 
     rewards, mask, values, groups, lengths = random_batch(seed=3)
-    pairs = online_dpo_pairs(mask, mode, loss=loss)
+    pairs = online_dpo_pairs(mask, mode, loss=loss, which=which)
     advantages, returns = call("online_dpo", rewards, mask, None, groups, paths=None, pairs=pairs)
     assert torch.equal(advantages, returns) and (advantages[~mask] == 0).all()
     logp = pairs.logprobs.clone().requires_grad_(True)
@@ -535,11 +537,16 @@ def test_online_dpos_advantages_under_the_updates_aggregation_give_the_gradient_
     chosen, rejected = [], []
     for group in sorted(set(groups.tolist())):
         rows = [i for i in range(len(lengths)) if groups[i] == group]
+        if which == "all":
+            better = [(a, b) for a in rows for b in rows if scores[a] > scores[b]]
+            chosen += [a for a, _ in better]
+            rejected += [b for _, b in better]
+            continue
         best, worst = max(rows, key=lambda i: scores[i]), min(rows, key=lambda i: scores[i])
         if scores[best] > scores[worst]:
             chosen.append(best)
             rejected.append(worst)
-    assert len(chosen) == 2  # groups 0 and 1
+    assert len(chosen) == (4 if which == "all" else 2)  # groups 0 (3 samples: 3 pairs, or 1) and 1 (2 samples: 1 pair)
     logp.grad = None
     summed, ref = torch.where(mask, logp, 0).sum(-1), torch.where(mask, pairs.ref_logprobs, 0).sum(-1)
     tokens = mask.sum(-1)
@@ -547,7 +554,7 @@ def test_online_dpos_advantages_under_the_updates_aggregation_give_the_gradient_
     losses.mean().backward()
     assert torch.allclose(surrogate_grad, torch.where(mask, logp.grad, 0), atol=1e-12)
     others = [i for i in range(len(lengths)) if i not in chosen + rejected]
-    assert (advantages[others] == 0).all()
+    assert (advantages[others] == 0).all() and len(others) == (2 if which == "all" else 3)  # the lone samples (and group 0's middle one)
     if mode == "token-mean":  # what the advantage stage reports of the pairs, at the sampling policy
         from rlctl.algos.advantages import online_dpo_stats
 
@@ -557,7 +564,7 @@ def test_online_dpos_advantages_under_the_updates_aggregation_give_the_gradient_
             )
         stats = online_dpo_stats(rewards, mask, groups, pairs)
         assert stats == pytest.approx({
-            "dpo/pairs": 2, "dpo/loss": float(before.mean()), "dpo/accuracy": float((chosen_reward > rejected_reward).double().mean()),
+            "dpo/pairs": len(chosen), "dpo/loss": float(before.mean()), "dpo/accuracy": float((chosen_reward > rejected_reward).double().mean()),
             "dpo/margin": float((chosen_reward - rejected_reward).mean()),
         })
 
