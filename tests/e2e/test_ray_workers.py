@@ -551,14 +551,18 @@ def test_two_workers_train_kto_as_one_process_does(ray_session, tiny_model, tmp_
     assert on_ranks.state.get("ref_syncs") == local.state.get("ref_syncs") == (6 if moving else None)
 
 
-@pytest.mark.parametrize("moving", [[], ["dpo.ref_sync_every=1", "dpo.ref_sync_alpha=0.5"]], ids=["fixed", "moving"])
+@pytest.mark.parametrize("moving", [
+    [], ["dpo.ref_sync_every=1", "dpo.ref_sync_alpha=0.5"], ["dpo.use_weighting=true", "dpo.ld_alpha=0.5", "dpo.f_divergence=\"js_divergence\""],
+], ids=["fixed", "moving", "weighted"])
 def test_two_workers_train_dpo_as_one_process_does(ray_session, tiny_model, tmp_path, moving):
     """`rlctl dpo` on two FSDP2 ranks: the reference's log-probabilities computed once, each rank
     its share and every rank all of them; each takes its share of every step's pairs (an odd
     count: one rank runs an empty pass); stopped after an epoch it resumes from its epoch
     checkpoint (gathered weights and optimizer state); rank 0 writes the weights without a
-    trainer state. A moving reference (TR-DPO) is mixed on each rank's shards, swapped in for
-    its forward, gathered into the epoch checkpoint and scattered again on the resume."""
+    trainer state. WPO's weights (Σπ² from each rank's forward) and LD-DPO's token weights in
+    every pass, an empty one's too, give one process's result. A moving reference (TR-DPO) is
+    mixed on each rank's shards, swapped in for its forward, gathered into the epoch checkpoint
+    and scattered again on the resume."""
     from rlctl import dpo
 
     data = tmp_path / "pairs.jsonl"
@@ -586,7 +590,7 @@ def test_two_workers_train_dpo_as_one_process_does(ray_session, tiny_model, tmp_
     got, want = load_file(str(tmp_path / "ray" / "model.safetensors")), load_file(str(tmp_path / "local" / "model.safetensors"))
     assert max(float((got[k] - want[k]).abs().max()) for k in want) < SPLIT_ROUNDING
     assert not (tmp_path / "ray" / "trainer_state").exists() and on_ranks.state["workers"]["num_workers"] == 2
-    assert on_ranks.state.get("ref_syncs") == local.state.get("ref_syncs") == (4 if moving else None)
+    assert on_ranks.state.get("ref_syncs") == local.state.get("ref_syncs") == (4 if "dpo.ref_sync_every=1" in moving else None)
 
 
 @pytest.mark.parametrize("placement,reference,workers", [
