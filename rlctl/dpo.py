@@ -137,7 +137,7 @@ def encode_dpo_pairs(table: pa.Table, tokenizer, data: DataConfig, cfg: DpoConfi
     return DpoPairs(side(2, "chosen"), side(3, "rejected"))
 
 
-# --- the loss ---------------------------------------------------------------------------------
+# --- figures (the losses: rlctl.algos.preference) ---------------------------------------------
 
 
 @dataclass
