@@ -34,6 +34,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 DPO_LOSSES = ("sigmoid", "robust", "ipo", "hinge", "simpo", "orpo", "sigmoid_norm", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down", "discopop")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # preference losses without a reference model
 ONLINE_DPO_LOSSES = ("sigmoid", "ipo", "hinge", "sigmoid_norm", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down")  # advantage.dpo_loss: the preference losses with no setting beyond β
+PAIRINGS = ("best_worst", "all")  # advantage.dpo_pairs, dpo.scored_pairs: which of a prompt's samples make preference pairs
 KTO_LOSSES = ("kto", "apo_zero_unpaired")  # kto.loss (rlctl.kto.kto_losses): TRL KTOConfig's loss_type
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")  # dpo.f_divergence (rlctl.dpo.f_score)
 F_DIVERGENCE_LOSSES = ("sigmoid", "robust", "ipo", "hinge", "sigmoid_norm", "exo_pair", "discopop")  # the losses on the difference of the two sides' scores, which take any of them

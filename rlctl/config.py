@@ -35,6 +35,7 @@ from rlctl.choices import (
     OLD_LOGPROBS,
     ONLINE_DPO_LOSSES,
     OTB_ROLLOUT_IS,
+    PAIRINGS,
     PF_PPO,
     POLICY_LOSSES,
     REFERENCE_FREE_LOSSES,
@@ -226,7 +227,7 @@ class AdvantageConfig:
             "gamma": between(0.0, 1.0), "lam": between(0.0, 1.0), "kl_coef": at_least(0.0), "kl_controller": one_of(*KL_CONTROLLERS),
             "kl_target": above(0.0), "kl_horizon": at_least(1), "std_scope": one_of(*STD_SCOPES), "pf_ppo": one_of(*PF_PPO),
             "otb_rollout_is": one_of(*OTB_ROLLOUT_IS), "otb_rollout_is_threshold": above(1.0),
-            "pf_ppo_weight_pow": at_least(0.0), "dpo_beta": above(0.0), "dpo_loss": one_of(*ONLINE_DPO_LOSSES), "dpo_pairs": one_of("best_worst", "all"),
+            "pf_ppo_weight_pow": at_least(0.0), "dpo_beta": above(0.0), "dpo_loss": one_of(*ONLINE_DPO_LOSSES), "dpo_pairs": one_of(*PAIRINGS),
             "dpo_loss_agg": one_of("auto", *LOSS_AGG_MODES), "dpo_loss_horizon": at_least(0),
         })
 
@@ -521,6 +522,7 @@ class DpoConfig:
     reference_free: bool = False  # no reference: its log-probabilities taken as 0, so the loss compares the policy's own (TRL's reference_free; with sft_weight = 1, CPO's loss); none computed
     sft_weight: float = 0.0  # the chosen responses' NLL per token added to the loss with this weight (RPO; TRL's loss_type [..., "sft"]); 0 = none
     min_reward_gap: float = 0.0  # data that is scored rollouts (a score stage's output): each prompt's best and worst sample are a pair where their rewards differ by more than this
+    scored_pairs: str = "best_worst"  # data that is scored rollouts: best_worst (each prompt's best and worst sample a pair) | all (every two of its samples whose rewards differ by more than min_reward_gap, the better chosen)
     disable_dropout: bool = True  # the model's dropout off while training (TRL's disable_dropout): the policy's log-probs at the first step are the reference's, computed without dropout
     ref_sync_every: int = 0  # move the reference towards the policy after every N optimizer steps: ref ← α·policy + (1 − α)·ref, then its log-probs of the training pairs recomputed (TR-DPO; TRL's sync_ref_model, ref_model_sync_steps); 0 = the starting weights throughout
     ref_sync_alpha: float = 1.0  # α of ref_sync_every, in (0, 1]: 1 = the policy's weights (TR-DPO's hard update, no copy held); below 1 a copy of the weights is held (TRL's ref_model_mixup_alpha is 0.6)
@@ -548,7 +550,7 @@ class DpoConfig:
         if isinstance(self.micro_batch_tokens, int) and not isinstance(self.micro_batch_tokens, bool):
             object.__setattr__(self, "micro_batch_tokens", str(self.micro_batch_tokens))
         check_ranges(self, "dpo", {
-            "beta": above(0.0), "loss": one_of(*DPO_LOSSES), "simpo_gamma": at_least(0.0), "discopop_tau": above(0.0), "f_divergence": one_of(*F_DIVERGENCES), "ld_alpha": between(0.0, 1.0), "sft_weight": at_least(0.0), "min_reward_gap": at_least(0.0), "label_smoothing": lambda v: None if 0.0 <= v < 0.5 else "must be at least 0 and below 0.5",
+            "beta": above(0.0), "loss": one_of(*DPO_LOSSES), "scored_pairs": one_of(*PAIRINGS), "simpo_gamma": at_least(0.0), "discopop_tau": above(0.0), "f_divergence": one_of(*F_DIVERGENCES), "ld_alpha": between(0.0, 1.0), "sft_weight": at_least(0.0), "min_reward_gap": at_least(0.0), "label_smoothing": lambda v: None if 0.0 <= v < 0.5 else "must be at least 0 and below 0.5",
             "lr": above(0.0), "epochs": at_least(1), "save_steps": at_least(0), "batch_size": at_least(1),
             "micro_batch_size": at_least(1), "max_tokens": at_least(0), "truncate": one_of("error", "right"), "max_grad_norm": at_least(0.0),
             "weight_decay": at_least(0.0), "warmup_steps": at_least(0), "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0),

@@ -107,13 +107,14 @@ class DpoPairs:
 def encode_dpo_pairs(table: pa.Table, tokenizer, data: DataConfig, cfg: DpoConfig, *, end_ids: Sequence[int], context_length: int | None, source: str) -> DpoPairs:
     """Every pair's prompt and both responses as tokens; a side that is empty or too long is one
     error naming the pair (or, with `dpo.truncate = "right"`, its response cut). Scored rollouts
-    are pairs of each prompt's best and worst sample, in their sampled tokens (rlctl.scored_pairs)."""
+    are pairs of each prompt's best and worst sample (`dpo.scored_pairs = "all"`: of every two
+    whose rewards differ), in their sampled tokens (rlctl.scored_pairs)."""
     from rlctl.reward_model import pair_ids, split_pairs
     from rlctl.scored_pairs import best_and_worst, is_scored
     from rlctl.sft import encoded_prompts, examples_of, fitted_examples
 
     if is_scored(table):
-        scored = best_and_worst(table, min_gap=cfg.min_reward_gap, source=source)
+        scored = best_and_worst(table, min_gap=cfg.min_reward_gap, source=source, which=cfg.scored_pairs)
         ids, prompt_tokens = [pair.id for pair in scored], [pair.prompt_ids for pair in scored]
 
         def sampled(name: str) -> Examples:

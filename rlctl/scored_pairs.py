@@ -79,17 +79,21 @@ def best_samples(table: pa.Table, *, min_reward: float, per_prompt: int, source:
     return kept
 
 
-def best_and_worst(table: pa.Table, *, min_gap: float, source: str) -> list[ScoredPair]:
+def best_and_worst(table: pa.Table, *, min_gap: float, source: str, which: str = "best_worst") -> list[ScoredPair]:
     """For each prompt (rows of one `id`, in the order they first appear) with two or more
     samples, its highest-rewarded sample as chosen and its lowest as rejected (the first of
-    equals), where the rewards differ by more than `min_gap`; none at all is an error."""
+    equals), where the rewards differ by more than `min_gap`; with `which = "all"` every two of
+    its samples whose rewards differ by more than `min_gap`, the better one chosen (in row
+    order). None at all is an error."""
     rewards, prompts, responses = table.column("reward").to_pylist(), table.column("prompt_ids").to_pylist(), _responses(table)
     pairs = []
     for prompt_id, rows in _groups(table).items():
-        best = max(rows, key=lambda r: rewards[r])
-        worst = min(rows, key=lambda r: rewards[r])
-        if len(rows) > 1 and rewards[best] - rewards[worst] > min_gap:
-            pairs.append(ScoredPair(prompt_id, prompts[best], responses[best], responses[worst], rewards[best], rewards[worst], (best, worst)))
+        if which == "all":
+            ranked = [(a, b) for a in rows for b in rows if rewards[a] - rewards[b] > min_gap]
+        else:
+            best, worst = max(rows, key=lambda r: rewards[r]), min(rows, key=lambda r: rewards[r])
+            ranked = [(best, worst)] if len(rows) > 1 and rewards[best] - rewards[worst] > min_gap else []
+        pairs += [ScoredPair(prompt_id, prompts[a], responses[a], responses[b], rewards[a], rewards[b], (a, b)) for a, b in ranked]
     if not pairs:
         raise InputError(
             f"{source}: no prompt's samples differ in reward by more than {min_gap:g}: scored rollouts make pairs of a prompt's best and worst sample "

@@ -36,6 +36,18 @@ def test_a_prompts_best_and_worst_sample_are_its_pair_in_their_sampled_tokens():
     assert [p.id for p in best_and_worst(table, min_gap=0.5, source="s")] == ["a"]  # d's gap of 0.3 is not over 0.5
 
 
+def test_all_pairs_are_every_two_samples_of_a_prompt_whose_rewards_differ_by_more_than_the_gap():
+    table = scored({"a": [0.2, 0.9, 0.1, 0.9], "b": [0.5, 0.5], "c": [1.0], "d": [0.0, 0.3]})
+    pairs = best_and_worst(table, min_gap=0.0, source="s", which="all")
+    assert [(p.id, p.rows) for p in pairs] == [("a", (0, 2)), ("a", (1, 0)), ("a", (1, 2)), ("a", (3, 0)), ("a", (3, 2)), ("d", (8, 7))]
+    assert all(p.chosen_reward > p.rejected_reward for p in pairs)
+    assert [p.rows for p in best_and_worst(table, min_gap=0.5, source="s", which="all")] == [(1, 0), (1, 2), (3, 0), (3, 2)]  # gaps of 0.7 and 0.8 only
+    from rlctl.dpo import encode_dpo_pairs
+
+    encoded = encode_dpo_pairs(table, None, DataConfig(), DpoConfig(scored_pairs="all"), end_ids=[7], context_length=64, source="s")
+    assert encoded.chosen.ids == ["a"] * 5 + ["d"] and encoded.chosen.response_ids[1] == [1, 7] and encoded.rejected.response_ids[1] == [0, 7]
+
+
 def test_a_tools_tokens_stay_context_and_no_pair_at_all_is_one_error():
     pairs = best_and_worst(scored({"a": [0.0, 1.0]}, loss_mask=True), min_gap=0.0, source="s")
     assert pairs[0].chosen == ([1, 7], [True, False]) and pairs[0].rejected == ([0, 7], [True, True])
