@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from rlctl.algos.preference import ranked_pairs
 from rlctl.errors import InputError
 
 SCORED_COLUMNS = ("id", "reward", "prompt_ids", "response_ids")
@@ -88,12 +89,7 @@ def best_and_worst(table: pa.Table, *, min_gap: float, source: str, which: str =
     rewards, prompts, responses = table.column("reward").to_pylist(), table.column("prompt_ids").to_pylist(), _responses(table)
     pairs = []
     for prompt_id, rows in _groups(table).items():
-        if which == "all":
-            ranked = [(a, b) for a in rows for b in rows if rewards[a] - rewards[b] > min_gap]
-        else:
-            best, worst = max(rows, key=lambda r: rewards[r]), min(rows, key=lambda r: rewards[r])
-            ranked = [(best, worst)] if len(rows) > 1 and rewards[best] - rewards[worst] > min_gap else []
-        pairs += [ScoredPair(prompt_id, prompts[a], responses[a], responses[b], rewards[a], rewards[b], (a, b)) for a, b in ranked]
+        pairs += [ScoredPair(prompt_id, prompts[a], responses[a], responses[b], rewards[a], rewards[b], (a, b)) for a, b in ranked_pairs(rows, rewards, which, min_gap)]
     if not pairs:
         raise InputError(
             f"{source}: no prompt's samples differ in reward by more than {min_gap:g}: scored rollouts make pairs of a prompt's best and worst sample "

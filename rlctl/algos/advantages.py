@@ -17,7 +17,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from rlctl.algos.preference import dpo_losses
+from rlctl.algos.preference import dpo_losses, ranked_pairs
 from rlctl.algos.registry import Registry
 from rlctl.choices import SUM_PI_SQUARED_ESTIMATORS
 
@@ -347,20 +347,9 @@ def preference_rows(scores: torch.Tensor, group_index: torch.Tensor, which: str 
     """Online DPO's pairs as (chosen rows, rejected rows): of each group whose scores differ, its
     best and its worst sample (the first of equals), or with `which = "all"` every two of its
     samples whose scores differ, the better one chosen."""
-    chosen, rejected = [], []
-    for group in torch.unique(group_index):
-        rows = torch.nonzero(group_index == group).flatten().tolist()
-        if which == "all":
-            for a in rows:
-                chosen += [a] * sum(1 for b in rows if scores[a] > scores[b])
-                rejected += [b for b in rows if scores[a] > scores[b]]
-            continue
-        best = rows[int(torch.argmax(scores[rows]))]
-        worst = rows[int(torch.argmin(scores[rows]))]
-        if scores[best] > scores[worst]:
-            chosen.append(best)
-            rejected.append(worst)
-    return torch.tensor(chosen, dtype=torch.long), torch.tensor(rejected, dtype=torch.long)
+    values = scores.tolist()
+    pairs = [pair for group in torch.unique(group_index) for pair in ranked_pairs(torch.nonzero(group_index == group).flatten().tolist(), values, which)]
+    return torch.tensor([a for a, _ in pairs], dtype=torch.long), torch.tensor([b for _, b in pairs], dtype=torch.long)
 
 
 def pair_sums(pairs: PreferencePairs, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

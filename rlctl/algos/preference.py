@@ -143,3 +143,14 @@ def wpo_weights(logp: torch.Tensor, sum_pi_squared: torch.Tensor, counted: torch
     distributions), without a gradient. `logp`, `sum_pi_squared`, `counted`: [S, T]."""
     aligned = torch.where(counted, logp - torch.log(sum_pi_squared.clamp(min=1e-30)), 0).sum(-1)
     return torch.exp(aligned / counted.sum(-1).clamp(min=1)).detach()
+
+
+def ranked_pairs(rows: list[int], rewards, which: str = "best_worst", min_gap: float = 0.0) -> list[tuple[int, int]]:
+    """The (chosen, rejected) pairs among one prompt's samples `rows` (`rewards[row]` each): its
+    best and its worst sample (the first of equals), or with `which = "all"` every two of them,
+    the better one chosen, in row order; only where the rewards differ by more than `min_gap`.
+    Online DPO's pairs (rlctl.algos.advantages) and scored rollouts' (rlctl.scored_pairs)."""
+    if which == "all":
+        return [(a, b) for a in rows for b in rows if rewards[a] - rewards[b] > min_gap]
+    best, worst = max(rows, key=lambda r: rewards[r]), min(rows, key=lambda r: rewards[r])
+    return [(best, worst)] if rewards[best] - rewards[worst] > min_gap else []
