@@ -109,11 +109,11 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
     token_rewards[torch.arange(len(lengths))[rows_with_tokens], last[rows_with_tokens]] = rewards[rows_with_tokens]  # on the policy's last token
     stats = {"reward_mean": float(rewards.mean()) if len(rewards) else 0.0, "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0}
     observed_kl: float | None = None  # no reference, no KL: "not recorded", not 0
+    sampled_logprobs = ref_logprobs = None  # the sampling policy's and the reference's, where the scores have the reference's
     if "ref_logprobs" in names and not table.column("ref_logprobs").null_count:
         policy_column = "old_logprobs" if "old_logprobs" in names and not table.column("old_logprobs").null_count else "rollout_logprobs"
-        kl = KL_ESTIMATORS.get(cfg.kl_estimator)(
-            logprobs=policy(padded(table.column(policy_column), width=width)), ref_logprobs=policy(padded(table.column("ref_logprobs"), width=width))
-        )
+        sampled_logprobs, ref_logprobs = (policy(padded(table.column(name), width=width)) for name in (policy_column, "ref_logprobs"))
+        kl = KL_ESTIMATORS.get(cfg.kl_estimator)(logprobs=sampled_logprobs, ref_logprobs=ref_logprobs)
         kl = torch.where(mask, kl, 0)
         observed_kl = float(sequence_mean(kl, mask))  # as verl: tokens within a sequence, then sequences
         if kl_coef > 0:
@@ -123,7 +123,7 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
     old_logprobs, sum_pi_squared = (policy(padded(table.column(name), width=width)) for name in ("old_logprobs", "sum_pi_squared")) if with_sum_pi_squared else (None, None)
     _, group_index = np.unique(np.asarray(table.column("id").to_pylist(), dtype=object).astype(str), return_inverse=True)
     groups = torch.from_numpy(group_index.astype(np.int64))
-    pairs = preference_pairs(table, cfg, policy, width, mask) if cfg.estimator in NEEDS_PAIRS else None
+    pairs = preference_pairs(cfg, sampled_logprobs, ref_logprobs, width, mask) if cfg.estimator in NEEDS_PAIRS else None
     result = ESTIMATORS.get(cfg.estimator)(
         token_rewards=token_rewards, response_mask=mask, values=values, group_index=groups,
         gamma=cfg.gamma, lam=cfg.lam, norm_by_std=cfg.norm_by_std, std_scope=cfg.std_scope,
@@ -153,16 +153,14 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
     return table, next_state, stats
 
 
-def preference_pairs(table: pa.Table, cfg: AdvantageConfig, policy, width: int, mask: torch.Tensor) -> PreferencePairs:
+def preference_pairs(cfg: AdvantageConfig, sampled_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, width: int, mask: torch.Tensor) -> PreferencePairs:
     """Online DPO's inputs: the sampling policy's log-probs (score's recomputed old ones, else the
-    rollout's), the reference's, and each row's divisor in the update's aggregation
-    (`dpo_loss_agg`; unresolved auto: the update's default, token-mean)."""
-    names = table.column_names
-    policy_column = "old_logprobs" if "old_logprobs" in names and not table.column("old_logprobs").null_count else "rollout_logprobs"
+    rollout's) and the reference's, as the KL reads them, and each row's divisor in the update's
+    aggregation (`dpo_loss_agg`; unresolved auto: the update's default, token-mean)."""
     mode = "token-mean" if cfg.dpo_loss_agg == "auto" else cfg.dpo_loss_agg
     return PreferencePairs(
-        logprobs=policy(padded(table.column(policy_column), width=width)), ref_logprobs=policy(padded(table.column("ref_logprobs"), width=width)),
-        divisors=aggregation_divisors(mask, mode, cfg.dpo_loss_horizon or width), beta=cfg.dpo_beta, loss=cfg.dpo_loss, which=cfg.dpo_pairs,
+        logprobs=sampled_logprobs, ref_logprobs=ref_logprobs, divisors=aggregation_divisors(mask, mode, cfg.dpo_loss_horizon or width), beta=cfg.dpo_beta,
+        loss=cfg.dpo_loss, which=cfg.dpo_pairs,
     )
 
 
