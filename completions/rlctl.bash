@@ -40,7 +40,7 @@ _rlctl() {
         *) opts="--help" ;;
     esac
     case "$cmd $prev" in
-        "advantage --estimator") values="gae gpg grpo grpo_passk online_dpo opo optimal_token_baseline reinforce_pp reinforce_pp_baseline remax rloo" ;;
+        "advantage --estimator") values="gae gdpo gpg grpo grpo_passk online_dpo opo optimal_token_baseline reinforce_pp reinforce_pp_baseline remax rloo" ;;
         "advantage --kl-estimator") values="abs abs+ k1 k1+ k2 k2+ k3 k3+ kl kl+ low_var_kl low_var_kl+ mse mse+" ;;
         "advantage --std-scope") values="group batch" ;;
         "advantage --kl-controller") values="fixed adaptive" ;;

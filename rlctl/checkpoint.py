@@ -64,11 +64,11 @@ def save_checkpoint(
 
 
 def save_trainer_state(state_dir: Path, state: dict) -> None:
-    trainer_state.save(state_dir, step=state["step"], optimizers={n: state.get(n) for n in trainer_state.OPTIMIZER_NAMES})
+    trainer_state.save(state_dir, step=state["step"], optimizers={n: state.get(n) for n in trainer_state.OPTIMIZER_NAMES}, entropy_control=state.get("entropy_control"))
 
 
 def load_trainer_state(uri: str) -> dict | None:
-    """{"step", "optimizer", "critic_optimizer", "rng"} of an rlctl checkpoint, None for a plain HF folder."""
+    """{"step", "optimizer", "critic_optimizer", "rng", "entropy_control"} of an rlctl checkpoint, None for a plain HF folder."""
     state_dir = Path(uri) / STATE_DIR
     if not state_dir.is_dir():
         return None

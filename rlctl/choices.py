@@ -21,11 +21,11 @@ PIPELINE_STAGES = ("rollout", "score", "advantage", "update")
 SHOW_LAYOUTS = ("auto", "table", "records")
 RUN_CHECKS = ("truncated", "constant_reward", "equal_rewards", "engine_mismatch", "rejected", "kl_stopped", "skipped_steps")  # rlctl.run_checks' findings
 
-ESTIMATORS = ("gae", "gpg", "grpo", "grpo_passk", "online_dpo", "opo", "optimal_token_baseline", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo")
+ESTIMATORS = ("gae", "gdpo", "gpg", "grpo", "grpo_passk", "online_dpo", "opo", "optimal_token_baseline", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo")
 SUM_PI_SQUARED_ESTIMATORS = ("optimal_token_baseline",)  # estimators that read score's Σπ² and old log-probs
 KL_ESTIMATORS = ("abs", "abs+", "k1", "k1+", "k2", "k2+", "k3", "k3+", "kl", "kl+", "low_var_kl", "low_var_kl+", "mse", "mse+")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "kl_cov", "gmpo", "clip_cov", "gpg", "sapo")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "kl_cov", "gmpo", "clip_cov", "gpg", "sapo", "vespo")
 REJECTION_RULES = (  # update.rollout_rs (rlctl.algos.rejection): verl's rollout_rs options
     "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
     "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",

@@ -200,7 +200,7 @@ class ScoreConfig:
 class AdvantageConfig:
     """Rewards → advantages and returns (pure math), with the optional KL penalty."""
 
-    estimator: str = "grpo"  # gae | gpg (α·(score − group mean), with update.policy_loss = gpg) | grpo | rloo | opo | grpo_passk | reinforce_pp | reinforce_pp_baseline | remax (with rollout.greedy_baseline) | optimal_token_baseline (with score's old log-probs and Σπ²) | online_dpo (each group's best and worst sample a DPO pair, against model.ref; docs/algorithms.md)
+    estimator: str = "grpo"  # gae | gpg (α·(score − group mean), with update.policy_loss = gpg) | grpo | gdpo (several rewards: each normalized within its group on its own, then weighted and summed, then whitened over the batch) | rloo | opo | grpo_passk | reinforce_pp | reinforce_pp_baseline | remax (with rollout.greedy_baseline) | optimal_token_baseline (with score's old log-probs and Σπ²) | online_dpo (each group's best and worst sample a DPO pair, against model.ref; docs/algorithms.md)
     gamma: float = 1.0  # discount of GAE and REINFORCE++ returns
     lam: float = 1.0  # GAE's lambda
     norm_by_std: bool = True  # GRPO: divide by the group's reward std (false = Dr. GRPO)
@@ -262,7 +262,7 @@ class UpdateConfig:
     clip_ratio_low: float = 0.2  # PPO clip below: ratio ≥ 1 - clip_ratio_low
     clip_ratio_high: float = 0.2  # PPO clip above: ratio ≤ 1 + clip_ratio_high (DAPO's clip-higher: 0.28)
     clip_ratio_c: float = 3.0  # dual clip for negative advantages; 0 disables (PPO only)
-    policy_loss: str = "ppo"  # ppo | gspo (sequence-level ratio: set clip_ratio_low/high ≈ 3e-4/4e-4, loss_agg_mode seq-mean-token-mean) | cispo (the importance weight clipped, every token keeps a gradient: set clip_ratio_low = 1, tune clip_ratio_high) | kl_cov (no clip; a KL term on the tokens of largest covariance: kl_cov_ratio, kl_cov_coef) | gmpo (a sequence's geometric-mean ratio, each token's log-ratio clipped: set clip_ratio_low/high = 0.4, loss_agg_mode seq-mean-token-mean) | clip_cov (PPO's clip, and a few tokens of high covariance drawn to have no gradient: clip_cov_ratio, clip_cov_lb, clip_cov_ub) | gpg (the plain policy gradient −A·log p, no ratio, no clip: with advantage.estimator = gpg) | sapo (a smooth gate instead of the clip: sapo_tau_pos, sapo_tau_neg; loss_agg_mode seq-mean-token-mean)
+    policy_loss: str = "ppo"  # ppo | gspo (sequence-level ratio: set clip_ratio_low/high ≈ 3e-4/4e-4, loss_agg_mode seq-mean-token-mean) | cispo (the importance weight clipped, every token keeps a gradient: set clip_ratio_low = 1, tune clip_ratio_high) | kl_cov (no clip; a KL term on the tokens of largest covariance: kl_cov_ratio, kl_cov_coef) | gmpo (a sequence's geometric-mean ratio, each token's log-ratio clipped: set clip_ratio_low/high = 0.4, loss_agg_mode seq-mean-token-mean) | clip_cov (PPO's clip, and a few tokens of high covariance drawn to have no gradient: clip_cov_ratio, clip_cov_lb, clip_cov_ub) | gpg (the plain policy gradient −A·log p, no ratio, no clip: with advantage.estimator = gpg) | sapo (a smooth gate instead of the clip: sapo_tau_pos, sapo_tau_neg; loss_agg_mode seq-mean-token-mean) | vespo (no clip: each sequence's gradient weighed by a smooth function of its importance weight: vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
     kl_cov_ratio: float = 2e-4  # kl_cov: the share of a pass's tokens, those of largest advantage × log-prob covariance, that get the KL term (verl's kl_cov_ratio)
     kl_cov_coef: float = 1.0  # kl_cov: the weight of that |log p - log p_old| term (verl's ppo_kl_coef)
     clip_cov_ratio: float = 2e-4  # clip_cov: the share of a pass's tokens drawn to have no gradient (one at least; verl's clip_cov_ratio)
@@ -270,6 +270,11 @@ class UpdateConfig:
     clip_cov_ub: float = 5.0  # ... and below this (verl's clip_cov_lb, clip_cov_ub)
     sapo_tau_pos: float = 1.0  # sapo: the gate's temperature for tokens of positive advantage (verl's tau_pos)
     sapo_tau_neg: float = 1.05  # sapo: ... of the others; larger than sapo_tau_pos, so negative updates fade sooner (verl's tau_neg)
+    vespo_k_pos: float = 2.0  # vespo: the power k of the weight φ(w) = w^k · e^(λ(1 − w)) of a sequence of positive advantage, w its importance weight: larger k, less weight where w < 1 (TRL's vespo_k_pos)
+    vespo_lambda_pos: float = 3.0  # vespo: its decay λ: larger λ, less weight where w > 1 (TRL's vespo_lambda_pos)
+    vespo_k_neg: float = 3.0  # vespo: k of a sequence of negative advantage (TRL's vespo_k_neg)
+    vespo_lambda_neg: float = 2.0  # vespo: λ of a sequence of negative advantage (TRL's vespo_lambda_neg)
+    off_policy_mask: float = 0.0  # DeepSeek-V3.2's off-policy sequence masking: a sequence of negative advantage whose mean log(π_rollout/π) over its tokens exceeds this leaves the policy gradient (its tokens stay in the divisor; TRL's off_policy_mask_threshold, e.g. 0.5); 0 = off
     top_entropy_quantile: float = 1.0  # the policy gradient of each forward pass's highest-entropy tokens only, this share of them (0.2: Wang et al.'s "80/20"; TRL's top_entropy_quantile); 1 = every token
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     rollout_is: str = "off"  # off | token | sequence: truncated importance weights engine → trainer (verl's rollout_is)
@@ -281,7 +286,12 @@ class UpdateConfig:
     use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style) instead of in the reward
     kl_loss_coef: float = 0.001  # weight of that KL loss
     kl_loss_estimator: str = "k3"  # estimator of that KL loss (as advantage.kl_estimator)
+    kl_loss_unbiased: bool = False  # with use_kl_loss: each token's KL term × its importance ratio π/π_old, gradient and all, so the loss's gradient is the reverse KL's own on samples of the old policy (DeepSeek-V3.2's unbiased KL estimate; TRL's use_bias_correction_kl)
     entropy_coef: float = 0.0  # entropy bonus weight; 0 = off (the entropy is still reported, with no backward through it)
+    entropy_target: float = 0.0  # > 0: adaptive entropy control (Skywork-OR1; TRL's use_adaptive_entropy, entropy_target): the bonus applies only after an optimizer step whose mean token entropy was at or below this, its coefficient (entropy_coef at the start, saved in checkpoints) up by entropy_coef_delta after each such step, down after each other; 0 = a fixed entropy_coef
+    entropy_coef_delta: float = 0.005  # adaptive entropy control: the coefficient's change per optimizer step
+    entropy_coef_min: float = 0.0  # adaptive entropy control: the coefficient's floor
+    entropy_coef_max: float = 1.0  # adaptive entropy control: the coefficient's ceiling
     mask_truncated: bool = False  # responses cut at max_new_tokens (finish_reason "length") take no part in the loss: no gradient, no tokens in its divisor (DAPO's overlong filtering, TRL's mask_truncated_completions)
     skip_zero_advantage: bool = True  # rows whose advantage is 0 at every token skip their forward and backward where the loss has no KL or entropy term and no critic trains (their gradient is exactly 0); statistics then cover the trained rows
     cliprange_value: float = 0.5  # critic: clip of the value change per update
@@ -315,6 +325,8 @@ class UpdateConfig:
             "top_entropy_quantile": lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
             "clip_cov_ratio": lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
             "sapo_tau_pos": above(0.0), "sapo_tau_neg": above(0.0),
+            "vespo_k_pos": at_least(0.0), "vespo_k_neg": at_least(0.0), "vespo_lambda_pos": above(0.0), "vespo_lambda_neg": above(0.0), "off_policy_mask": at_least(0.0),
+            "entropy_target": at_least(0.0), "entropy_coef_delta": at_least(0.0), "entropy_coef_min": at_least(0.0), "entropy_coef_max": at_least(0.0),
             "rollout_is": one_of("off", "token", "sequence"), "rollout_is_threshold": above(1.0),
             "rollout_rs": lambda v: None if v == "off" or (v.strip() and all(part.strip() in REJECTION_RULES for part in v.split(",") if part.strip()))
             else f"must be off or rules from {', '.join(REJECTION_RULES)}, comma-separated",
@@ -891,6 +903,8 @@ FOREIGN_KEYS = {
     "kl_penalty": "advantage.kl_estimator", "beta": "advantage.kl_coef", "norm_adv_by_std_in_grpo": "advantage.norm_by_std", "scale_rewards": "advantage.std_scope",
     "total_epochs": "pipeline.iterations", "total_training_steps": "pipeline.iterations", "save_freq": "pipeline.save_every",
     "test_freq": "pipeline.val_every", "reward_funcs": "score.rewards", "reward_weights": "score.rewards", "report_to": "pipeline.loggers", "gpu_memory_utilization": "vllm.gpu_memory_utilization",
+    "epsilon": "update.clip_ratio_low", "epsilon_high": "update.clip_ratio_high", "delta": "update.clip_ratio_c",
+    "off_policy_mask_threshold": "update.off_policy_mask", "use_adaptive_entropy": "update.entropy_target", "use_bias_correction_kl": "update.kl_loss_unbiased", "mask_truncated_completions": "update.mask_truncated",
 }
 
 

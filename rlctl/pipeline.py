@@ -177,6 +177,7 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
     from rlctl.algos.advantages import (
         ESTIMATORS,
         NEEDS_BASELINES,
+        NEEDS_COMPONENTS,
         NEEDS_PAIRS,
         NEEDS_SUM_PI_SQUARED,
         NEEDS_VALUES,
@@ -230,6 +231,8 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
             raise ConfigError(f"estimator {cfg.advantage.estimator} makes a pair of each prompt's best and worst sample: set rollout.n ≥ 2")
         if cfg.advantage.kl_coef > 0:
             raise ConfigError(f"estimator {cfg.advantage.estimator} holds the policy to the reference through advantage.dpo_beta: set advantage.kl_coef = 0")
+    if cfg.advantage.estimator in NEEDS_COMPONENTS and len(cfg.score.rewards) < 2:
+        raise ConfigError(f"estimator {cfg.advantage.estimator} normalizes each of several rewards on its own: set score.rewards to two or more")
     if cfg.advantage.estimator in NEEDS_BASELINES and not cfg.rollout.greedy_baseline:
         raise ConfigError(f"estimator {cfg.advantage.estimator} needs each prompt's greedy reward: set rollout.greedy_baseline = true")
     if cfg.update.rollout_is != "off" and cfg.update.rollout_is_batch_normalize and old_logprobs_source(cfg) == "update":
@@ -956,6 +959,7 @@ class Pipeline:
             **({"critic_warmup": train["critic_warmup"]} if "critic_warmup" in train else {}),  # the share of steps that trained only the critic
             **({"truncated_masked": train["truncated_masked"]} if "truncated_masked" in train else {}),  # update.mask_truncated: the share of rows out of the loss
             **({"entropy_tokens_kept": train["entropy_tokens_kept"]} if "entropy_tokens_kept" in train else {}),  # update.top_entropy_quantile: the share of tokens in the policy gradient
+            **{k: train[k] for k in ("off_policy_masked", "vespo_weight", "entropy_coef", "entropy_coef_applied") if k in train},  # update.off_policy_mask: the share of tokens it left out; vespo: its mean weight φ; update.entropy_target: its coefficients
             **{k: train[k] for k in ("approx_kl", "kl_stopped_early", "optimizer_steps") if k in train},  # update.target_kl: its measure, whether it stopped the update, the steps made
             **{k: v for k, v in train.items() if k.startswith("rollout_rs/") or k == "rollout_is_batch_mean"},  # update.rollout_rs: the shares rejected; the IS weights' batch mean before normalizing
             **{k: v for k, v in adv_stats.items() if k.startswith(("pf_ppo/", "variance_proxy/", "dpo/"))},  # advantage.pf_ppo: the share of rows drawn, their mean reward; with Σπ²: the gradient's variance proxies; online_dpo: its pairs
@@ -1195,6 +1199,11 @@ def describe_algorithm(cfg: Config) -> str:
     elif estimator == "optimal_token_baseline":
         weights = f", × ρ̄² of {advantage.otb_rollout_is} IS weights ≤ {advantage.otb_rollout_is_threshold:g}" if advantage.otb_rollout_is in ("token", "sequence") else ""
         estimator += f" (paths weighed by score's Σπ²{weights}{', zero tail' if advantage.otb_zero_tail else ''})"
+    elif estimator == "gdpo":
+        from rlctl.rewards import term_name
+
+        rewards = ", ".join(term.name or term_name(term.fn) for term in cfg.score.rewards)
+        estimator += f" (each of {rewards} ÷ its group's std, weighted, summed, ÷ the batch's std)"
     elif estimator == "online_dpo":
         paired = "each prompt's best and worst sample a pair" if advantage.dpo_pairs == "best_worst" else "every two samples of a prompt whose rewards differ a pair"
         estimator += f" ({paired}, {advantage.dpo_loss} loss, β {advantage.dpo_beta:g}, scaled for {advantage.dpo_loss_agg})"
@@ -1209,9 +1218,16 @@ def describe_algorithm(cfg: Config) -> str:
         loss += f", {CLIPPED[update.policy_loss]} clipped to {bounds}" + (f", dual clip {update.clip_ratio_c:g}" if update.policy_loss == "ppo" and update.clip_ratio_c else "")
     loss += f", {update.loss_agg_mode}"
     if update.use_kl_loss:
-        loss += f", KL loss {update.kl_loss_estimator} × {update.kl_loss_coef:g}"
-    if update.entropy_coef:
+        loss += f", KL loss {update.kl_loss_estimator} × {update.kl_loss_coef:g}" + (" × π/π_old" if update.kl_loss_unbiased else "")
+    if update.entropy_target:
+        loss += (
+            f", entropy bonus while the entropy is ≤ {update.entropy_target:g}, its coefficient from {update.entropy_coef:g} "
+            f"± {update.entropy_coef_delta:g} a step within [{update.entropy_coef_min:g}, {update.entropy_coef_max:g}]"
+        )
+    elif update.entropy_coef:
         loss += f", entropy bonus × {update.entropy_coef:g}"
+    if update.off_policy_mask:
+        loss += f", negative sequences past KL {update.off_policy_mask:g} from the rollout masked"
     if update.target_kl:
         from rlctl.trainer import KL_STOP_FACTOR
 

@@ -388,6 +388,7 @@ class RewardScores:
 
     total: list[float]
     columns: dict[str, list[Any]]
+    components: dict[str, float] = field(default_factory=dict)  # several rewards: each component's column → its weight in the total (what GDPO normalizes one by one)
 
 
 class RewardSet:
@@ -430,7 +431,8 @@ class RewardSet:
                 source = samples.data_sources[i] if samples.data_sources else None
                 raise RewardError(f"no reward applies to sample {i} (data_source {source!r}): {names} returned None for it or do not score its data_source")
             total.append(math.fsum(w * v for w, v in applied))
-        return RewardScores(total, columns)
+        components = {} if self.single else {f"reward/{term.name}": term.weight for term in self.terms}
+        return RewardScores(total, columns, components)
 
 
 def spec_text(terms: Sequence[tuple[str, float, Sequence[str]]]) -> str:

@@ -17,6 +17,7 @@ import pyarrow as pa
 import torch
 
 from rlctl import faults
+from rlctl.algos.entropy_control import EntropyControl
 from rlctl.algos.kl import KL_ESTIMATORS
 from rlctl.algos.losses import (
     LOSS_AGG_MODES,
@@ -24,7 +25,10 @@ from rlctl.algos.losses import (
     aggregate,
     clipped_value_loss,
     high_entropy_tokens,
+    importance_ratio,
+    off_policy_sequences,
     rollout_is_weights,
+    sequence_log_weights,
 )
 from rlctl.algos.lr_schedule import lr_at
 from rlctl.algos.rejection import RejectionRule, kept_tokens, parse_rules
@@ -142,6 +146,10 @@ def check_update_config(cfg: UpdateConfig, batch_size: int | None = None) -> Non
         raise InputError(f"update: mini_batch_size={cfg.mini_batch_size} does not divide the batch of {batch_size} sequences")
     if cfg.rollout_rs != "off":
         parse_rules(cfg.rollout_rs, cfg.rollout_rs_threshold)
+    if cfg.entropy_target and cfg.entropy_coef_min > cfg.entropy_coef_max:
+        raise InputError(f"update.entropy_coef_min ({cfg.entropy_coef_min:g}) is above update.entropy_coef_max ({cfg.entropy_coef_max:g})")
+    if cfg.kl_loss_unbiased and not cfg.use_kl_loss:
+        raise InputError("update.kl_loss_unbiased weighs the KL loss's terms: set update.use_kl_loss = true too")
     if cfg.lr_schedule != "constant" and cfg.decay_steps <= cfg.warmup_steps:
         per_batch = f"; this batch takes {optimizer_steps(cfg, batch_size)} optimizer steps per update" if batch_size else ""
         raise InputError(
@@ -244,7 +252,7 @@ def rows_with_gradient(cfg: UpdateConfig, batch: TrainBatch, indices: torch.Tens
     to every gradient, unless another term reads its log-probs: a KL loss, an entropy bonus, or
     a critic trained in the same passes. The loss's divisors stay the whole mini-batch's, so
     leaving such rows out changes no gradient beyond float rounding (the passes hold other rows)."""
-    if not cfg.skip_zero_advantage or critic or (cfg.use_kl_loss and cfg.kl_loss_coef > 0) or cfg.entropy_coef:
+    if not cfg.skip_zero_advantage or critic or (cfg.use_kl_loss and cfg.kl_loss_coef > 0) or cfg.entropy_coef or cfg.entropy_target:
         return indices
     mask = batch.response_mask[indices].bool()
     moves = (torch.where(mask, batch.advantages[indices], 0) != 0).any(-1)
@@ -295,6 +303,7 @@ class Trainer:
         `workers.placement = "split"`), stepping in lockstep with the policy's."""
         self.policy, self.cfg, self.critic, self.temperature, self.ranks = policy, cfg, critic, temperature, ranks
         self.step = 0
+        self.entropy_control = EntropyControl(cfg.entropy_coef)  # update.entropy_target's controller (saved with the optimizer state)
         self.pad_id = policy.pad_id if policy is not None else 0  # padding sits past each row's end: any id gives the same values
         self.device = policy.device if policy is not None else next(critic.parameters()).device
         self.optimizer = adamw(trainable(policy.model), lr=cfg.lr, weight_decay=cfg.weight_decay) if policy is not None else None  # LoRA: the adapters only
@@ -318,10 +327,27 @@ class Trainer:
             "step": self.step,
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "critic_optimizer": self.critic_optimizer.state_dict() if self.critic_optimizer else None,
+            "entropy_control": self.entropy_control_state(),
         }
+
+    def entropy_control_state(self) -> dict | None:
+        """The adaptive entropy controller's state for a checkpoint; None where it is off."""
+        return self.entropy_control.to_json() if self.cfg.entropy_target else None
+
+    def load_entropy_control(self, saved: dict | None) -> None:
+        """A checkpoint's controller state, where it has one and the control is on: a resumed run
+        goes on with the coefficient it had (a run that turns the control on starts at entropy_coef)."""
+        if saved is not None and self.cfg.entropy_target:
+            self.entropy_control = EntropyControl.from_json(saved, where="the checkpoint's trainer state")
+
+    def entropy_bonus(self) -> float:
+        """The entropy bonus's coefficient in the coming optimizer step's loss."""
+        cfg = self.cfg
+        return self.entropy_control.applied(cfg.entropy_target) if cfg.entropy_target else cfg.entropy_coef
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+        self.load_entropy_control(state.get("entropy_control"))
         if self.optimizer is not None and state.get("optimizer"):
             self.optimizer.load_state_dict(state["optimizer"])
         if self.critic_optimizer is not None and state.get("critic_optimizer"):
@@ -377,6 +403,10 @@ class Trainer:
                     stopped = True
                     break
                 stats.update(self._optimizer_step())
+                if cfg.entropy_target and "entropy" in stats:  # a step that trained the policy measured its entropy
+                    self.entropy_control = self.entropy_control.after_step(
+                        stats["entropy"], target=cfg.entropy_target, delta=cfg.entropy_coef_delta, low=cfg.entropy_coef_min, high=cfg.entropy_coef_max,
+                    )
                 faults.point(f"rank-{self.ranks.rank}:optimizer-step-{self.step}")
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + v
@@ -403,6 +433,8 @@ class Trainer:
         metrics.update({"step": self.step, "lr": self.lr_at(self.step - 1), "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)})
         if cfg.target_kl:
             metrics.update(kl_stopped_early=float(stopped), optimizer_steps=steps)
+        if cfg.entropy_target:
+            metrics["entropy_coef"] = self.entropy_control.coef  # the controller's, for the next update's steps
         if masked_rows is not None:
             metrics["truncated_masked"] = masked_rows  # the share of the batch's rows out of the loss
         metrics.update(correction)
@@ -432,6 +464,11 @@ class Trainer:
             stats["approx_kl"] = 0.0
         if policy is not None and cfg.top_entropy_quantile < 1.0:
             stats["entropy_tokens_kept"] = 0.0  # the share of the trained tokens whose policy gradient counted
+        bonus = self.entropy_bonus()
+        if policy is not None and cfg.off_policy_mask:
+            stats["off_policy_masked"] = 0.0  # the share of the trained tokens the off-policy sequence mask left out
+        if policy is not None and cfg.policy_loss == "vespo":
+            stats["vespo_weight"] = 0.0  # VESPO's φ, a token-weighted mean over the trained tokens
         # every rank filters the whole mini-batch alike, so all make the same passes (FSDP)
         # update.mask_truncated, update.rollout_rs: a row without a token in the loss moves nothing in any term
         in_loss = indices[batch.response_mask[indices].any(-1)] if cfg.mask_truncated or cfg.rollout_rs != "off" else indices
@@ -465,7 +502,7 @@ class Trainer:
 
                 if policy is not None:
                     shared_rows = ([batch.prompt_ids[i] for i in micro], [batch.response_ids[i] for i in micro]) if share_prompts else None
-                    self._policy_backward(batch, packed, m, shared_rows, take, norms, weight, scale, tokens, forward_context, stats)
+                    self._policy_backward(batch, packed, m, shared_rows, take, norms, weight, scale, tokens, forward_context, stats, bonus)
                 if self.critic is not None:
                     with forward_context(self.critic.lm):
                         values = self.critic(packed)
@@ -481,11 +518,13 @@ class Trainer:
             # each prompt once, and the share of the mini-batch's rows left out for a zero advantage (metrics)
             stats["prompt_sharing"] = float(share_prompts)
             stats["zero_advantage_skipped"] = (len(in_loss) - (0 if weightless else len(trained))) / len(indices)
+            if cfg.entropy_target:
+                stats["entropy_coef_applied"] = bonus  # update.entropy_target: the coefficient this step's loss took
         return stats
 
     def _policy_backward(
         self, batch: TrainBatch, packed, m: torch.Tensor, shared_rows: tuple[list, list] | None, take, norms: dict, weight: float, scale: float,
-        tokens: int, forward_context, stats: dict,
+        tokens: int, forward_context, stats: dict, entropy_bonus: float,
     ) -> None:
         """One micro-batch's policy loss, its backward, and its share of the statistics; the
         forward runs in `forward_context(module)` (`training_forward`), the loss and backward
@@ -504,9 +543,21 @@ class Trainer:
             "kl_cov": {"kl_cov_ratio": cfg.kl_cov_ratio, "kl_cov_coef": cfg.kl_cov_coef},
             "clip_cov": {"clip_cov_ratio": cfg.clip_cov_ratio, "clip_cov_lb": cfg.clip_cov_lb, "clip_cov_ub": cfg.clip_cov_ub},
             "sapo": {"sapo_tau_pos": cfg.sapo_tau_pos, "sapo_tau_neg": cfg.sapo_tau_neg},
+            "vespo": {"vespo_k_pos": cfg.vespo_k_pos, "vespo_lambda_pos": cfg.vespo_lambda_pos, "vespo_k_neg": cfg.vespo_k_neg, "vespo_lambda_neg": cfg.vespo_lambda_neg},
         }.get(cfg.policy_loss, {})
+        advantages = take(batch.advantages)
+        weights = None
+        if cfg.rollout_is != "off":
+            weights = rollout_is_weights(
+                old_logprobs=old, rollout_logprobs=take(batch.rollout_logprobs), response_mask=m,
+                level=cfg.rollout_is, threshold=cfg.rollout_is_threshold,
+            ) * batch.rollout_is_scale
+            stats["rollout_is_weight"] += weight * float(torch.where(m, weights, 0).sum()) / tokens
+            if cfg.policy_loss == "vespo":  # VESPO folds the correction into each sequence's importance weight instead
+                loss_settings["behaviour_log_weight"] = sequence_log_weights(weights, m, cfg.rollout_is)
+                weights = None
         pg = POLICY_LOSSES[cfg.policy_loss](
-            logprobs=logp, old_logprobs=old, advantages=take(batch.advantages), response_mask=m,
+            logprobs=logp, old_logprobs=old, advantages=advantages, response_mask=m,
             clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c, **loss_settings,
         )
         token_loss = pg.loss
@@ -514,21 +565,24 @@ class Trainer:
             kept = high_entropy_tokens(entropy, m, cfg.top_entropy_quantile)
             token_loss = torch.where(kept, token_loss, 0)
             stats["entropy_tokens_kept"] += weight * float(kept.sum()) / tokens
-        if cfg.rollout_is != "off":
-            weights = rollout_is_weights(
-                old_logprobs=old, rollout_logprobs=take(batch.rollout_logprobs), response_mask=m,
-                level=cfg.rollout_is, threshold=cfg.rollout_is_threshold,
-            ) * batch.rollout_is_scale
+        if cfg.off_policy_mask:  # the engine's log-probs where the batch has them: they measure the drift of the update and of the engine alike
+            behaviour = take(batch.rollout_logprobs) if batch.rollout_logprobs is not None else old
+            on_policy = off_policy_sequences(logprobs=logp, behaviour_logprobs=behaviour, advantages=advantages, response_mask=m, threshold=cfg.off_policy_mask)
+            token_loss = torch.where(on_policy, token_loss, 0)
+            stats["off_policy_masked"] += weight * float((m & ~on_policy).sum()) / tokens
+        if weights is not None:
             token_loss = token_loss * weights
-            stats["rollout_is_weight"] += weight * float(torch.where(m, weights, 0).sum()) / tokens
+        if pg.weight is not None:
+            stats["vespo_weight"] += weight * float((pg.weight.squeeze(-1) * m.sum(-1)).sum()) / tokens
         pg_loss = aggregate(loss=token_loss, response_mask=m, mode=cfg.loss_agg_mode, **norms)
         loss = pg_loss
-        if cfg.entropy_coef:  # a bonus of 0 stays out of the graph: no backward through the entropy's [tokens, V] softmax work
-            loss = loss - cfg.entropy_coef * aggregate(loss=entropy, response_mask=m, mode=cfg.loss_agg_mode, **norms)
+        if entropy_bonus:  # a bonus of 0 stays out of the graph: no backward through the entropy's [tokens, V] softmax work
+            loss = loss - entropy_bonus * aggregate(loss=entropy, response_mask=m, mode=cfg.loss_agg_mode, **norms)
         if batch.ref_logprobs is not None:
             kl = KL_ESTIMATORS.get(cfg.kl_loss_estimator)(logprobs=logp, ref_logprobs=take(batch.ref_logprobs))
             if cfg.use_kl_loss:
-                loss = loss + cfg.kl_loss_coef * aggregate(loss=kl, response_mask=m, mode=cfg.loss_agg_mode, **norms)
+                term = kl * importance_ratio(logp, old) if cfg.kl_loss_unbiased else kl
+                loss = loss + cfg.kl_loss_coef * aggregate(loss=term, response_mask=m, mode=cfg.loss_agg_mode, **norms)
             stats["kl"] += weight * float(torch.where(m, kl.detach(), 0).sum()) / tokens
         (loss * scale).backward()
         stats["pg_loss"] += weight * float(pg_loss.detach())

@@ -3,7 +3,8 @@
 A checkpoint's `trainer_state/` holds exactly these files, and nothing else is read from it:
 
     state.json              {"format": "rlctl-trainer-state", "version": 1, "step": N,
-                             "optimizers": {"optimizer": {"param_groups": [...], "scalars": {...}}, ...}}
+                             "optimizers": {"optimizer": {"param_groups": [...], "scalars": {...}}, ...},
+                             "entropy_control": {"coef": c, "last_entropy": e}  (only with update.entropy_target)}
     optimizer.safetensors   "<optimizer name>.<param index>.<key>" → tensor (AdamW's step, exp_avg, ...)
     rng.safetensors         "torch" → torch's CPU RNG state
 
@@ -34,8 +35,9 @@ FILES = (STATE_JSON, OPTIMIZER_FILE, RNG_FILE)
 OPTIMIZER_NAMES = ("optimizer", "critic_optimizer")
 
 
-def save(state_dir: Path, *, step: int, optimizers: dict[str, dict | None]) -> None:
-    """Write `step`, each optimizer's `state_dict()` (None = absent) and torch's RNG state."""
+def save(state_dir: Path, *, step: int, optimizers: dict[str, dict | None], entropy_control: dict | None = None) -> None:
+    """Write `step`, each optimizer's `state_dict()` (None = absent), the adaptive entropy
+    controller's state where there is one, and torch's RNG state."""
     state_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     described: dict[str, Any] = {}
@@ -54,6 +56,8 @@ def save(state_dir: Path, *, step: int, optimizers: dict[str, dict | None]) -> N
     save_file(tensors, str(state_dir / OPTIMIZER_FILE))
     save_file({"torch": torch.get_rng_state()}, str(state_dir / RNG_FILE))
     document = {"format": FORMAT, "version": VERSION, "step": int(step), "optimizers": described}
+    if entropy_control is not None:
+        document["entropy_control"] = entropy_control
     (state_dir / STATE_JSON).write_text(json.dumps(document, indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
@@ -78,11 +82,12 @@ def read_document(state_dir: Path) -> dict[str, Any]:
 
 
 def load(state_dir: Path) -> dict[str, Any]:
-    """{"step", "optimizer", "critic_optimizer", "rng"}: state dicts torch optimizers accept."""
+    """{"step", "optimizer", "critic_optimizer", "rng", "entropy_control"}: state dicts torch
+    optimizers accept; the entropy controller's JSON as written (None where absent)."""
     document = read_document(state_dir)
     tensors = _load_tensors(state_dir / OPTIMIZER_FILE)
     rng = _load_tensors(state_dir / RNG_FILE).get("torch") if (state_dir / RNG_FILE).exists() else None
-    result: dict[str, Any] = {"step": document["step"], "rng": rng}
+    result: dict[str, Any] = {"step": document["step"], "rng": rng, "entropy_control": document.get("entropy_control")}
     optimizers = document.get("optimizers") or {}
     for name in OPTIMIZER_NAMES:
         described = optimizers.get(name)

@@ -15,11 +15,13 @@ import torch
 from rlctl.algos.advantages import (
     ESTIMATORS,
     NEEDS_BASELINES,
+    NEEDS_COMPONENTS,
     NEEDS_PAIRS,
     NEEDS_SUM_PI_SQUARED,
     NEEDS_VALUES,
     PathWeights,
     PreferencePairs,
+    RewardComponents,
     aggregation_divisors,
     masked_mean,
     online_dpo_stats,
@@ -65,6 +67,8 @@ def check_config(cfg: AdvantageConfig) -> None:
         raise InputError(f"kl_controller must be fixed or adaptive, got {cfg.kl_controller!r}")
     if cfg.kl_controller == "adaptive" and (cfg.kl_target <= 0 or cfg.kl_horizon <= 0):
         raise InputError("the adaptive KL controller needs kl_target > 0 and kl_horizon > 0")
+    if cfg.estimator in NEEDS_COMPONENTS and cfg.kl_coef > 0:
+        raise InputError(f"estimator {cfg.estimator} normalizes each reward's own column, so a KL penalty in the reward (advantage.kl_coef) has no place in it: use update.use_kl_loss")
 
 
 def load_kl_state(uri: str | None, cfg: AdvantageConfig) -> KLControllerState:
@@ -88,6 +92,7 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
         raise InputError(f"estimator {cfg.estimator} needs the policy's old_logprobs and sum_pi_squared: score with --policy and --sum-pi-squared")
     if cfg.estimator in NEEDS_PAIRS and ("ref_logprobs" not in names or table.column("ref_logprobs").null_count):
         raise InputError(f"estimator {cfg.estimator} compares with the reference: score with --ref")
+    components = reward_components_of(table) if cfg.estimator in NEEDS_COMPONENTS else None
     kl_coef = state.kl_coef
     if kl_coef > 0 and ("ref_logprobs" not in names or table.column("ref_logprobs").null_count):
         raise InputError("kl_coef > 0 needs ref_logprobs: score with --ref")
@@ -129,7 +134,7 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
         gamma=cfg.gamma, lam=cfg.lam, norm_by_std=cfg.norm_by_std, std_scope=cfg.std_scope,
         baselines=torch.from_numpy(table.column("baseline_reward").to_numpy().astype(np.float64)) if cfg.estimator in NEEDS_BASELINES else None,
         paths=path_weights(table, cfg, old_logprobs, sum_pi_squared, policy, width, mask) if cfg.estimator in NEEDS_SUM_PI_SQUARED else None,
-        pairs=pairs,
+        pairs=pairs, components=components,
     )
     if pairs is not None:
         stats.update(online_dpo_stats(token_rewards, mask, groups, pairs))
@@ -151,6 +156,21 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
         table, filtration = filtered(table, rewards.numpy(), cfg)
         stats.update(filtration)
     return table, next_state, stats
+
+
+def reward_components_of(table: pa.Table) -> RewardComponents:
+    """GDPO's inputs: the columns of the rewards a score stage summed (None: NaN, not applicable)
+    and their weights, from what it recorded (rlctl.stages.score.reward_components)."""
+    from rlctl.stages.score import reward_components
+
+    components = reward_components(table)
+    if not components:
+        raise InputError(
+            "estimator gdpo normalizes each of several rewards on its own, and these scores have one reward: "
+            "score with score.rewards (two or more; with one reward, grpo with advantage.std_scope = batch is the same idea)"
+        )
+    columns = [table.column(name).to_numpy(zero_copy_only=False).astype(np.float64) for name in components]
+    return RewardComponents(torch.from_numpy(np.stack(columns, axis=1)), torch.tensor(list(components.values()), dtype=torch.float64))
 
 
 def preference_pairs(cfg: AdvantageConfig, sampled_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, width: int, mask: torch.Tensor) -> PreferencePairs:

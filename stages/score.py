@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, replace
 
 import pyarrow as pa
@@ -109,13 +111,41 @@ def score_table(table: pa.Table, reward: RewardSet, models: ScoringModels, cfg: 
 
 
 def with_reward_columns(table: pa.Table, scores: RewardScores) -> pa.Table:
-    """The `reward/...` columns: components and reported values (numbers, else text)."""
+    """The `reward/...` columns: components and reported values (numbers, else text); with
+    several rewards, which columns are the total's components and their weights, in the schema's
+    metadata (`reward_components`: what advantage.estimator = "gdpo" normalizes one by one)."""
     def array(values: list) -> pa.Array:
         if all(v is None or isinstance(v, (int, float)) for v in values):
             return pa.array(values, pa.float64())
         return pa.array([None if v is None else str(v) for v in values], pa.string())
 
-    return set_columns(table, {name: array(values) for name, values in scores.columns.items()})
+    table = set_columns(table, {name: array(values) for name, values in scores.columns.items()})
+    if not scores.components:
+        return table
+    return table.replace_schema_metadata({**(table.schema.metadata or {}), COMPONENTS_KEY: json.dumps(scores.components, sort_keys=True).encode()})
+
+
+COMPONENTS_KEY = b"rlctl.reward_components"
+
+
+def reward_components(table: pa.Table, source: str = "scores") -> dict[str, float]:
+    """The reward components a score stage recorded (column → weight), checked against the
+    table: each a number column of it, each weight finite; {} for one reward."""
+    raw = (table.schema.metadata or {}).get(COMPONENTS_KEY)
+    if not raw:
+        return {}
+    try:
+        components = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise InputError(f"{source}: its reward_components metadata is not JSON: {exc}") from exc
+    if not isinstance(components, dict) or not components:
+        raise InputError(f"{source}: its reward_components metadata must map reward columns to weights")
+    for column, weight in components.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise InputError(f"{source}: reward component {column!r} has the weight {weight!r}, not a finite number")
+        if column not in table.column_names or not pa.types.is_floating(table.schema.field(column).type):
+            raise InputError(f"{source}: reward component {column!r} is not a number column of the table")
+    return {column: float(weight) for column, weight in components.items()}
 
 
 def reward_column(rewards: list[float]) -> pa.Array:
@@ -161,7 +191,8 @@ def shaped_rewards(table: pa.Table, reward: RewardSet, cfg: ScoreConfig) -> Rewa
             )
         lengths = [len(ids) for ids in table.column("response_ids").to_pylist()]
         shaping = overlong_penalty(lengths, max_new_tokens=limit, buffer=cfg.overlong_buffer, penalty=cfg.overlong_penalty)
-        scores = RewardScores([r + p for r, p in zip(scores.total, shaping)], {**scores.columns, "reward/overlong_penalty": shaping})
+        components = {**scores.components, "reward/overlong_penalty": 1.0} if scores.components else {}
+        scores = RewardScores([r + p for r, p in zip(scores.total, shaping)], {**scores.columns, "reward/overlong_penalty": shaping}, components)
     return scores
 
 

@@ -5,7 +5,7 @@ any KL penalty), the response mask, critic values (only `gae` uses them) and the
 of each sequence (samples of one prompt share it), and returns advantages and returns.
 Positions where `response_mask` is 0 never influence any output and come out as 0.
 
-Groups of one (one sample of a prompt) give advantage 0 for `grpo`, `rloo`, `opo`,
+Groups of one (one sample of a prompt) give advantage 0 for `grpo`, `gdpo`, `rloo`, `opo`,
 `grpo_passk`, `gpg`, `optimal_token_baseline`, `reinforce_pp_baseline` and `online_dpo`: with nothing to compare against, the sample carries no signal, so it
 contributes no policy gradient (verl differs: a singleton's baseline is 0 there, and for grpo
 its std is 1, so its raw score becomes its advantage).
@@ -55,6 +55,14 @@ class PreferencePairs(NamedTuple):
     which: str = "best_worst"  # the pairs of a group: its best and worst sample, or every two samples whose rewards differ ("all")
 
 
+class RewardComponents(NamedTuple):
+    """What GDPO reads instead of the total: each of several rewards' own score of each sample
+    (NaN where that reward does not apply to it) and its weight in the total."""
+
+    scores: torch.Tensor  # [B, K] float64
+    weights: torch.Tensor  # [K]
+
+
 class AdvantageEstimator(Protocol):
     def __call__(
         self,
@@ -70,6 +78,7 @@ class AdvantageEstimator(Protocol):
         baselines: torch.Tensor | None = None,  # [B]: each sequence's own baseline (remax: its prompt's greedy reward)
         paths: PathWeights | None = None,  # optimal_token_baseline: what weighs each sample's path
         pairs: PreferencePairs | None = None,  # online_dpo: the pairs' log-probs and loss
+        components: RewardComponents | None = None,  # gdpo: each reward's own scores and weight
     ) -> AdvantageOutput: ...
 
 
@@ -78,6 +87,7 @@ NEEDS_VALUES = {"gae"}
 NEEDS_BASELINES = {"remax"}
 NEEDS_SUM_PI_SQUARED = set(SUM_PI_SQUARED_ESTIMATORS)  # and the policy's old log-probs, from the same forward
 NEEDS_PAIRS = {"online_dpo"}  # the policy's and the reference's log-probs
+NEEDS_COMPONENTS = {"gdpo"}  # each reward's own scores (several rewards)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -120,7 +130,7 @@ def group_stats(scores: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.
 
 
 @ESTIMATORS.register("gae")
-def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
+def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None, components=None) -> AdvantageOutput:
     """Generalised advantage estimation with a critic; advantages whitened over the batch.
 
     Masked positions are skipped, as if absent: the recursion carries over them unchanged.
@@ -144,7 +154,7 @@ def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_b
 
 
 @ESTIMATORS.register("grpo")
-def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
+def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None, components=None) -> AdvantageOutput:
     """Group-relative outcome advantage: (score - group mean) [/ std], on every token. The std
     is the group's, or with `std_scope="batch"` every sequence's of the batch (TRL's
     `scale_rewards="batch"`, Lite PPO's group mean with batch std). `norm_by_std=False` (with the
@@ -161,8 +171,39 @@ def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_
     return AdvantageOutput(advantages, advantages.clone())
 
 
+@ESTIMATORS.register("gdpo")
+def gdpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None, components=None) -> AdvantageOutput:
+    """GDPO (Group reward-Decoupled normalization Policy Optimization; TRL's
+    `multi_objective_aggregation = "normalize_then_sum"`): each reward normalized within its
+    group on its own, (r_k − group mean_k) / (group std_k + ε) over the samples it applies to,
+    then their weighted sum, whitened over the batch. GRPO normalizes the weighted sum, so
+    different mixes of the rewards that sum alike — a correct answer badly formatted, a wrong
+    one well formatted — get one advantage, and a reward of wide spread drowns the others;
+    here each reward's ranking within the group counts in its weight. The KL penalty and
+    `norm_by_std` play no part (the estimator reads the rewards' columns, not the total)."""
+    if components is None:
+        raise ValueError("gdpo needs each reward's own scores")
+    scores, weights = components.scores, components.weights
+    normalized = torch.zeros_like(scores)
+    for k in range(scores.shape[1]):
+        column = scores[:, k]
+        applies = ~torch.isnan(column)
+        if not applies.any():
+            continue
+        mean, std, _ = group_stats(column[applies], group_index[applies])
+        normalized[applies, k] = (column[applies] - mean) / (std + EPS)  # a group where it applies once: 0
+    summed = normalized @ weights.to(normalized.dtype)
+    _, _, size = group_stats(summed, group_index)
+    grouped = summed[size > 1]  # groups of one carry no signal, and stay out of the batch's statistics
+    if grouped.numel() < 2:
+        return AdvantageOutput(torch.zeros_like(token_rewards), torch.zeros_like(token_rewards))
+    adv = torch.where(size > 1, (summed - grouped.mean()) / (grouped.std() + EPS), 0)
+    advantages = torch.where(response_mask, adv.unsqueeze(-1), 0)
+    return AdvantageOutput(advantages, advantages.clone())
+
+
 @ESTIMATORS.register("rloo")
-def rloo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
+def rloo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None, components=None) -> AdvantageOutput:
     """Leave-one-out baseline: score - mean of the other samples of the same prompt."""
     scores = sequence_scores(token_rewards, response_mask)
     mean, _, size = group_stats(scores, group_index)
@@ -184,14 +225,14 @@ def discounted_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor,
 
 
 @ESTIMATORS.register("reinforce_pp")
-def reinforce_pp(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
+def reinforce_pp(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None, components=None) -> AdvantageOutput:
     """REINFORCE++: discounted per-token returns, whitened over the whole batch."""
     returns = discounted_returns(token_rewards, response_mask, gamma)
     return AdvantageOutput(masked_whiten(returns, response_mask), returns)
 
 
 @ESTIMATORS.register("reinforce_pp_baseline")
-def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
+def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None, components=None) -> AdvantageOutput:
     """REINFORCE++ with a group-mean baseline: (score - group mean) on every token, whitened
     over the batch. Groups of one carry no signal (advantage 0) and stay out of the whitening
     statistics, as for grpo and rloo; verl instead uses a baseline of 0 for them, so their
@@ -205,7 +246,7 @@ def reinforce_pp_baseline(*, token_rewards, response_mask, values, group_index, 
 
 
 @ESTIMATORS.register("opo")
-def opo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
+def opo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None, components=None) -> AdvantageOutput:
     """OPO's optimal baseline (Hao et al. 2025): score - the group's length-weighted mean
     score Σ|o|·s / Σ|o|, on every token; no std. With exactly on-policy training the variance
     of the gradient is smallest for this baseline."""
@@ -222,7 +263,7 @@ def opo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_b
 
 
 @ESTIMATORS.register("grpo_passk")
-def grpo_passk(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
+def grpo_passk(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None, components=None) -> AdvantageOutput:
     """Pass@k training (verl's grpo_passk, after Chen et al. 2025): only each group's best sample
     gets an advantage, its margin over the runner-up (best - second best) [/ the group's std],
     on every token; the others 0. It pushes the best of k up, not the average."""
@@ -242,7 +283,7 @@ def grpo_passk(*, token_rewards, response_mask, values, group_index, gamma, lam,
 
 
 @ESTIMATORS.register("remax")
-def remax(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
+def remax(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None, components=None) -> AdvantageOutput:
     """ReMax (Li et al. 2023): the reward-to-go of each token (undiscounted, as verl's) less
     the reward of the prompt's greedy response, decoded beside the samples and not trained on;
     no critic, no group needed (one sample a prompt is enough), no whitening."""
@@ -254,7 +295,7 @@ def remax(*, token_rewards, response_mask, values, group_index, gamma, lam, norm
 
 
 @ESTIMATORS.register("gpg")
-def gpg(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
+def gpg(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None, components=None) -> AdvantageOutput:
     """GPG (Chu et al. 2025, Group Policy Gradient): α·(score − group mean) on every token, no
     std (the paper's F_norm = 1, as verl's), where α = B / (B − M) for the batch's B samples of
     which M are in groups whose samples all scored alike (or alone): the batch-mean gradient
@@ -274,7 +315,7 @@ def gpg(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_b
 
 
 @ESTIMATORS.register("optimal_token_baseline")
-def optimal_token_baseline(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
+def optimal_token_baseline(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None, components=None) -> AdvantageOutput:
     """The optimal token baseline (verl's optimal_token_baseline): each token's reward-to-go G_t
     (undiscounted) less a baseline of its prompt's group at its position t,
     B_t = Σ_i G_t·W_t / Σ_i W_t over the group's samples that reach t, each weighted by its
@@ -315,7 +356,7 @@ def optimal_token_baseline(*, token_rewards, response_mask, values, group_index,
 
 
 @ESTIMATORS.register("online_dpo")
-def online_dpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None) -> AdvantageOutput:
+def online_dpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None, components=None) -> AdvantageOutput:
     """Online DPO (Guo et al., 2024, "Direct Language Model Alignment from Online AI Feedback";
     TRL's OnlineDPOTrainer) as advantages: each prompt's group makes preference pairs
     (`preference_rows`: its best-rewarded sample chosen and its worst rejected, or every two

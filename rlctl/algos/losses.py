@@ -21,6 +21,7 @@ class PolicyLoss(NamedTuple):
     clipped: torch.Tensor  # [B, T] bool: the clipped branch was taken (verl's pg_clipfrac)
     approx_kl: torch.Tensor  # [B, T] old - new log-prob (k1 of the PPO step)
     dual_clipped: torch.Tensor | None = None  # [B, T] bool: the dual clip capped the loss (verl's pg_clipfrac_lower)
+    weight: torch.Tensor | None = None  # [B, 1] the weight each sequence's gradient carries, where a loss has one (VESPO's φ)
 
 
 def aggregate(
@@ -54,6 +55,12 @@ def aggregate(
     if mode == "seq-mean-token-sum-norm":
         return masked.sum() / (max(batch_seqs, 1) * max(horizon, 1))
     raise ValueError(f"unknown loss_agg_mode {mode!r}; available: {', '.join(LOSS_AGG_MODES)}")
+
+
+def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """[B, T] π/π_old per token, with its gradient through `logprobs` (the log-ratio bounded as
+    the PPO loss's, so it stays finite)."""
+    return torch.exp(torch.clamp(logprobs - old_logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
 
 def clipped_surrogate(advantages: torch.Tensor, ratio: torch.Tensor, low: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,7 +293,74 @@ def sapo_policy_loss(
     return PolicyLoss(torch.where(response_mask, -advantages * gate, 0), none, torch.where(response_mask, -log_ratio, 0), none)
 
 
-POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "kl_cov": kl_cov_policy_loss, "gmpo": gmpo_policy_loss, "clip_cov": clip_cov_policy_loss, "gpg": gpg_policy_loss, "sapo": sapo_policy_loss}
+VESPO_LOG_WEIGHT_BOUNDS = (math.log(1e-8), 20.0)  # the sequence's log-weight is held here (the paper's code), so φ stays finite
+
+
+def vespo_policy_loss(
+    *,
+    logprobs: torch.Tensor,  # [B, T] current policy
+    old_logprobs: torch.Tensor,  # [B, T] behaviour policy
+    advantages: torch.Tensor,  # [B, T]
+    response_mask: torch.Tensor,  # [B, T] bool
+    clip_ratio_low: float = 0.0,  # unused: VESPO's weight replaces the clip
+    clip_ratio_high: float = 0.0,
+    clip_ratio_c: float = 0.0,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    behaviour_log_weight: torch.Tensor | None = None,  # [B, 1] log of the engine → trainer weight of each sequence (update.rollout_is)
+) -> PolicyLoss:
+    """VESPO (TRL's `vespo`): each sequence's policy gradient weighed by a gamma-shaped function
+    of its whole importance weight w = Π_t π/π_old (times the rollout's correction, where
+    update.rollout_is is on), φ(w) = w^k · e^(λ(1 − w)): 1 at w = 1, falling smoothly towards 0
+    as w leaves 1 either way, k and λ by the sign of the advantage. φ carries no gradient: each
+    token's loss is −A · φ(w) · p/sg(p), valued −A·φ (PPO's scale) with the gradient
+    −A · φ · ∇log p. Nothing is clipped."""
+    log_ratio = torch.where(response_mask, torch.clamp(logprobs - old_logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND), 0)
+    log_w = log_ratio.detach().sum(-1, keepdim=True)
+    if behaviour_log_weight is not None:
+        log_w = log_w + behaviour_log_weight
+    log_w = torch.clamp(log_w, *VESPO_LOG_WEIGHT_BOUNDS)
+    non_negative = advantages.detach() >= 0
+    k = torch.where(non_negative, vespo_k_pos, vespo_k_neg).to(log_w.dtype)
+    lam = torch.where(non_negative, vespo_lambda_pos, vespo_lambda_neg).to(log_w.dtype)
+    phi = torch.exp(k * log_w + lam * (1.0 - torch.exp(log_w)))  # [B, T]: one value per sequence where its advantage has one sign
+    loss = -advantages * phi * torch.exp(logprobs - logprobs.detach())
+    none = torch.zeros_like(response_mask)
+    lengths = response_mask.sum(-1, keepdim=True).clamp(min=1)
+    sequence_phi = torch.where(response_mask, phi, 0).sum(-1, keepdim=True) / lengths
+    return PolicyLoss(torch.where(response_mask, loss, 0), none, torch.where(response_mask, -log_ratio, 0), none, sequence_phi)
+
+
+POLICY_LOSSES = {
+    "ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "kl_cov": kl_cov_policy_loss, "gmpo": gmpo_policy_loss,
+    "clip_cov": clip_cov_policy_loss, "gpg": gpg_policy_loss, "sapo": sapo_policy_loss, "vespo": vespo_policy_loss,
+}
+
+
+def off_policy_sequences(
+    *, logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, threshold: float,
+) -> torch.Tensor:
+    """[B, T] bool: the tokens DeepSeek-V3.2's off-policy sequence mask keeps (TRL's
+    off_policy_mask_threshold): a token of negative advantage leaves the policy gradient where
+    its sequence's mean log(π_behaviour/π) — the KL from the policy that sampled it, measured
+    on that sample — is above `threshold`; every other token stays. Learning from its own
+    mistakes that the policy has since moved away from is what destabilises training; the
+    positive ones are kept whatever their distance. No gradient flows through the choice."""
+    log_ratio = torch.where(response_mask, behaviour_logprobs - logprobs.detach(), 0)
+    mean_kl = log_ratio.sum(-1, keepdim=True) / response_mask.sum(-1, keepdim=True).clamp(min=1)
+    return response_mask & ((advantages >= 0) | (mean_kl <= threshold))
+
+
+def sequence_log_weights(weights: torch.Tensor, response_mask: torch.Tensor, level: str) -> torch.Tensor:
+    """[B, 1] the log of each sequence's engine → trainer weight from `rollout_is_weights`: the
+    sum of its tokens' log-weights, or its one weight at sequence level (VESPO folds it into w)."""
+    logs = torch.log(weights.clamp(min=torch.finfo(weights.dtype).tiny))
+    if level == "sequence":  # every token of a sequence holds its one weight
+        one = torch.where(response_mask, logs, float("-inf")).amax(-1, keepdim=True)
+        return torch.where(response_mask.any(-1, keepdim=True), one, 0)
+    return torch.where(response_mask, logs, 0).sum(-1, keepdim=True)
 
 
 def high_entropy_tokens(entropy: torch.Tensor, response_mask: torch.Tensor, top_quantile: float) -> torch.Tensor:

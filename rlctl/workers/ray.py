@@ -973,6 +973,7 @@ class RankWorker:
             "step": self.trainer.step,
             "optimizer": full_optimizer_state(self.train_policy.model, self.trainer.optimizer) if self.train_policy is not None else None,
             "critic_optimizer": full_optimizer_state(self.train_critic, self.trainer.critic_optimizer) if self.train_critic is not None else None,
+            "entropy_control": self.trainer.entropy_control_state(),
         }
 
     def _load_trainer_state(self, state: dict) -> None:
@@ -982,6 +983,7 @@ class RankWorker:
             self.trainer.load_state_dict(state)
         else:
             self.trainer.step = int(state["step"])
+            self.trainer.load_entropy_control(state.get("entropy_control"))
             if self.train_policy is not None:
                 set_full_optimizer_state(self.train_policy.model, self.trainer.optimizer, state.get("optimizer"))
             if self.train_critic is not None:

@@ -147,6 +147,9 @@ RANGE_CASES = [
     (["update", "--mini-batch-size", "-2"], "update.mini_batch_size must be ≥ 0"),
     (["update", "--set", "update.clip_ratio_c=0.5"], "update.clip_ratio_c must be 0 (off) or > 1"),
     (["update", "--set", "update.max_grad_norm=-1"], "update.max_grad_norm must be ≥ 0.0"),
+    (["update", "--set", "update.vespo_lambda_neg=0"], "update.vespo_lambda_neg must be > 0.0"),
+    (["update", "--set", "update.off_policy_mask=-0.5"], "update.off_policy_mask must be ≥ 0.0"),
+    (["update", "--set", "update.kl_loss_unbiased=true"], "update.kl_loss_unbiased weighs the KL loss's terms: set update.use_kl_loss = true too"),
     (["update", "--set", "update.rollout_rs=token_k7"], "update.rollout_rs must be off or rules from token_k1, token_k2"),
     (["update", "--set", "update.rollout_rs=token_k1"], "update.rollout_rs needs update.rollout_rs_threshold"),
     (["update", "--set", "update.rollout_rs=seq_max_k2", "--set", "update.rollout_rs_threshold=0.5_2"], "k2 and k3 take one upper bound"),
@@ -200,6 +203,13 @@ def test_pipeline_normalized_importance_weights_with_the_updates_own_old_log_pro
     (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "x"}\n')
     config.write_text('[data]\nprompts = "p.jsonl"\n[update]\nrollout_is = "token"\nrollout_is_batch_normalize = true\n[score]\nold_logprobs = "update"\n')
     check(cli("pipeline", config, "--run-dir", tmp_path / "out"), tmp_path / "out", "rollout_is_batch_normalize needs the whole batch's weights", "not update")
+
+
+def test_pipeline_gdpo_with_one_reward(cli, tmp_path):
+    config = tmp_path / "c.toml"
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "x"}\n')
+    config.write_text('[data]\nprompts = "p.jsonl"\n[advantage]\nestimator = "gdpo"\n')
+    check(cli("pipeline", config, "--run-dir", tmp_path / "out"), tmp_path / "out", "estimator gdpo normalizes each of several rewards on its own: set score.rewards to two or more")
 
 
 def test_pipeline_iterations_below_one(cli, tmp_path):

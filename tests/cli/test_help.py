@@ -67,7 +67,7 @@ def bash_complete(*words: str) -> list[str]:
 
 
 def test_completion_offers_the_values_of_choice_flags():
-    assert bash_complete("advantage", "--estimator", "") == ["gae", "gpg", "grpo", "grpo_passk", "online_dpo", "opo", "optimal_token_baseline", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo"]
+    assert bash_complete("advantage", "--estimator", "") == ["gae", "gdpo", "gpg", "grpo", "grpo_passk", "online_dpo", "opo", "optimal_token_baseline", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo"]
     assert bash_complete("advantage", "--pf-ppo", "max") == ["max_min", "max_random"]
     assert bash_complete("model", "init", "--preset", "s") == ["small"]
     assert bash_complete("rollout", "--backend", "") == ["hf", "vllm"]

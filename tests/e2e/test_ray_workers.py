@@ -660,3 +660,27 @@ def test_two_workers_stop_an_update_at_the_target_kl_where_one_process_does(ray_
     assert max(float((every[k] - local[k]).abs().max()) for k in local) > 1e-4  # it stopped: fewer steps
     got = trained_weights(config(tiny_model, workers=2, target_kl=target), tiny_model, batch, tmp_path / "ray")
     assert max(float((got[k] - local[k]).abs().max()) for k in local) < SPLIT_ROUNDING
+
+
+def test_two_workers_train_vespo_with_the_off_policy_mask_unbiased_kl_and_entropy_control_as_one_process_does(ray_session, tiny_model, gae_batch, tmp_path):
+    """The policy-loss settings of TRL's GRPOTrainer on FSDP2 ranks: the same update as one
+    process, and the adaptive entropy controller's state in the checkpoint the same (each rank
+    moves it by the group's entropy)."""
+    import json
+
+    batch = TrainBatch.from_table(shards.read(gae_batch, "batch").table)
+    settings = {
+        "policy_loss": "vespo", "off_policy_mask": 0.01, "use_kl_loss": True, "kl_loss_unbiased": True, "kl_loss_coef": 0.1,
+        "entropy_target": 100.0, "entropy_coef": 0.01, "entropy_coef_delta": 0.01,
+    }
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        local = trained_weights(config(tiny_model, workers=1, backend="local", **settings), tiny_model, batch, tmp_path / "local")
+    finally:
+        torch.set_num_threads(threads)
+    got = trained_weights(config(tiny_model, workers=2, **settings), tiny_model, batch, tmp_path / "ray")
+    assert max(float((got[k] - local[k]).abs().max()) for k in local) < SPLIT_ROUNDING
+    controls = [json.loads((tmp_path / name / "trainer_state" / "state.json").read_text())["entropy_control"] for name in ("local", "ray")]
+    assert controls[0]["coef"] == controls[1]["coef"] == pytest.approx(0.01 + 4 * 0.01)  # 2 epochs × 2 mini-batches, each below the target
+    assert controls[1]["last_entropy"] == pytest.approx(controls[0]["last_entropy"], rel=1e-5)

@@ -115,6 +115,22 @@ def test_an_update_that_masks_truncated_responses_says_how_many_it_left_out(cli,
     assert json.loads(result.stdout)["metrics"]["truncated_masked"] == pytest.approx(cut.count("length") / len(cut))
 
 
+def test_a_second_update_goes_on_with_the_first_ones_adaptive_entropy_coefficient(cli, tmp_path, tiny_model, scored):
+    """update.entropy_target: the controller's state travels in the checkpoint from one `rlctl
+    update` to the next (the tiny model's entropy is far below a target of 100: it rises each step)."""
+    cli("advantage", "--scores", scored, "--out", tmp_path / "b", "--estimator", "grpo")
+    control = ["--set", "update.entropy_target=100", "--set", "update.entropy_coef=0.01", "--set", "update.entropy_coef_delta=0.01", "--set", "update.mini_batch_size=2"]
+    first = cli("update", "--batch", tmp_path / "b", "--model", tiny_model, "--out", tmp_path / "c1", *control, "--json")
+    assert first.exit_code == 0, first.stderr
+    steps = json.loads(first.stdout)["metrics"]["step"]
+    saved = json.loads((tmp_path / "c1" / "trainer_state" / "state.json").read_text())["entropy_control"]
+    assert json.loads(first.stdout)["metrics"]["entropy_coef"] == pytest.approx(0.01 + 0.01 * steps) == pytest.approx(saved["coef"])
+    second = cli("update", "--batch", tmp_path / "b", "--model", tmp_path / "c1", "--out", tmp_path / "c2", *control, "--json")
+    metrics = json.loads(second.stdout)["metrics"]
+    assert metrics["entropy_coef"] == pytest.approx(0.01 + 0.02 * steps)  # went on from the first update's coefficient
+    assert metrics["entropy_coef_applied"] == pytest.approx(np.mean([0.01 + 0.01 * (steps + k) for k in range(steps)]))  # every step applied it
+
+
 def test_identical_updates_give_identical_weights(cli, tmp_path, tiny_model, scored):
     cli("advantage", "--scores", scored, "--out", tmp_path / "b", "--estimator", "grpo")
     for name in ("u1", "u2"):
@@ -527,3 +543,37 @@ def test_online_dpo_advantages_come_from_the_policys_and_the_references_log_prob
     assert any(any(row) for row in got)
     assert cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "s0", "--reward", "builtin:length").exit_code == 0
     bad(cli("advantage", "--scores", tmp_path / "s0", "--out", tmp_path / "o", "--estimator", "online_dpo"), tmp_path / "o", "estimator online_dpo compares with the reference: score with --ref")
+
+
+def test_gdpo_normalizes_the_rewards_the_score_stage_recorded_one_by_one(cli, tmp_path, scored):
+    """A score of several rewards records which columns the total sums and their weights; the
+    gdpo estimator reads those columns (each normalized in its group, weighted, summed, whitened)
+    and refuses scores of one reward, and a KL penalty in the reward."""
+    from rlctl.algos.advantages import ESTIMATORS, RewardComponents
+    from rlctl.stages.score import reward_components
+    from rlctl.tensors import list_lengths
+
+    (tmp_path / "rewards.py").write_text("def vowels(responses):\n    return [float(sum(c in 'aeiou' for c in r)) for r in responses]\n")
+    config = tmp_path / "rewards.toml"
+    config.write_text(f'[score]\nrewards = [{{fn = "builtin:length", name = "len"}}, {{fn = "{tmp_path / "rewards.py"}:vowels", weight = 0.5}}]\n')
+    result = cli("score", "--rollouts", tmp_path / "r", "--out", tmp_path / "s2", "--config", config)
+    assert result.exit_code == 0, result.stderr
+    scores = shards.read(str(tmp_path / "s2"), "scores").table
+    assert reward_components(scores) == {"reward/len": 1.0, "reward/vowels": 0.5}
+    result = cli("advantage", "--scores", tmp_path / "s2", "--out", tmp_path / "b", "--estimator", "gdpo")
+    assert result.exit_code == 0, result.stderr
+    batch = shards.read(str(tmp_path / "b")).table
+    columns = torch.tensor([scores.column(c).to_pylist() for c in ("reward/len", "reward/vowels")], dtype=torch.float64).T
+    lengths = list_lengths(scores.column("response_ids"))
+    mask = torch.arange(int(lengths.max())).unsqueeze(0) < torch.from_numpy(lengths).unsqueeze(1)
+    _, groups = np.unique(np.asarray(scores.column("id").to_pylist(), dtype=str), return_inverse=True)
+    expected = ESTIMATORS.get("gdpo")(
+        token_rewards=torch.zeros(mask.shape, dtype=torch.float64), response_mask=mask, values=None, group_index=torch.from_numpy(groups), gamma=1.0, lam=1.0,
+        norm_by_std=True, components=RewardComponents(columns, torch.tensor([1.0, 0.5], dtype=torch.float64)),
+    ).advantages
+    got = batch.column("advantages").to_pylist()
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(got[i], expected[i, :n].numpy(), atol=1e-6, rtol=0)
+    assert any(abs(row[0]) > 0.1 for row in got if row)  # the rewards differed within groups
+    bad(cli("advantage", "--scores", scored, "--out", tmp_path / "o1", "--estimator", "gdpo"), tmp_path / "o1", "estimator gdpo normalizes each of several rewards", "score.rewards")
+    bad(cli("advantage", "--scores", tmp_path / "s2", "--out", tmp_path / "o2", "--estimator", "gdpo", "--kl-coef", "0.1"), tmp_path / "o2", "advantage.kl_coef", "update.use_kl_loss")

@@ -392,7 +392,7 @@ def test_the_kl_fed_to_the_controller_averages_tokens_then_sequences():
 def test_unknown_estimator_lists_the_known_ones():
     from rlctl.errors import InputError
 
-    with pytest.raises(InputError, match="available: gae, gpg, grpo, grpo_passk, online_dpo, opo, optimal_token_baseline, reinforce_pp, reinforce_pp_baseline, remax, rloo"):
+    with pytest.raises(InputError, match="available: gae, gdpo, gpg, grpo, grpo_passk, online_dpo, opo, optimal_token_baseline, reinforce_pp, reinforce_pp_baseline, remax, rloo"):
         ESTIMATORS.get("ppo2")
 
 
@@ -574,3 +574,67 @@ def test_online_dpo_makes_no_pair_of_a_group_whose_samples_tie():
     rewards = torch.where(torch.arange(mask.shape[1]) == 0, 1.0, 0.0).expand_as(rewards).clone().double()  # every sample's score 1
     advantages, _ = call("online_dpo", rewards, mask, None, groups, pairs=online_dpo_pairs(mask, "token-mean"))
     assert (advantages == 0).all()
+
+
+# -- GDPO: several rewards, each normalized within its group on its own ---------------------------
+
+
+def gdpo_call(components, weights, groups, mask):
+    from rlctl.algos.advantages import RewardComponents
+
+    B = len(groups)
+    return ESTIMATORS.get("gdpo")(
+        token_rewards=torch.zeros(B, mask.shape[1], dtype=torch.float64), response_mask=mask, values=None, group_index=torch.tensor(groups), gamma=1.0, lam=1.0,
+        norm_by_std=True, components=RewardComponents(torch.tensor(components, dtype=torch.float64), torch.tensor(weights, dtype=torch.float64)),
+    )
+
+
+def ref_gdpo(components, weights, groups):
+    """TRL's normalize_then_sum in plain Python (its ε 1e-4 is rlctl's 1e-6 here); a reward that
+    does not apply (None) adds nothing; a group of one has advantage 0 and stays out of the
+    batch's mean and std (rlctl's rule)."""
+    summed = [0.0] * len(groups)
+    for k, weight in enumerate(weights):
+        for g in set(groups):
+            rows = [i for i, h in enumerate(groups) if h == g and components[i][k] is not None]
+            if not rows:
+                continue
+            values = [components[i][k] for i in rows]
+            mean = sum(values) / len(values)
+            std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+            for i in rows:
+                summed[i] += weight * (components[i][k] - mean) / (std + 1e-6)
+    grouped = [s for i, s in enumerate(summed) if groups.count(groups[i]) > 1]  # groups of one stay out of the batch's statistics
+    mean = sum(grouped) / len(grouped)
+    std = math.sqrt(sum((s - mean) ** 2 for s in grouped) / (len(grouped) - 1))
+    return [0.0 if groups.count(groups[i]) == 1 else (s - mean) / (std + 1e-6) for i, s in enumerate(summed)]
+
+
+def test_gdpo_normalizes_each_reward_within_its_group_then_whitens_the_weighted_sum_over_the_batch():
+    _, mask, _, _, lengths = random_batch(3)
+    groups = [0, 0, 0, 1, 1, 2, 3]
+    components = [[1.0, 0.2, None], [0.0, 0.9, 5.0], [1.0, 0.4, 3.0], [0.0, 0.1, None], [1.0, 0.7, 2.0], [1.0, 0.3, 1.0], [0.0, 0.5, None]]
+    weights = [1.0, 0.5, 0.25]
+    nan = [[math.nan if v is None else v for v in row] for row in components]
+    out = gdpo_call(nan, weights, groups, mask)
+    expected = ref_gdpo(components, weights, groups)
+    assert_rows(out.advantages, [[a] * n for a, n in zip(expected, lengths)], lengths, mask)
+    assert torch.equal(out.returns, out.advantages) and out.advantages[5:].abs().max() == 0  # groups of one: 0
+
+
+def test_gdpo_weighs_each_rewards_ranking_whatever_its_scale_where_grpo_lets_the_widest_decide():
+    """Two rewards in a group of four (correct, well formatted): with the correctness reward ten
+    times as wide, GRPO's sum punishes the well-formatted wrong answer almost as hard as the
+    all-wrong one; GDPO ranks each reward within the group on its own, so the scale changes
+    nothing and that answer sits in the middle. The weights still say which reward counts more."""
+    mask = torch.ones(4, 2, dtype=torch.bool)
+    rows = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]]
+    gdpo = gdpo_call(rows, [1.0, 1.0], [0, 0, 0, 0], mask).advantages[:, 0]
+    scaled = gdpo_call([[c * 10, f] for c, f in rows], [1.0, 1.0], [0, 0, 0, 0], mask).advantages[:, 0]
+    torch.testing.assert_close(scaled, gdpo, atol=1e-5, rtol=0)  # up to ε = 1e-6 against a std ten times as large
+    assert abs(float(gdpo[1])) < 1e-9 and gdpo[2] > 0 > gdpo[3]
+    totals = torch.tensor([[c * 10 + f, 0.0] for c, f in rows], dtype=torch.float64)
+    grpo = call("grpo", totals, torch.tensor([[True, False]] * 4), None, torch.zeros(4, dtype=torch.long)).advantages[:, 0]
+    assert grpo[1] < 0.8 * grpo[3] < 0  # the wide reward decides almost alone
+    weighted = gdpo_call(rows, [2.0, 1.0], [0, 0, 0, 0], mask).advantages[:, 0]
+    assert weighted[0] > weighted[1]

@@ -413,3 +413,75 @@ def test_sapo_gates_each_tokens_advantage_smoothly_by_its_ratio_with_the_signs_t
     ppo = old.clone().requires_grad_()
     ppo_policy_loss(logprobs=ppo, old_logprobs=old, advantages=adv, response_mask=mask, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0).loss.sum().backward()
     torch.testing.assert_close(at_one.grad, ppo.grad, atol=1e-12, rtol=0)
+
+
+def vespo_weight(log_w, advantage, k_pos, lambda_pos, k_neg, lambda_neg):
+    """φ(w) = e^λ · w^k · e^(−λw), written as the paper's gamma weight (normalised to φ(1) = 1)."""
+    k, lam = (k_pos, lambda_pos) if advantage >= 0 else (k_neg, lambda_neg)
+    log_w = min(max(log_w, math.log(1e-8)), 20.0)
+    w = math.exp(log_w)
+    return math.exp(lam) * w**k * math.exp(-lam * w)
+
+
+def test_vespo_weighs_each_sequences_gradient_by_a_gamma_function_of_its_whole_importance_weight():
+    from rlctl.algos.losses import ppo_policy_loss, vespo_policy_loss
+
+    mask, lengths, r = tensors(seed=17)
+    old = r(0.5) - 2
+    lp = (old + r(0.15)).requires_grad_()  # sequences a few tenths of a nat from the old policy: w from ~0.5 to ~2
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.5, 0.0], dtype=torch.float64).unsqueeze(1).expand(-1, 7).clone()  # one advantage a sequence, as GRPO's
+    settings = {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}
+    out = vespo_policy_loss(logprobs=lp, old_logprobs=old, advantages=adv, response_mask=mask, **settings)
+    out.loss.sum().backward()
+    for i, n in enumerate(lengths):
+        log_w = sum(lp[i][t].item() - old[i][t].item() for t in range(n))
+        phi = vespo_weight(log_w, adv[i][0].item(), 2.0, 3.0, 3.0, 2.0)
+        assert out.weight[i].item() == pytest.approx(phi, rel=1e-9)
+        for t in range(n):  # valued −A·φ, its gradient −A·φ·∇log p: φ carries none
+            assert out.loss[i][t].item() == pytest.approx(-adv[i][t].item() * phi, abs=1e-9)
+            assert lp.grad[i][t].item() == pytest.approx(-adv[i][t].item() * phi, abs=1e-9)
+    assert all(abs(out.weight[i].item() - 1) > 0.01 for i in range(5))  # each sequence moved off the old policy: its weight is not 1
+    assert not out.clipped.any() and (out.loss[~mask] == 0).all()
+    at_one = old.clone().requires_grad_()  # on the old policy w = 1, φ = 1: PPO's gradient
+    vespo_policy_loss(logprobs=at_one, old_logprobs=old, advantages=adv, response_mask=mask, **settings).loss.sum().backward()
+    ppo = old.clone().requires_grad_()
+    ppo_policy_loss(logprobs=ppo, old_logprobs=old, advantages=adv, response_mask=mask, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0).loss.sum().backward()
+    torch.testing.assert_close(at_one.grad, ppo.grad, atol=1e-12, rtol=0)
+    # the rollout's correction joins w: an engine 0.3 nats below the old policy on a sequence is w·e^0.3
+    shifted = torch.full((5, 1), 0.3, dtype=torch.float64)
+    moved = vespo_policy_loss(logprobs=old, old_logprobs=old, advantages=adv, response_mask=mask, behaviour_log_weight=shifted, **settings)
+    for i in range(4):
+        assert moved.weight[i].item() == pytest.approx(vespo_weight(0.3, adv[i][0].item(), 2.0, 3.0, 3.0, 2.0), rel=1e-9)
+    far = vespo_policy_loss(logprobs=old + 40, old_logprobs=old, advantages=adv, response_mask=mask, **settings)  # w held at e^20: φ is 0, never NaN
+    assert torch.isfinite(far.loss).all() and (far.weight[:4] == 0).all()
+
+
+def test_the_off_policy_sequence_mask_drops_only_negative_tokens_of_sequences_that_drifted_past_the_threshold():
+    from rlctl.algos.losses import off_policy_sequences
+
+    mask, lengths, r = tensors(seed=18)
+    lp = r(0.3) - 3
+    drift = torch.tensor([0.8, 0.8, 0.2, -1.0, 0.8], dtype=torch.float64).unsqueeze(1)  # each sequence's mean log(π_rollout/π)
+    behaviour = lp + drift + r(0.01)
+    adv = r(1.0)
+    kept = off_policy_sequences(logprobs=lp, behaviour_logprobs=behaviour, advantages=adv, response_mask=mask, threshold=0.5)
+    for i, n in enumerate(lengths):
+        mean_kl = sum(behaviour[i][t].item() - lp[i][t].item() for t in range(n)) / n
+        for t in range(7):
+            expected = t < n and (adv[i][t].item() >= 0 or mean_kl <= 0.5)
+            assert bool(kept[i][t]) == expected
+    assert (~kept & mask & (adv < 0)).any() and (kept & (adv < 0)).any()  # this draw has both kinds
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_a_sequences_log_weight_is_its_tokens_summed_or_its_one_weight(level):
+    from rlctl.algos.losses import rollout_is_weights, sequence_log_weights
+
+    mask, lengths, r = tensors(seed=19)
+    old, rollout = r(0.3) - 2, r(0.3) - 2
+    weights = rollout_is_weights(old_logprobs=old, rollout_logprobs=rollout, response_mask=mask, level=level, threshold=1.5)
+    logs = sequence_log_weights(weights, mask, level)
+    for i, n in enumerate(lengths):
+        terms = [min(old[i][t].item() - rollout[i][t].item(), math.log(1.5)) for t in range(n)]
+        expected = sum(terms) if level == "token" else min(sum(old[i][t].item() - rollout[i][t].item() for t in range(n)), math.log(1.5))
+        assert logs[i][0].item() == pytest.approx(expected, abs=1e-9)

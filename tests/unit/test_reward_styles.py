@@ -134,6 +134,8 @@ def test_weighted_rewards_record_the_total_and_each_component(tmp_path):
     assert scores.total == [2.5, 0.5, 0.0]
     assert scores.columns == {"reward/gsm8k": [1.0, 0.0, 0.0], "reward/format": [1.0, 1.0, 0.0]}
     assert rewards.spec == f"2*builtin:gsm8k + 0.5*{path}:format_ok"
+    assert scores.components == {"reward/gsm8k": 2.0, "reward/format": 0.5}  # what GDPO normalizes one by one
+    assert load_rewards(ScoreConfig(reward="builtin:gsm8k")).score(samples(["#### 4"], ["4"]), timeout=10).components == {}
 
 
 def test_a_component_that_does_not_apply_leaves_the_others():

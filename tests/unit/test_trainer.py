@@ -37,7 +37,7 @@ def policy(tiny_model):
     return HFPolicy.load(tiny_model, "cpu")
 
 
-@pytest.mark.parametrize("mode,policy_loss", [(mode, "ppo") for mode in LOSS_AGG_MODES] + [("seq-mean-token-mean", "gspo"), ("seq-mean-token-mean", "gmpo"), ("token-mean", "cispo"), ("token-mean", "gpg"), ("seq-mean-token-mean", "sapo")])
+@pytest.mark.parametrize("mode,policy_loss", [(mode, "ppo") for mode in LOSS_AGG_MODES] + [("seq-mean-token-mean", "gspo"), ("seq-mean-token-mean", "gmpo"), ("token-mean", "cispo"), ("token-mean", "gpg"), ("seq-mean-token-mean", "sapo"), ("seq-mean-token-sum", "vespo")])
 def test_micro_batch_sizes_give_the_same_gradient(policy, mode, policy_loss):
     batch = make_batch()
     grads = []
@@ -933,3 +933,119 @@ def test_preference_trainers_turn_the_models_dropout_off_and_sft_keeps_it(tmp_pa
         model = HFPolicy.load(folder, "cpu").model
         SupervisedSteps(model, cfg, device_type="cpu", total_steps=1, command="test")
         assert attention_dropouts(model) == {expected}, cfg
+
+
+def equal_length_batch(seed: int, n: int = 8, width: int = 5):
+    """make_batch's rows at one response length: a pass holds them in the batch's order, unpadded."""
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(seed)
+    return replace(
+        make_batch(seed=seed, n=n), prompt_ids=torch.randint(3, 512, (n, 3), generator=g).tolist(), response_ids=torch.randint(3, 512, (n, width), generator=g).tolist(),
+        response_mask=torch.ones(n, width, dtype=torch.bool), advantages=torch.randn(n, width, generator=g), old_logprobs=-6.0 + 0.1 * torch.randn(n, width, generator=g),
+        ref_logprobs=-6.0 + 0.1 * torch.randn(n, width, generator=g),
+    )
+
+
+def test_the_vespo_settings_and_the_rollouts_correction_reach_its_weight_instead_of_scaling_its_loss(policy, monkeypatch):
+    """policy_loss = vespo: its four settings reach the loss; with update.rollout_is its
+    sequences' log-weights join w (TRL's VESPO folds the correction in) and the loss is not
+    multiplied by the weights again; the update reports φ's token-weighted mean."""
+    from dataclasses import replace
+
+    import rlctl.trainer as trainer_module
+    from rlctl.algos.losses import rollout_is_weights, sequence_log_weights, vespo_policy_loss
+
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "never")
+    seen = []
+
+    def recorded(**kwargs):
+        seen.append((kwargs, vespo_policy_loss(**kwargs)))
+        return seen[-1][1]
+
+    monkeypatch.setitem(trainer_module.POLICY_LOSSES, "vespo", recorded)
+    batch = equal_length_batch(seed=7)
+    g = torch.Generator().manual_seed(7)
+    batch = replace(batch, rollout_logprobs=batch.old_logprobs + torch.where(batch.response_mask, 0.2 * torch.randn(batch.old_logprobs.shape, generator=g), 0))
+    settings = {"vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5, "vespo_k_neg": 2.0, "vespo_lambda_neg": 1.0}
+    n = batch.size
+    stats = Trainer(policy, UpdateConfig(micro_batch_size=n, policy_loss="vespo", rollout_is="token", rollout_is_threshold=1.5, **settings)).accumulate_gradients(batch, torch.arange(n))
+    ((kwargs, out),) = seen
+    assert {k: kwargs[k] for k in settings} == settings
+    m = kwargs["response_mask"]
+    expected = sequence_log_weights(rollout_is_weights(old_logprobs=batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs, response_mask=m, level="token", threshold=1.5), m, "token")
+    torch.testing.assert_close(kwargs["behaviour_log_weight"], expected)
+    with_correction = flat_gradients(policy.model)
+    # the same gradient as the loss handed those log-weights directly, with no importance weights after it
+    monkeypatch.setitem(trainer_module.POLICY_LOSSES, "vespo", lambda **kw: vespo_policy_loss(**{**kw, "behaviour_log_weight": expected}))
+    Trainer(policy, UpdateConfig(micro_batch_size=n, policy_loss="vespo", **settings)).accumulate_gradients(batch, torch.arange(n))
+    np.testing.assert_allclose(with_correction, flat_gradients(policy.model), atol=1e-7, rtol=0)
+    assert stats["vespo_weight"] == pytest.approx(float((out.weight.squeeze(-1) * m.sum(-1)).sum() / m.sum()), rel=1e-6)
+
+
+def test_the_off_policy_mask_is_the_step_whose_dropped_tokens_had_no_advantage(policy, monkeypatch):
+    """update.off_policy_mask: the step is the one on the batch whose masked tokens' advantages
+    are 0 (the divisors the same), the mask measured against the engine's log-probs where the
+    batch has them (else the old policy's), and the update reports the share left out."""
+    from dataclasses import replace
+
+    import rlctl.trainer as trainer_module
+    from rlctl.algos.losses import off_policy_sequences
+
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "never")
+    batch = equal_length_batch(seed=8)
+    n = batch.size
+    far = (torch.arange(n) % 2 == 0).unsqueeze(1)  # the even rows' engine was far likelier than this policy (~6 nats a token): masked where negative
+    batch = replace(batch, rollout_logprobs=torch.where(batch.response_mask, torch.where(far, -0.1, -20.0), 0))
+    seen = []
+
+    def recorded(**kwargs):
+        seen.append((kwargs["behaviour_logprobs"], off_policy_sequences(**kwargs)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(trainer_module, "off_policy_sequences", recorded)
+    stats = Trainer(policy, UpdateConfig(micro_batch_size=n, off_policy_mask=0.5)).accumulate_gradients(batch, torch.arange(n))
+    masked = flat_gradients(policy.model)
+    ((behaviour, kept),) = seen
+    width = kept.shape[1]
+    torch.testing.assert_close(behaviour, batch.rollout_logprobs[:, :width])
+    dropped = batch.response_mask[:, :width] & ~kept
+    assert dropped.any() and (batch.advantages[:, :width][dropped] < 0).all() and not dropped[~far.squeeze(1)].any()
+    Trainer(policy, UpdateConfig(micro_batch_size=n)).accumulate_gradients(replace(batch, advantages=torch.where(dropped, 0, batch.advantages[:, :width])), torch.arange(n))
+    np.testing.assert_allclose(masked, flat_gradients(policy.model), atol=1e-7, rtol=0)
+    assert stats["off_policy_masked"] == pytest.approx(int(dropped.sum()) / int(batch.response_mask.sum()))
+    seen.clear()
+    Trainer(policy, UpdateConfig(micro_batch_size=n, off_policy_mask=0.5)).accumulate_gradients(replace(batch, rollout_logprobs=None), torch.arange(n))
+    torch.testing.assert_close(seen[0][0], batch.old_logprobs[:, :width])  # no engine log-probs: the old policy's
+
+
+def test_an_unbiased_kl_loss_is_the_gradient_of_each_tokens_kl_times_its_importance_ratio(policy, monkeypatch):
+    """update.kl_loss_unbiased: the KL loss is Σ ratio·k over the tokens (ratio = π/π_old, with its
+    gradient), written here directly through the policy's forward; it differs from the plain one."""
+    from dataclasses import replace
+
+    from rlctl.algos.kl import KL_ESTIMATORS
+    from rlctl.algos.losses import aggregate
+    from rlctl.backends.hf import pack
+
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "never")
+    batch = make_batch(seed=9)
+    n = batch.size
+    batch = replace(batch, advantages=torch.zeros_like(batch.advantages))  # the KL loss alone moves the policy
+    settings = {"micro_batch_size": n, "use_kl_loss": True, "kl_loss_coef": 1.0, "kl_loss_estimator": "k3", "bf16": "false"}
+    Trainer(policy, UpdateConfig(kl_loss_unbiased=True, **settings)).accumulate_gradients(batch, torch.arange(n))
+    unbiased = flat_gradients(policy.model)
+    Trainer(policy, UpdateConfig(**settings)).accumulate_gradients(batch, torch.arange(n))
+    plain = flat_gradients(policy.model)
+    policy.model.zero_grad(set_to_none=True)
+    packed = pack(batch.prompt_ids, batch.response_ids, policy.pad_id, "cpu")
+    logp, _ = policy.forward(packed, temperature=1.0)
+    width = logp.shape[1]
+    mask = packed.response_mask
+    kl = KL_ESTIMATORS.get("k3")(logprobs=logp, ref_logprobs=batch.ref_logprobs[:, :width])
+    ratio = torch.exp(logp - batch.old_logprobs[:, :width])
+    aggregate(loss=kl * ratio, response_mask=mask, mode="token-mean", batch_tokens=int(mask.sum()), batch_seqs=n, horizon=width).backward()
+    direct = flat_gradients(policy.model)
+    scale = np.abs(direct).max()
+    np.testing.assert_allclose(unbiased, direct, atol=1e-5 * scale, rtol=0)
+    assert np.abs(unbiased - plain).max() > 0.1 * scale
