@@ -41,6 +41,11 @@ def test_unknown_key_suggests_the_nearest(tmp_path):
     ("rollout.num_generations", "rollout.n"),  # TRL's name
     ("update.max_new_tokens", "rollout.max_new_tokens"),  # the right key in another section
     ("advantage.gama", "advantage.gamma"),
+    ("update.epsilon_high", "update.clip_ratio_high"),  # TRL's GRPOConfig names
+    ("update.delta", "update.clip_ratio_c"),
+    ("update.off_policy_mask_threshold", "update.off_policy_mask"),
+    ("update.use_bias_correction_kl", "update.kl_loss_unbiased"),
+    ("update.use_adaptive_entropy", "update.entropy_target"),
 ])
 def test_unknown_key_suggests_the_nearest_over_every_section_and_verl_and_trl_names(typed, meant):
     with pytest.raises(ConfigError, match=rf"did you mean {meant}\?"):
