@@ -21,6 +21,7 @@ import math
 import operator
 import re
 import signal
+import string
 import sys
 import threading
 from collections import Counter
@@ -159,6 +160,66 @@ def think_format_reward(responses: list[str]) -> list[float]:
 
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = set(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD's normalization of a short answer: lower case, punctuation and the articles a, an,
+    the removed, whitespace collapsed (what exact match and F1 compare in NQ, HotpotQA and
+    Search-R1's rewards)."""
+    text = "".join(c for c in text.lower() if c not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def qa_answer(response: str) -> str:
+    """The answer a QA response gives: its last `<answer>…</answer>`, else the whole response."""
+    tagged = _ANSWER_TAG.findall(response)
+    return tagged[-1] if tagged else response
+
+
+def golden_answers(truth: str | None) -> list[str]:
+    """A ground truth's accepted answers: a JSON array of strings (NQ's several aliases), else the string itself."""
+    if truth is None:
+        return []
+    text = str(truth)
+    if text.lstrip().startswith("["):
+        try:
+            answers = json.loads(text)
+        except ValueError:
+            return [text]
+        if isinstance(answers, list) and all(isinstance(a, str) for a in answers):
+            return answers
+    return [text]
+
+
+def token_f1(prediction: str, golden: str) -> float:
+    """SQuAD's token F1 of two normalized answers: the harmonic mean of the shared tokens' share
+    of each (a bag of words: a token counts as often as both have it)."""
+    predicted, expected = normalize_answer(prediction).split(), normalize_answer(golden).split()
+    common = sum((Counter(predicted) & Counter(expected)).values())
+    if not common:
+        return 0.0
+    precision, recall = common / len(predicted), common / len(expected)
+    return 2 * precision * recall / (precision + recall)
+
+
+@BUILTINS.register("qa_em")
+def qa_exact_match_reward(*, responses: list[str], ground_truths: list[str | None]) -> list[float]:
+    """1.0 when the response's answer (`qa_answer`) equals one of the ground truth's answers once
+    both are normalized (`normalize_answer`), else 0.0: verl's `search_r1_like_qa_em`, the
+    exact match of NQ and HotpotQA."""
+    return [
+        1.0 if any(normalize_answer(qa_answer(response)) == normalize_answer(golden) for golden in golden_answers(truth)) else 0.0
+        for response, truth in zip(responses, ground_truths)
+    ]
+
+
+@BUILTINS.register("qa_f1")
+def qa_f1_reward(*, responses: list[str], ground_truths: list[str | None]) -> list[float]:
+    """The best token F1 (`token_f1`) of the response's answer against the ground truth's
+    answers: partial credit where exact match gives none (SQuAD's F1)."""
+    return [max((token_f1(qa_answer(response), golden) for golden in golden_answers(truth)), default=0.0) for response, truth in zip(responses, ground_truths)]
 _BINARY_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 

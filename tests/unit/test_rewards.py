@@ -17,6 +17,9 @@ from rlctl.rewards import (
     gsm8k_reward,
     length_reward,
     load_reward,
+    normalize_answer,
+    qa_exact_match_reward,
+    qa_f1_reward,
     think_format_reward,
 )
 
@@ -55,6 +58,34 @@ def test_think_format_wants_one_closed_think_block_first_as_trls():
     ]
     assert think_format_reward(responses) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert load_reward("builtin:think_format")(samples(responses[:3])) == [1.0, 1.0, 0.0]
+
+
+def test_qa_answers_are_compared_as_squad_normalizes_them():
+    assert normalize_answer("  The  Eiffel-Tower, in PARIS! ") == "eiffeltower in paris"
+    assert normalize_answer("an apple a day") == "apple day"
+
+
+def test_qa_exact_match_takes_the_last_answer_tag_or_the_response_against_any_golden_answer():
+    truths = ['["Paris", "City of Light"]', "Paris", "Paris", "Paris", "[not json", None, "Paris"]
+    responses = [
+        "<think>France's capital</think><answer>the city of light</answer>",  # one of the aliases
+        "<answer>Lyon</answer> wait <answer>Paris.</answer>",  # the last tag counts
+        "Paris",  # no tag: the whole response
+        "<answer>Paris, France</answer>",  # more than the answer
+        "[not json",  # a truth that is not a JSON list is one answer
+        "anything",  # no ground truth
+        "<answer>  </answer>",
+    ]
+    assert qa_exact_match_reward(responses=responses, ground_truths=truths) == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+    assert load_reward("builtin:qa_em")(samples(responses[:2], truths[:2])) == [1.0, 1.0]
+
+
+def test_qa_f1_gives_partial_credit_for_shared_words():
+    f1 = qa_f1_reward(
+        responses=["<answer>Paris, France</answer>", "Barack Obama", "no", "the united states of america"],
+        ground_truths=["Paris", '["Obama", "Barack Hussein Obama"]', "yes", "United States"],
+    )
+    assert f1 == pytest.approx([2 * 0.5 * 1 / 1.5, max(2 * 0.5 * 1 / 1.5, 2 * 1 * (2 / 3) / (1 + 2 / 3)), 0.0, 2 * 0.5 * 1 / 1.5])
 
 
 def test_countdown_scores_correct_wellformed_and_garbage():
