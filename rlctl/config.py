@@ -445,6 +445,7 @@ class PipelineConfig:
     val_before_train: bool = False  # validate the initial weights before iteration 1: iteration 0's metrics row, RUN/iter-0000/val (verl's val_before_train)
     val_n: int = 1  # samples per validation prompt: val/score is their mean (verl's mean@N), val/best_of_N the mean of each prompt's best (best@N)
     val_temperature: float = 0.0  # sampling temperature of validation; 0 = greedy (one sample per prompt then)
+    log_completions: int = 0  # N of each iteration's samples (drawn from seed and iteration) printed under its line — prompt's end, response, reward, advantage — and sent to the trackers: TensorBoard text, a wandb table, an MLflow file (TRL's log_completions, num_completions_to_print); 0 = none
     seed: int = 0  # seed of the prompt order
     rollout_is_threshold: float = 2.0  # importance ratio trainer/engine beyond which a token counts as mismatched
     dynamic_sampling: bool = False  # DAPO: train only on groups whose rewards differ, sampling more prompts to fill the batch
@@ -468,7 +469,7 @@ class PipelineConfig:
             raise ConfigError(f"pipeline.ignore_checks: unknown check {unknown[0]!r}; the checks: {', '.join(RUN_CHECKS)}")
         if self.dynamic_sampling_metric != "reward" and not self.dynamic_sampling_metric.startswith("reward/"):
             raise ConfigError(f"pipeline.dynamic_sampling_metric must be reward or a reward/... column of the scores, got {self.dynamic_sampling_metric!r}")
-        check_ranges(self, "pipeline", {"wandb_mode": one_of("online", "offline"), "max_sampling_rounds": at_least(1), "rollout_is_threshold": above(1.0), "iterations": at_least(1), "save_every": at_least(0), "keep_checkpoints": at_least(0), "keep_shards": at_least(0), "val_every": at_least(0), "val_n": at_least(1), "val_temperature": at_least(0.0), "best_is": one_of("max", "min"), "ref_sync_every": at_least(0)})
+        check_ranges(self, "pipeline", {"wandb_mode": one_of("online", "offline"), "max_sampling_rounds": at_least(1), "rollout_is_threshold": above(1.0), "iterations": at_least(1), "save_every": at_least(0), "keep_checkpoints": at_least(0), "keep_shards": at_least(0), "val_every": at_least(0), "val_n": at_least(1), "val_temperature": at_least(0.0), "log_completions": at_least(0), "best_is": one_of("max", "min"), "ref_sync_every": at_least(0)})
         if not 0 < self.ref_sync_alpha <= 1:
             raise ConfigError(f"pipeline.ref_sync_alpha must be in (0, 1], got {self.ref_sync_alpha!r}")
 

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from urllib.parse import urlparse
 
 from rlctl.algos.registry import Registry
+from rlctl.completion_log import Completion, markdown_table
 from rlctl.errors import ConfigError
 
 EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}  # logger: (module, extra)
@@ -37,6 +38,8 @@ ALWAYS = ("console", "jsonl")  # handled by the pipeline itself
 
 class MetricsLogger(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_completions(self, completions: list[Completion], step: int) -> None: ...
 
     def close(self) -> None: ...
 
@@ -72,6 +75,12 @@ class Loggers:
         for logger in self.open:
             logger.log(metrics, int(row["iteration"]))
 
+    def log_completions(self, completions: list[Completion], step: int) -> None:
+        """An iteration's samples (`pipeline.log_completions`) to every tracker."""
+        if completions:
+            for logger in self.open:
+                logger.log_completions(completions, step)
+
     def close(self) -> None:
         for logger in self.open:
             logger.close()
@@ -102,6 +111,10 @@ class TensorBoardLogger:
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
+    def log_completions(self, completions: list[Completion], step: int) -> None:
+        self.writer.add_text("completions", markdown_table(completions), step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -122,6 +135,13 @@ class WandbLogger:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
+
+    def log_completions(self, completions: list[Completion], step: int) -> None:
+        import wandb
+
+        columns = ["row", "prompt", "response", "reward", "advantage", "finish_reason"]
+        table = wandb.Table(columns=columns, data=[[c.as_record()[k] for k in columns] for c in completions])
+        self.run.log({"completions": table}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -160,6 +180,9 @@ class MlflowLogger:
 
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(self.key(key), value, now, step) for key, value in metrics.items()])
+
+    def log_completions(self, completions: list[Completion], step: int) -> None:
+        self.client.log_text(self.run_id, markdown_table(completions) + "\n", f"completions/iter-{step:04d}.md")
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

@@ -38,6 +38,7 @@ from rlctl import faults, mkl_kernels
 from rlctl.algos.kl import KLControllerState
 from rlctl.algos.sampling import enough, select_groups
 from rlctl.backends import compiled_layers
+from rlctl.completion_log import drawn_completions
 from rlctl.config import (
     POLICY,
     RESOLVED_CONFIG,
@@ -582,11 +583,15 @@ class Pipeline:
             self._sync_reference(i)
         self._write_metrics()
         self._trackers().log(row)
+        completions = drawn_completions(advantage.table, cfg.pipeline.log_completions, seed=cfg.pipeline.seed, iteration=i)
+        self._trackers().log_completions(completions, i)
         self._prune(i)
         if syncing or (self.ref_sync.every and cfg.pipeline.keep_shards):
             prune_references(self.run_dir, current=self.reference_source)
         if self.view:
             self.view.iteration_done(row, total)
+            if completions:
+                self.view.completions(i, completions)
             self._say_new_findings()
         return row
 
@@ -1144,7 +1149,7 @@ def describe_workers(cfg: Config) -> str:
 NOT_TRAINING = {
     "pipeline": {
         "iterations", "run_dir", "save_every", "keep_checkpoints", "keep_best", "best_is", "keep_shards", "val_before_train", "val_every", "val_n", "val_temperature", "rollout_is_threshold",
-        "loggers", "wandb_project", "wandb_mode", "mlflow_uri", "mlflow_experiment", "ignore_checks",
+        "loggers", "log_completions", "wandb_project", "wandb_mode", "mlflow_uri", "mlflow_experiment", "ignore_checks",
     },
     "model": {"device", "init_preset", "init_seed"}, "data": {"val_prompts"}, "workers": None, "vllm": None, "rollout": {"tool_timeout"},
     # the rollout's own log-probs or a recompute: the same numbers to ~3e-7 where auto picks the former; how passes are cut

@@ -19,6 +19,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+from rich.text import Text
+
+from rlctl.completion_log import PROMPT_TAIL, RESPONSE_HEAD, Completion, console_lines, shortened
 
 KEY_METRICS = (("reward", "reward_mean"), ("kl", "kl"), ("entropy", "entropy"), ("len", "response_length"), ("clip", "pg_clipfrac"), ("grad", "grad_norm"))
 
@@ -90,6 +93,10 @@ class PlainView:
     def iteration_done(self, row: dict[str, Any], total: int) -> None:
         print(plain_line(row, total, self.eta.seconds_left(row["iteration"], total)), file=self.stream, flush=True)
 
+    def completions(self, iteration: int, completions: list[Completion]) -> None:
+        for line in console_lines(iteration, completions):
+            print(line, file=self.stream, flush=True)
+
 
 class LiveView:
     def __init__(self, first_iteration: int, total: int) -> None:
@@ -117,7 +124,17 @@ class LiveView:
         self.progress.advance(self.current, amount)
 
     def message(self, text: str) -> None:
-        self.console.print(text)
+        self.console.print(text, markup=False)  # paths and values may hold brackets
+
+    def completions(self, iteration: int, completions: list[Completion]) -> None:
+        """Printed above the live view, so they scroll by as the iterations go."""
+        table = Table(title=f"iteration {iteration}: samples", title_justify="left", show_lines=True)
+        for name, justify in (("row", "right"), ("reward", "right"), ("adv", "right"), ("prompt", "left"), ("response", "left")):
+            table.add_column(name, justify=justify, overflow="fold")
+        for c in completions:
+            response = shortened(c.response, RESPONSE_HEAD) + (" [cut at the limit]" if c.finish_reason == "length" else "")
+            table.add_row(str(c.row), f"{c.reward:.4g}", f"{c.advantage:+.3g}", Text(shortened(c.prompt, PROMPT_TAIL, tail=True)), Text(response))  # Text: no markup read from samples
+        self.console.print(table)
 
     def iteration_done(self, row: dict[str, Any], total: int) -> None:
         self.rows.append(row)

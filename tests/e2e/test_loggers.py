@@ -18,7 +18,8 @@ def run(tmp_path, tiny_model, iterations: int) -> list[dict]:
     prompts.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
     cfg = {
         "model": {"path": tiny_model}, "data": {"prompts": str(prompts), "batch_size": 2}, "rollout": {"n": 2, "max_new_tokens": 4},
-        "pipeline": {"iterations": iterations, "run_dir": str(tmp_path / "run"), "loggers": ["console", "jsonl", "tensorboard", "wandb", "mlflow"], "wandb_mode": "offline"},
+        "pipeline": {"iterations": iterations, "run_dir": str(tmp_path / "run"), "loggers": ["console", "jsonl", "tensorboard", "wandb", "mlflow"], "wandb_mode": "offline",
+                     "log_completions": 3},
     }
     with Pipeline.from_config(cfg) as pipeline:
         pipeline.run()
@@ -74,6 +75,33 @@ def test_wandb_offline_writes_one_run_folder(logged):
     folders = list((run_dir / "wandb").glob("offline-run-*"))
     assert folders and len({f.name.rpartition("-")[2] for f in folders}) == 1  # the same run id after resuming
     assert all(list(f.glob("run-*.wandb")) for f in folders)
+
+
+def test_each_iterations_drawn_samples_reach_every_tracker(logged, monkeypatch):
+    """pipeline.log_completions: the rows drawn from (seed, iteration) of each iteration's batch,
+    whole, in TensorBoard's text panel, an MLflow file per iteration and a wandb table."""
+    import mlflow
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rlctl import shards
+    from rlctl.completion_log import drawn_completions, markdown_table
+
+    run_dir, rows = logged
+    expected = {r["iteration"]: markdown_table(drawn_completions(shards.read(str(run_dir / f"iter-{r['iteration']:04d}" / "advantage")).table, 3, seed=0, iteration=r["iteration"])) for r in rows}
+    assert all(text.count("\n") == 4 for text in expected.values())  # a header, its rule, 3 samples
+    texts = {}
+    for path in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
+        events = EventAccumulator(str(path), size_guidance={"tensors": 0})
+        events.Reload()
+        texts.update({e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("completions/text_summary")})
+    assert texts == expected
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = mlflow.MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
+    (tracked,) = client.search_runs([e.experiment_id for e in client.search_experiments() if e.name == "rlctl"])
+    for iteration, text in expected.items():
+        path = client.download_artifacts(tracked.info.run_id, f"completions/iter-{iteration:04d}.md", str(run_dir / "downloaded"))
+        assert open(path).read() == text + "\n"
+    assert list((run_dir / "wandb").glob("offline-run-*/files/media/table/completions_*.table.json"))
 
 
 def test_unknown_or_missing_loggers_are_config_errors(monkeypatch):
