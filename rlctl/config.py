@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 import sys
 import types
 import typing
@@ -118,6 +119,7 @@ class DataConfig:
     max_prompt_tokens: int = 512  # longest prompt in tokens (see truncate)
     truncate: str = "error"  # a prompt over max_prompt_tokens (or the model's context less max_new_tokens): error | left (its start cut) | drop (left out of the prompts drawn from, named on stderr: verl's filter_overlong_prompts)
     chat_template: bool = False  # render plain prompts through the tokenizer's chat template
+    chat_template_kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)  # values the chat template reads besides the messages, e.g. {enable_thinking = false} (Qwen3's non-thinking mode): every prompt, an SFT example's turns and a tool's chat turn are rendered with them (verl's data.apply_chat_template_kwargs, TRL's chat_template_kwargs)
     prompt_template: str = ""  # a plain prompt put into this text where it says {prompt}, before any chat template (e.g. "{prompt} Let's think step by step."; OpenRLHF's input_template); "" = as it is
     system_prompt: str = ""  # a system message put first in every chat prompt (messages, or a plain one under chat_template) that has none; "" = none
 
@@ -820,6 +822,8 @@ def coerce(value: Any, expected: Any, key: str) -> Any:
         expected = next(t for t in options if t is not type(None))
     if origin is tuple:
         return _coerce_tuple(value, typing.get_args(expected)[0], key)
+    if origin is dict:
+        return _coerce_mapping(value, key)
     if dataclasses.is_dataclass(expected):
         return _coerce_table(value, expected, key)
     if expected is bool:
@@ -839,6 +843,16 @@ def coerce(value: Any, expected: Any, key: str) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
     raise ConfigError(f"{key}: expected {expected.__name__}, got {value!r}")
+
+
+def _coerce_mapping(value: Any, key: str) -> dict[str, bool | int | float | str]:
+    """A TOML inline table of names to plain values (true, 3, 0.5, "text"), as a dict."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a table like {{name = value}}, got {value!r}")
+    bad = next((name for name, item in value.items() if not isinstance(name, str) or not isinstance(item, (bool, int, float, str))), None)
+    if bad is not None:
+        raise ConfigError(f"{key}: {bad!r} must be a name with a boolean, number or text value, got {value[bad]!r}")
+    return dict(value)
 
 
 def _coerce_tuple(value: Any, item: type, key: str) -> tuple:
@@ -889,7 +903,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{k if re.fullmatch(r'[A-Za-z0-9_-]+', k) else json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return json.dumps(str(value), ensure_ascii=False)  # JSON's string escapes are TOML's: a stop string "\n\n" stays one line
 
 

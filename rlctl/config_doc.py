@@ -66,6 +66,8 @@ def type_name(hint: Any) -> str:
         if dataclasses.is_dataclass(item):
             return "list of {" + ", ".join(f.name for f in dataclasses.fields(item)) + "}"
         return f"list of {item.__name__}"
+    if typing.get_origin(hint) is dict:
+        return "table of name = value"
     return getattr(hint, "__name__", str(hint))
 
 

@@ -129,7 +129,7 @@ def response_tokens(
     trained: list[bool] = []
 
     def rendered(upto: int, opened: bool = False) -> str:
-        return tokenizer.apply_chat_template(chat + turns[:upto], tokenize=False, add_generation_prompt=opened)
+        return tokenizer.apply_chat_template(chat + turns[:upto], tokenize=False, add_generation_prompt=opened, **data.chat_template_kwargs)
 
     def add(text: str, covered: str, train: bool) -> str:
         if not text.startswith(covered):

@@ -116,13 +116,13 @@ class Tool:
 CHAT_SENTINEL = "\u2063RLCTL-ASSISTANT-TURN\u2063"  # stands for the assistant's turn while the template renders the tool's
 
 
-def chat_turn_text(tokenizer, answer: str, role: str) -> str:
+def chat_turn_text(tokenizer, answer: str, role: str, template_kwargs: dict | None = None) -> str:
     """The text the tokenizer's chat template puts after an assistant's turn when a `role`
     message `answer` follows and the assistant speaks next: the assistant's turn closed, the
     tool's message, the next assistant turn opened (rollout.tool_format = "chat")."""
     messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": CHAT_SENTINEL}, {"role": role, "content": answer}]
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
     except Exception as exc:  # noqa: BLE001 — a template's own refusal (raise_exception), any kind
         raise ConfigError(
             f"rollout.tool_format = \"chat\": the tokenizer's chat template cannot render a {role!r} message after the assistant's ({exc}); "

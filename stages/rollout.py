@@ -125,7 +125,7 @@ def prompt_tokens(table: pa.Table, tokenizer, data: DataConfig) -> list[tuple[st
     chat template with its generation prompt, plain text as it is."""
     encoded = []
     for prompt_id, prompt, chat in shaped_prompts(table, data):
-        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) if chat is not None else prompt
+        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **data.chat_template_kwargs) if chat is not None else prompt
         tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not tokens:
             raise InputError(f"prompt {prompt_id!r} is empty after tokenization")
@@ -206,8 +206,8 @@ def rollout_table(
 
     def generate(advance: Callable[[int], None]) -> tuple[list[Generation], dict[str, pa.Array], list[Generation]]:
         """The samples (with the tool's columns), then each prompt's greedy response where asked."""
-        samples, tool_columns = _generate(engine, table, repeated, cfg, first_row, advance)
-        greedy_ones = _generate(engine, prompts, prompt_ids, greedy(cfg), first_row, advance)[0] if cfg.greedy_baseline else []
+        samples, tool_columns = _generate(engine, table, repeated, cfg, first_row, advance, data.chat_template_kwargs)
+        greedy_ones = _generate(engine, prompts, prompt_ids, greedy(cfg), first_row, advance, data.chat_template_kwargs)[0] if cfg.greedy_baseline else []
         return samples, tool_columns, greedy_ones
 
     if on_tokens is not None:
@@ -250,6 +250,7 @@ def greedy(cfg: RolloutConfig) -> RolloutConfig:
 
 def _generate(
     engine: RolloutEngine, table: pa.Table, prompt_ids: list[list[int]], cfg: RolloutConfig, first_row: int, on_tokens: Callable[[int], None],
+    template_kwargs: dict | None = None,
 ) -> tuple[list[Generation], dict[str, pa.Array]]:
     """Every row's response, cut at its first stop string (one rule for every engine: the
     token that completes one ends the row), and with `rollout.tool` the turns that follow
@@ -258,7 +259,7 @@ def _generate(
     if cfg.tool and cfg.tool_format == "chat":
         from rlctl.tool_turns import chat_turn_text
 
-        chat_turn_text(engine.tokenizer, "", cfg.tool_role)  # a template that cannot render the tool's turn: before any work
+        chat_turn_text(engine.tokenizer, "", cfg.tool_role, template_kwargs)  # a template that cannot render the tool's turn: before any work
     generations = engine.generate(prompt_ids, params, batch_size=cfg.batch_size, on_tokens=on_tokens, compute_dtype=cfg.dtype, first_row=first_row)
     stops = StopStrings(engine.tokenizer, params.stop)
     if not stops:
@@ -276,7 +277,7 @@ def _generate(
         return tool(samples.select(indices, responses=texts))
 
     def tokenize(answer: str) -> list[int]:
-        text = chat_turn_text(engine.tokenizer, answer, cfg.tool_role) if cfg.tool_format == "chat" else answer
+        text = chat_turn_text(engine.tokenizer, answer, cfg.tool_role, template_kwargs) if cfg.tool_format == "chat" else answer
         return engine.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def generate(prompts: list[list[int]], limit: int, row_ids: list[int], turn: int):

@@ -137,3 +137,18 @@ def test_the_optimal_token_baseline_reads_the_updates_importance_weights_and_tur
     assert pinned.advantage.otb_rollout_is == "off"
     other = load_config(overrides=["update.rollout_is=token"])
     assert resolve_estimator_inputs(other) == other
+
+
+def test_chat_template_kwargs_are_a_table_of_plain_values_that_survive_the_resolved_config(tmp_path):
+    from rlctl.config import to_toml
+
+    cfg = load_config(write(tmp_path, '[data]\nchat_template_kwargs = {enable_thinking = false, "odd key" = "x", depth = 2}\n'))
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False, "odd key": "x", "depth": 2}
+    again = tmp_path / "again.toml"
+    again.write_text(to_toml(cfg))
+    assert load_config(again).data == cfg.data
+    assert load_config(None, ["data.chat_template_kwargs={enable_thinking = true}"]).data.chat_template_kwargs == {"enable_thinking": True}
+    with pytest.raises(ConfigError, match=r"data.chat_template_kwargs: expected a table like \{name = value\}, got 'yes'"):
+        load_config(None, ["data.chat_template_kwargs=yes"])
+    with pytest.raises(ConfigError, match=r"data.chat_template_kwargs: 'tools' must be a name with a boolean, number or text value, got \[1\]"):
+        load_config(None, ["data.chat_template_kwargs={tools = [1]}"])

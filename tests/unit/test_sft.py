@@ -238,3 +238,30 @@ def test_sft_learns_its_demonstrations_and_commits_a_checkpoint_rl_starts_fresh_
 def test_sft_bf16_takes_a_boolean_from_toml_or_set_as_update_bf16_does():
     assert load_config(None, ["sft.bf16=false"]).sft.bf16 == "false" and load_config(None, ["sft.bf16=true"]).sft.bf16 == "true"
     assert load_config(None, ["sft.bf16=auto"]).sft.bf16 == "auto"
+
+
+NO_THINKING = "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+QWEN3_LIKE = (  # an empty thinking block opens the assistant's turns where enable_thinking is false, as Qwen3's template does
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}" + NO_THINKING + "{% endif %}{{ message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}" + NO_THINKING + "{% endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_prompts_and_the_examples_turns_as_the_template_reads_them(policy, tmp_path):
+    """data.chat_template_kwargs = {enable_thinking = false}: a Qwen3-like template's empty
+    thinking block after the generation prompt, in the rollout's prompt tokens and in an SFT
+    example's (its response then follows the block); without it, none."""
+    from rlctl.tool_turns import chat_turn_text
+
+    tok = policy.tokenizer
+    tok.chat_template = QWEN3_LIKE
+    chat = [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "4"}]
+    question = read_rows(tmp_path, [{"messages": chat[:1]}])
+    quiet = DataConfig(chat_template_kwargs={"enable_thinking": False})
+    (prompt,) = encode_prompts(question, tok, quiet)
+    assert tok.decode(prompt).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert tok.decode(encode_prompts(question, tok, DataConfig())[0]).endswith("<|im_start|>assistant\n")
+    got = encode(policy, read_rows(tmp_path, [{"messages": chat}]), data=quiet)
+    assert got.prompt_ids == [prompt] and tok.decode(got.response_ids[0]) == "4<|im_end|>"
+    assert chat_turn_text(tok, "42", "tool", {"enable_thinking": False}).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
