@@ -277,6 +277,8 @@ class UpdateConfig:
     vespo_k_neg: float = 3.0  # vespo: k of a sequence of negative advantage (TRL's vespo_k_neg)
     vespo_lambda_neg: float = 2.0  # vespo: λ of a sequence of negative advantage (TRL's vespo_lambda_neg)
     off_policy_mask: float = 0.0  # DeepSeek-V3.2's off-policy sequence masking: a sequence of negative advantage whose mean log(π_rollout/π) over its tokens exceeds this leaves the policy gradient (its tokens stay in the divisor; TRL's off_policy_mask_threshold, e.g. 0.5); 0 = off
+    entropy_advantage: float = 0.0  # α > 0: each token's advantage raised by min(α·H, |A|/κ), H its entropy under the policy being trained (Cheng et al. 2025's entropy-based advantage shaping; the paper's α 0.4, κ 2); 0 = off
+    entropy_advantage_kappa: float = 2.0  # κ of entropy_advantage: the raise is at most |A|/κ, so no advantage changes sign
     top_entropy_quantile: float = 1.0  # the policy gradient of each forward pass's highest-entropy tokens only, this share of them (0.2: Wang et al.'s "80/20"; TRL's top_entropy_quantile); 1 = every token
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     rollout_is: str = "off"  # off | token | sequence: truncated importance weights engine → trainer (verl's rollout_is)
@@ -327,7 +329,7 @@ class UpdateConfig:
             "top_entropy_quantile": lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
             "clip_cov_ratio": lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
             "sapo_tau_pos": above(0.0), "sapo_tau_neg": above(0.0),
-            "vespo_k_pos": at_least(0.0), "vespo_k_neg": at_least(0.0), "vespo_lambda_pos": above(0.0), "vespo_lambda_neg": above(0.0), "off_policy_mask": at_least(0.0),
+            "vespo_k_pos": at_least(0.0), "vespo_k_neg": at_least(0.0), "vespo_lambda_pos": above(0.0), "vespo_lambda_neg": above(0.0), "off_policy_mask": at_least(0.0), "entropy_advantage": at_least(0.0), "entropy_advantage_kappa": above(1.0),
             "entropy_target": at_least(0.0), "entropy_coef_delta": at_least(0.0), "entropy_coef_min": at_least(0.0), "entropy_coef_max": at_least(0.0),
             "rollout_is": one_of("off", "token", "sequence"), "rollout_is_threshold": above(1.0),
             "rollout_rs": lambda v: None if v == "off" or (v.strip() and all(part.strip() in REJECTION_RULES for part in v.split(",") if part.strip()))

@@ -964,7 +964,7 @@ class Pipeline:
             **({"critic_warmup": train["critic_warmup"]} if "critic_warmup" in train else {}),  # the share of steps that trained only the critic
             **({"truncated_masked": train["truncated_masked"]} if "truncated_masked" in train else {}),  # update.mask_truncated: the share of rows out of the loss
             **({"entropy_tokens_kept": train["entropy_tokens_kept"]} if "entropy_tokens_kept" in train else {}),  # update.top_entropy_quantile: the share of tokens in the policy gradient
-            **{k: train[k] for k in ("off_policy_masked", "vespo_weight", "entropy_coef", "entropy_coef_applied") if k in train},  # update.off_policy_mask: the share of tokens it left out; vespo: its mean weight φ; update.entropy_target: its coefficients
+            **{k: train[k] for k in ("off_policy_masked", "vespo_weight", "entropy_coef", "entropy_coef_applied", "entropy_advantage") if k in train},  # update.off_policy_mask: the share of tokens it left out; vespo: its mean weight φ; update.entropy_target: its coefficients
             **{k: train[k] for k in ("approx_kl", "kl_stopped_early", "optimizer_steps") if k in train},  # update.target_kl: its measure, whether it stopped the update, the steps made
             **{k: v for k, v in train.items() if k.startswith("rollout_rs/") or k == "rollout_is_batch_mean"},  # update.rollout_rs: the shares rejected; the IS weights' batch mean before normalizing
             **{k: v for k, v in adv_stats.items() if k.startswith(("pf_ppo/", "variance_proxy/", "dpo/"))},  # advantage.pf_ppo: the share of rows drawn, their mean reward; with Σπ²: the gradient's variance proxies; online_dpo: its pairs
@@ -1233,6 +1233,8 @@ def describe_algorithm(cfg: Config) -> str:
         loss += f", entropy bonus × {update.entropy_coef:g}"
     if update.off_policy_mask:
         loss += f", negative sequences past KL {update.off_policy_mask:g} from the rollout masked"
+    if update.entropy_advantage:
+        loss += f", advantages + min({update.entropy_advantage:g}·H, |A|/{update.entropy_advantage_kappa:g})"
     if update.target_kl:
         from rlctl.trainer import KL_STOP_FACTOR
 

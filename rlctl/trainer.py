@@ -24,6 +24,7 @@ from rlctl.algos.losses import (
     POLICY_LOSSES,
     aggregate,
     clipped_value_loss,
+    entropy_shaped_advantages,
     high_entropy_tokens,
     importance_ratio,
     off_policy_sequences,
@@ -465,6 +466,8 @@ class Trainer:
         if policy is not None and cfg.top_entropy_quantile < 1.0:
             stats["entropy_tokens_kept"] = 0.0  # the share of the trained tokens whose policy gradient counted
         bonus = self.entropy_bonus()
+        if policy is not None and cfg.entropy_advantage:
+            stats["entropy_advantage"] = 0.0  # the mean raise of the trained tokens' advantages
         if policy is not None and cfg.off_policy_mask:
             stats["off_policy_masked"] = 0.0  # the share of the trained tokens the off-policy sequence mask left out
         if policy is not None and cfg.policy_loss == "vespo":
@@ -546,6 +549,10 @@ class Trainer:
             "vespo": {"vespo_k_pos": cfg.vespo_k_pos, "vespo_lambda_pos": cfg.vespo_lambda_pos, "vespo_k_neg": cfg.vespo_k_neg, "vespo_lambda_neg": cfg.vespo_lambda_neg},
         }.get(cfg.policy_loss, {})
         advantages = take(batch.advantages)
+        if cfg.entropy_advantage:
+            shaped = entropy_shaped_advantages(advantages, entropy, alpha=cfg.entropy_advantage, kappa=cfg.entropy_advantage_kappa)
+            stats["entropy_advantage"] += weight * float(torch.where(m, shaped - advantages, 0).sum()) / tokens
+            advantages = shaped
         weights = None
         if cfg.rollout_is != "off":
             weights = rollout_is_weights(

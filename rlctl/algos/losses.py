@@ -363,6 +363,14 @@ def sequence_log_weights(weights: torch.Tensor, response_mask: torch.Tensor, lev
     return torch.where(response_mask, logs, 0).sum(-1, keepdim=True)
 
 
+def entropy_shaped_advantages(advantages: torch.Tensor, entropy: torch.Tensor, *, alpha: float, kappa: float) -> torch.Tensor:
+    """[B, T] A + min(α·H, |A|/κ) per token (Cheng et al. 2025, "Reasoning with Exploration: An
+    Entropy Perspective"): each token's advantage raised by its entropy under the policy being
+    trained (no gradient through it), so the uncertain, exploratory tokens of a sample count
+    more; the clip at |A|/κ (κ > 1) never flips an advantage's sign and leaves a zero one 0."""
+    return advantages + torch.minimum(alpha * entropy.detach().to(advantages.dtype), advantages.abs() / kappa)
+
+
 def high_entropy_tokens(entropy: torch.Tensor, response_mask: torch.Tensor, top_quantile: float) -> torch.Tensor:
     """[B, T] bool: the tokens whose entropy is at or above the (1 − top_quantile) quantile of the
     masked tokens' entropies (Wang et al. 2025, "Beyond the 80/20 rule": the policy gradient

@@ -340,10 +340,11 @@ def test_dry_run_prints_the_plan_and_writes_nothing(cli, tmp_path, tiny_model):
     assert ("algorithm     optimal_token_baseline (paths weighed by score's Σπ², × ρ̄² of sequence IS weights ≤ 2), batch redrawn by pf_ppo max_min; "
             "sapo loss, token-mean, entropy bonus × 0.01, stopped past KL 1.5 × 0.02; old log-probs: recompute") in otb.stdout
     deepseek = cli("pipeline", config, "--dry-run", "--run-dir", tmp_path / "run", "--set", "advantage.kl_coef=0", "--set", "update.use_kl_loss=true",
-                   "--set", "update.kl_loss_unbiased=true", "--set", "update.entropy_target=0.3", "--set", "update.entropy_coef=0.002", "--set", "update.off_policy_mask=0.5")
+                   "--set", "update.kl_loss_unbiased=true", "--set", "update.entropy_target=0.3", "--set", "update.entropy_coef=0.002", "--set", "update.off_policy_mask=0.5",
+                   "--set", "update.entropy_advantage=0.4")
     assert deepseek.exit_code == 0, deepseek.stderr
     assert ("token-mean, KL loss k3 × 0.001 × π/π_old, entropy bonus while the entropy is ≤ 0.3, its coefficient from 0.002 ± 0.005 a step within [0, 1], "
-            "negative sequences past KL 0.5 from the rollout masked; old log-probs") in deepseek.stdout
+            "negative sequences past KL 0.5 from the rollout masked, advantages + min(0.4·H, |A|/2); old log-probs") in deepseek.stdout
     corrected = cli(
         "pipeline", config, "--dry-run", "--run-dir", tmp_path / "run", "--set", 'update.rollout_is="token"', "--set", "update.rollout_is_batch_normalize=true",
         "--set", 'update.rollout_rs="token_k1,seq_max_k3"', "--set", 'update.rollout_rs_threshold="0.5_2,0.01"',

@@ -485,3 +485,19 @@ def test_a_sequences_log_weight_is_its_tokens_summed_or_its_one_weight(level):
         terms = [min(old[i][t].item() - rollout[i][t].item(), math.log(1.5)) for t in range(n)]
         expected = sum(terms) if level == "token" else min(sum(old[i][t].item() - rollout[i][t].item() for t in range(n)), math.log(1.5))
         assert logs[i][0].item() == pytest.approx(expected, abs=1e-9)
+
+
+def test_entropy_shaping_raises_each_advantage_by_its_tokens_entropy_at_most_a_share_of_its_size():
+    from rlctl.algos.losses import entropy_shaped_advantages
+
+    mask, lengths, r = tensors(seed=20)
+    adv = r(1.0)
+    adv[0, 0] = 0.0
+    entropy = r(1.0).abs().requires_grad_()
+    shaped = entropy_shaped_advantages(adv, entropy, alpha=0.4, kappa=2.0)
+    for i in range(5):
+        for t in range(7):
+            a, h = adv[i][t].item(), entropy[i][t].item()
+            assert shaped[i][t].item() == pytest.approx(a + min(0.4 * h, abs(a) / 2), abs=1e-12)
+    assert (torch.sign(shaped) == torch.sign(adv)).all() and shaped[0, 0] == 0  # no sign flips; zero stays zero
+    assert not shaped.requires_grad  # the entropy weighs, it is not trained through

@@ -1049,3 +1049,30 @@ def test_an_unbiased_kl_loss_is_the_gradient_of_each_tokens_kl_times_its_importa
     scale = np.abs(direct).max()
     np.testing.assert_allclose(unbiased, direct, atol=1e-5 * scale, rtol=0)
     assert np.abs(unbiased - plain).max() > 0.1 * scale
+
+
+def test_entropy_shaped_advantages_give_the_step_of_the_batch_with_those_advantages(policy, monkeypatch):
+    """update.entropy_advantage: the step is the one on the batch whose advantages are the shaped
+    ones (from the same forward's entropy), and the update reports their mean raise."""
+    from dataclasses import replace
+
+    import rlctl.trainer as trainer_module
+    from rlctl.algos.losses import entropy_shaped_advantages
+
+    monkeypatch.setenv("RLCTL_SHARE_PROMPTS", "never")
+    batch = equal_length_batch(seed=10)
+    n = batch.size
+    seen = []
+
+    def recorded(advantages, entropy, **kwargs):
+        seen.append(entropy_shaped_advantages(advantages, entropy, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(trainer_module, "entropy_shaped_advantages", recorded)
+    stats = Trainer(policy, UpdateConfig(micro_batch_size=n, entropy_advantage=0.4, entropy_advantage_kappa=2.0)).accumulate_gradients(batch, torch.arange(n))
+    shaped_step = flat_gradients(policy.model)
+    (shaped,) = seen
+    assert (shaped - batch.advantages).abs().max() > 0.05  # the tiny model's entropy (~6 nats) raised them
+    Trainer(policy, UpdateConfig(micro_batch_size=n)).accumulate_gradients(replace(batch, advantages=shaped.float()), torch.arange(n))
+    np.testing.assert_allclose(shaped_step, flat_gradients(policy.model), atol=1e-7, rtol=0)
+    assert stats["entropy_advantage"] == pytest.approx(float((shaped - batch.advantages).mean()), rel=1e-5)
