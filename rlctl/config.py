@@ -205,6 +205,8 @@ class AdvantageConfig:
     estimator: str = "grpo"  # gae | gpg (α·(score − group mean), with update.policy_loss = gpg) | grpo | gdpo (several rewards: each normalized within its group on its own, then weighted and summed, then whitened over the batch) | rloo | opo | grpo_passk | reinforce_pp | reinforce_pp_baseline | remax (with rollout.greedy_baseline) | optimal_token_baseline (with score's old log-probs and Σπ²) | online_dpo (each group's best and worst sample a DPO pair, against model.ref; docs/algorithms.md)
     gamma: float = 1.0  # discount of GAE and REINFORCE++ returns
     lam: float = 1.0  # GAE's lambda
+    critic_lam: float = -1.0  # gae: the λ of the critic's targets (returns), apart from the advantages' (VAPO's decoupled GAE: 1.0, targets free of the critic's own bias); -1 = lam
+    length_adaptive_alpha: float = 0.0  # gae: > 0 gives each sequence's advantages λ = 1 − 1/(α·l), l its response length (VAPO's length-adaptive GAE, α 0.05); 0 = lam
     norm_by_std: bool = True  # GRPO: divide by the group's reward std (false = Dr. GRPO)
     otb_zero_tail: bool = False  # optimal_token_baseline: no baseline for a group's one longest sample past its second longest (verl's handle_zero_tail)
     otb_rollout_is: str = "auto"  # optimal_token_baseline: weigh paths by the squared truncated IS weights π_old/π_rollout the update applies (verl's, with rollout correction): auto (update.rollout_is and its threshold, where the config has an [update]: a pipeline, --config) | off | token | sequence
@@ -226,7 +228,8 @@ class AdvantageConfig:
 
     def __post_init__(self) -> None:
         check_ranges(self, "advantage", {
-            "gamma": between(0.0, 1.0), "lam": between(0.0, 1.0), "kl_coef": at_least(0.0), "kl_controller": one_of(*KL_CONTROLLERS),
+            "gamma": between(0.0, 1.0), "lam": between(0.0, 1.0), "critic_lam": lambda v: None if v == -1 or 0 <= v <= 1 else "must be -1 (lam) or between 0.0 and 1.0",
+            "length_adaptive_alpha": at_least(0.0), "kl_coef": at_least(0.0), "kl_controller": one_of(*KL_CONTROLLERS),
             "kl_target": above(0.0), "kl_horizon": at_least(1), "std_scope": one_of(*STD_SCOPES), "pf_ppo": one_of(*PF_PPO),
             "otb_rollout_is": one_of(*OTB_ROLLOUT_IS), "otb_rollout_is_threshold": above(1.0),
             "pf_ppo_weight_pow": at_least(0.0), "dpo_beta": above(0.0), "dpo_loss": one_of(*ONLINE_DPO_LOSSES), "dpo_pairs": one_of(*PAIRINGS),

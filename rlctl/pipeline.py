@@ -1198,7 +1198,9 @@ def describe_algorithm(cfg: Config) -> str:
     advantage, update = cfg.advantage, cfg.update
     estimator = advantage.estimator
     if estimator == "gae":
-        estimator += f" (γ {advantage.gamma:g}, λ {advantage.lam:g})"
+        lam = f"λ 1 − 1/({advantage.length_adaptive_alpha:g}·length)" if advantage.length_adaptive_alpha else f"λ {advantage.lam:g}"
+        critic = f", the critic's returns λ {advantage.critic_lam:g}" if advantage.critic_lam != -1 else ""
+        estimator += f" (γ {advantage.gamma:g}, {lam}{critic})"
     elif estimator in ("grpo", "grpo_passk"):
         estimator += f" (÷ {advantage.std_scope} std)" if advantage.norm_by_std else " (no std)"
     elif estimator == "optimal_token_baseline":

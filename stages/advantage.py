@@ -23,6 +23,8 @@ from rlctl.algos.advantages import (
     PreferencePairs,
     RewardComponents,
     aggregation_divisors,
+    decoupled_gae,
+    length_adaptive_lams,
     masked_mean,
     online_dpo_stats,
     sequence_mean,
@@ -67,6 +69,8 @@ def check_config(cfg: AdvantageConfig) -> None:
         raise InputError(f"kl_controller must be fixed or adaptive, got {cfg.kl_controller!r}")
     if cfg.kl_controller == "adaptive" and (cfg.kl_target <= 0 or cfg.kl_horizon <= 0):
         raise InputError("the adaptive KL controller needs kl_target > 0 and kl_horizon > 0")
+    if cfg.estimator != "gae" and (cfg.critic_lam != -1 or cfg.length_adaptive_alpha):
+        raise InputError(f"advantage.critic_lam and length_adaptive_alpha set GAE's λs: estimator {cfg.estimator} has none (use gae)")
     if cfg.estimator in NEEDS_COMPONENTS and cfg.kl_coef > 0:
         raise InputError(f"estimator {cfg.estimator} normalizes each reward's own column, so a KL penalty in the reward (advantage.kl_coef) has no place in it: use update.use_kl_loss")
 
@@ -129,13 +133,18 @@ def advantage_table(table: pa.Table, cfg: AdvantageConfig, state: KLControllerSt
     _, group_index = np.unique(np.asarray(table.column("id").to_pylist(), dtype=object).astype(str), return_inverse=True)
     groups = torch.from_numpy(group_index.astype(np.int64))
     pairs = preference_pairs(cfg, sampled_logprobs, ref_logprobs, width, mask) if cfg.estimator in NEEDS_PAIRS else None
-    result = ESTIMATORS.get(cfg.estimator)(
-        token_rewards=token_rewards, response_mask=mask, values=values, group_index=groups,
-        gamma=cfg.gamma, lam=cfg.lam, norm_by_std=cfg.norm_by_std, std_scope=cfg.std_scope,
-        baselines=torch.from_numpy(table.column("baseline_reward").to_numpy().astype(np.float64)) if cfg.estimator in NEEDS_BASELINES else None,
-        paths=path_weights(table, cfg, old_logprobs, sum_pi_squared, policy, width, mask) if cfg.estimator in NEEDS_SUM_PI_SQUARED else None,
-        pairs=pairs, components=components,
-    )
+    if cfg.estimator == "gae" and (cfg.critic_lam != -1 or cfg.length_adaptive_alpha):  # VAPO's λs
+        policy_lam = length_adaptive_lams(mask.sum(-1), cfg.length_adaptive_alpha) if cfg.length_adaptive_alpha else cfg.lam
+        critic_lam = cfg.lam if cfg.critic_lam == -1 else cfg.critic_lam
+        result = decoupled_gae(token_rewards=token_rewards, response_mask=mask, values=values, gamma=cfg.gamma, policy_lam=policy_lam, critic_lam=critic_lam)
+    else:
+        result = ESTIMATORS.get(cfg.estimator)(
+            token_rewards=token_rewards, response_mask=mask, values=values, group_index=groups,
+            gamma=cfg.gamma, lam=cfg.lam, norm_by_std=cfg.norm_by_std, std_scope=cfg.std_scope,
+            baselines=torch.from_numpy(table.column("baseline_reward").to_numpy().astype(np.float64)) if cfg.estimator in NEEDS_BASELINES else None,
+            paths=path_weights(table, cfg, old_logprobs, sum_pi_squared, policy, width, mask) if cfg.estimator in NEEDS_SUM_PI_SQUARED else None,
+            pairs=pairs, components=components,
+        )
     if pairs is not None:
         stats.update(online_dpo_stats(token_rewards, mask, groups, pairs))
     advantages, returns = result.advantages, result.returns

@@ -153,6 +153,25 @@ def gae(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_b
     return AdvantageOutput(masked_whiten(raw, response_mask), returns)
 
 
+def length_adaptive_lams(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
+    """[B] VAPO's length-adaptive λ of each sequence, 1 − 1/(α·l) (0 where that is below 0): the
+    GAE of a long response looks further ahead, so the bias a short λ puts on its early tokens
+    (the value's error, compounded over hundreds of steps) does not swamp its reward."""
+    return (1.0 - 1.0 / (alpha * lengths.to(torch.float64).clamp(min=1))).clamp(min=0.0)
+
+
+def decoupled_gae(
+    *, token_rewards: torch.Tensor, response_mask: torch.Tensor, values: torch.Tensor, gamma: float, policy_lam: float | torch.Tensor, critic_lam: float,
+) -> AdvantageOutput:
+    """VAPO's decoupled GAE: the policy's advantages from `policy_lam` (a number, or one per
+    sequence: `length_adaptive_lams`), whitened as `gae`'s; the critic's targets (returns) from
+    `critic_lam` (1.0: the discounted reward-to-go, no bias from the critic's own values)."""
+    group_index = torch.zeros(token_rewards.shape[0], dtype=torch.long)
+    policy = gae(token_rewards=token_rewards, response_mask=response_mask, values=values, group_index=group_index, gamma=gamma, lam=policy_lam, norm_by_std=False)
+    critic = gae(token_rewards=token_rewards, response_mask=response_mask, values=values, group_index=group_index, gamma=gamma, lam=critic_lam, norm_by_std=False)
+    return AdvantageOutput(policy.advantages, critic.returns)
+
+
 @ESTIMATORS.register("grpo")
 def grpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_by_std, std_scope="group", baselines=None, paths=None, pairs=None, components=None) -> AdvantageOutput:
     """Group-relative outcome advantage: (score - group mean) [/ std], on every token. The std

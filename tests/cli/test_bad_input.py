@@ -139,6 +139,8 @@ RANGE_CASES = [
     (["advantage", "--gamma", "1.5"], "advantage.gamma must be between 0.0 and 1.0"),
     (["advantage", "--lam", "-0.1"], "advantage.lam must be between 0.0 and 1.0"),
     (["advantage", "--kl-coef", "-1"], "advantage.kl_coef must be ≥ 0.0"),
+    (["advantage", "--set", "advantage.critic_lam=1.5"], "advantage.critic_lam must be -1 (lam) or between 0.0 and 1.0"),
+    (["advantage", "--set", "advantage.critic_lam=1.0"], "advantage.critic_lam and length_adaptive_alpha set GAE's λs: estimator grpo has none (use gae)"),
     (["update", "--lr", "0"], "update.lr must be > 0.0"),
     (["update", "--set", "update.lr=nan"], "update.lr must be a finite number"),
     (["update", "--set", "update.critic_lr=inf"], "update.critic_lr must be a finite number"),

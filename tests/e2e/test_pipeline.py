@@ -341,8 +341,9 @@ def test_dry_run_prints_the_plan_and_writes_nothing(cli, tmp_path, tiny_model):
             "sapo loss, token-mean, entropy bonus × 0.01, stopped past KL 1.5 × 0.02; old log-probs: recompute") in otb.stdout
     deepseek = cli("pipeline", config, "--dry-run", "--run-dir", tmp_path / "run", "--set", "advantage.kl_coef=0", "--set", "update.use_kl_loss=true",
                    "--set", "update.kl_loss_unbiased=true", "--set", "update.entropy_target=0.3", "--set", "update.entropy_coef=0.002", "--set", "update.off_policy_mask=0.5",
-                   "--set", "update.entropy_advantage=0.4")
+                   "--set", "update.entropy_advantage=0.4", "--set", "advantage.critic_lam=1", "--set", "advantage.length_adaptive_alpha=0.05")
     assert deepseek.exit_code == 0, deepseek.stderr
+    assert "algorithm     gae (γ 0.99, λ 1 − 1/(0.05·length), the critic's returns λ 1); ppo loss" in deepseek.stdout
     assert ("token-mean, KL loss k3 × 0.001 × π/π_old, entropy bonus while the entropy is ≤ 0.3, its coefficient from 0.002 ± 0.005 a step within [0, 1], "
             "negative sequences past KL 0.5 from the rollout masked, advantages + min(0.4·H, |A|/2); old log-probs") in deepseek.stdout
     corrected = cli(

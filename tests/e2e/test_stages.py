@@ -131,6 +131,19 @@ def test_a_second_update_goes_on_with_the_first_ones_adaptive_entropy_coefficien
     assert metrics["entropy_coef_applied"] == pytest.approx(np.mean([0.01 + 0.01 * (steps + k) for k in range(steps)]))  # every step applied it
 
 
+def test_decoupled_gae_trains_the_critic_on_the_reward_to_go(cli, tmp_path, scored):
+    """advantage.critic_lam = 1 with γ = 1 and no KL: every target of a response is its reward
+    (the reward to go from any token), whatever the critic's values; the advantages stay λ's."""
+    result = cli("advantage", "--scores", scored, "--out", tmp_path / "b", "--estimator", "gae", "--gamma", "1", "--lam", "0.9", "--set", "advantage.critic_lam=1.0")
+    assert result.exit_code == 0, result.stderr
+    batch = shards.read(str(tmp_path / "b")).table
+    for reward, returns in zip(batch.column("reward").to_pylist(), batch.column("returns").to_pylist()):
+        np.testing.assert_allclose(returns, [reward] * len(returns), atol=1e-5, rtol=0)
+    plain = cli("advantage", "--scores", scored, "--out", tmp_path / "p", "--estimator", "gae", "--gamma", "1", "--lam", "0.9")
+    assert plain.exit_code == 0
+    assert shards.read(str(tmp_path / "p")).table.column("advantages").to_pylist() == batch.column("advantages").to_pylist()
+
+
 def test_identical_updates_give_identical_weights(cli, tmp_path, tiny_model, scored):
     cli("advantage", "--scores", scored, "--out", tmp_path / "b", "--estimator", "grpo")
     for name in ("u1", "u2"):

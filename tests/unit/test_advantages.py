@@ -638,3 +638,35 @@ def test_gdpo_weighs_each_rewards_ranking_whatever_its_scale_where_grpo_lets_the
     assert grpo[1] < 0.8 * grpo[3] < 0  # the wide reward decides almost alone
     weighted = gdpo_call(rows, [2.0, 1.0], [0, 0, 0, 0], mask).advantages[:, 0]
     assert weighted[0] > weighted[1]
+
+
+# -- VAPO's decoupled and length-adaptive GAE ---------------------------------------------------
+
+
+def test_decoupled_gae_takes_the_advantages_from_the_policys_lambda_and_the_returns_from_the_critics():
+    from rlctl.algos.advantages import decoupled_gae
+
+    rewards, mask, values, groups, lengths = random_batch(4)
+    same = decoupled_gae(token_rewards=rewards, response_mask=mask, values=values, gamma=0.9, policy_lam=0.8, critic_lam=0.8)
+    plain = call("gae", rewards, mask, values, groups)
+    assert torch.equal(same.advantages, plain.advantages) and torch.equal(same.returns, plain.returns)
+    split = decoupled_gae(token_rewards=rewards, response_mask=mask, values=values, gamma=1.0, policy_lam=0.8, critic_lam=1.0)
+    assert torch.equal(split.advantages, call("gae", rewards, mask, values, groups, gamma=1.0, lam=0.8).advantages)
+    for i, n in enumerate(lengths):  # λ = γ = 1: each target is the reward to go, the critic's values cancel
+        expected = [sum(rewards[i, t:n].tolist()) for t in range(n)]
+        np.testing.assert_allclose(split.returns[i, :n].numpy(), expected, atol=1e-9, rtol=0)
+
+
+def test_length_adaptive_lambda_gives_each_response_its_own_horizon():
+    from rlctl.algos.advantages import decoupled_gae, length_adaptive_lams
+
+    lengths = [40, 80, 160]
+    assert length_adaptive_lams(torch.tensor(lengths + [10]), 0.05).tolist() == pytest.approx([0.5, 0.75, 0.875, 0.0])  # 1 − 1/(αl), not below 0
+    mask = torch.arange(160).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    rewards = torch.zeros(3, 160, dtype=torch.float64)
+    for i, n in enumerate(lengths):
+        rewards[i, n - 1] = 1.0
+    out = decoupled_gae(token_rewards=rewards, response_mask=mask, values=torch.zeros_like(rewards), gamma=1.0, policy_lam=length_adaptive_lams(mask.sum(-1), 0.05), critic_lam=1.0)
+    for i, n in enumerate(lengths):  # zero values: A_t = λ^(n−1−t) before whitening, so consecutive steps of the whitened ones shrink by λ
+        a = out.advantages[i, n - 4 : n].tolist()
+        assert (a[2] - a[1]) / (a[3] - a[2]) == pytest.approx([0.5, 0.75, 0.875][i], rel=1e-9)
