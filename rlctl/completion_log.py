@@ -26,7 +26,7 @@ class Completion:
     prompt: str
     response: str
     reward: float
-    advantage: float  # the mean over its trained tokens (GRPO's is the same on each)
+    advantage: float  # the mean over its response's tokens (GRPO's is the same on each)
     finish_reason: str
 
     def as_record(self) -> dict:
@@ -40,14 +40,23 @@ def drawn_completions(batch: pa.Table, count: int, *, seed: int, iteration: int)
         return []
     rows = sorted(np.random.default_rng([seed, iteration]).choice(batch.num_rows, size=size, replace=False).tolist())
     picked = batch.take(pa.array(rows, pa.int64()))
-    advantages = picked.column("advantages").to_pylist() if "advantages" in picked.column_names else [None] * size
-    reasons = picked.column("finish_reason").to_pylist() if "finish_reason" in picked.column_names else [""] * size
+    def column(name: str, missing) -> list:
+        return picked.column(name).to_pylist() if name in picked.column_names else [missing] * size
+
+    prompts = [prompt if prompt is not None else last_message(chat) for prompt, chat in zip(column("prompt", None), column("messages", None))]
     return [
-        Completion(row, str(prompt), str(response), float(reward), float(np.mean(advantage)) if advantage else 0.0, reason or "")
+        Completion(row, prompt, str(response), float(reward), float(np.mean(advantage)) if advantage else 0.0, reason or "")
         for row, prompt, response, reward, advantage, reason in zip(
-            rows, picked.column("prompt").to_pylist(), picked.column("response").to_pylist(), picked.column("reward").to_pylist(), advantages, reasons,
+            rows, prompts, column("response", ""), column("reward", 0.0), column("advantages", None), column("finish_reason", ""),
         )
     ]
+
+
+def last_message(chat: list[dict] | None) -> str:
+    """A conversation's last message as `role: content` (a chat prompt has no plain text)."""
+    if not chat:
+        return ""
+    return f"{chat[-1].get('role', '')}: {chat[-1].get('content', '')}"
 
 
 def shortened(text: str, limit: int, *, tail: bool = False) -> str:

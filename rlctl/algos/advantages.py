@@ -195,11 +195,10 @@ def gdpo(*, token_rewards, response_mask, values, group_index, gamma, lam, norm_
     """GDPO (Group reward-Decoupled normalization Policy Optimization; TRL's
     `multi_objective_aggregation = "normalize_then_sum"`): each reward normalized within its
     group on its own, (r_k − group mean_k) / (group std_k + ε) over the samples it applies to,
-    then their weighted sum, whitened over the batch. GRPO normalizes the weighted sum, so
-    different mixes of the rewards that sum alike — a correct answer badly formatted, a wrong
-    one well formatted — get one advantage, and a reward of wide spread drowns the others;
-    here each reward's ranking within the group counts in its weight. The KL penalty and
-    `norm_by_std` play no part (the estimator reads the rewards' columns, not the total)."""
+    then their weighted sum, whitened over the batch. GRPO normalizes the weighted sum, so a
+    reward of wide spread drowns the others whatever the weights; here each reward's ranking
+    within the group counts in its weight. The KL penalty and `norm_by_std` play no part (the
+    estimator reads the rewards' columns, not the total)."""
     if components is None:
         raise ValueError("gdpo needs each reward's own scores")
     scores, weights = components.scores, components.weights

@@ -34,6 +34,11 @@ def test_the_same_seed_and_iteration_draw_the_same_rows_and_another_iteration_ot
     assert (one.prompt, one.response, one.reward, one.advantage) == (f"prompt {one.row}", f"response {one.row}", pytest.approx(one.row / 10), one.row + 0.5)
 
 
+def test_a_chat_prompt_shows_its_last_message():
+    table = batch(2).drop_columns(["prompt"]).append_column("messages", pa.array([[{"role": "user", "content": "hi"}], [{"role": "system", "content": "x"}, {"role": "user", "content": "2+2?"}]]))
+    assert [c.prompt for c in drawn_completions(table, 2, seed=0, iteration=1)] == ["user: hi", "user: 2+2?"]
+
+
 def test_asking_for_more_than_the_batch_gives_the_whole_batch_and_none_gives_nothing():
     assert [c.row for c in drawn_completions(batch(3), 8, seed=0, iteration=1)] == [0, 1, 2]
     assert drawn_completions(batch(3), 0, seed=0, iteration=1) == []
