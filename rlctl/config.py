@@ -122,9 +122,14 @@ class DataConfig:
     chat_template_kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)  # values the chat template reads besides the messages, e.g. {enable_thinking = false} (Qwen3's non-thinking mode): every prompt, an SFT example's turns and a tool's chat turn are rendered with them (verl's data.apply_chat_template_kwargs, TRL's chat_template_kwargs)
     prompt_template: str = ""  # a plain prompt put into this text where it says {prompt}, before any chat template (e.g. "{prompt} Let's think step by step."; OpenRLHF's input_template); "" = as it is
     system_prompt: str = ""  # a system message put first in every chat prompt (messages, or a plain one under chat_template) that has none; "" = none
+    retire_pass_rate: float = 0.0  # a prompt whose samples pass (reward ≥ pass_threshold) at this rate or more when drawn is left out of the epochs that begin after its iteration (Skywork-OR1's online difficulty filtering: 1 = the prompts every sample solved); in (0, 1]; 0 = off
+    pass_threshold: float = 1.0  # with retire_pass_rate: a sample passes when its reward is at least this
 
     def __post_init__(self) -> None:
-        check_ranges(self, "data", {"batch_size": at_least(1), "max_prompt_tokens": at_least(1), "truncate": one_of(*TRUNCATE)})
+        check_ranges(self, "data", {
+            "batch_size": at_least(1), "max_prompt_tokens": at_least(1), "truncate": one_of(*TRUNCATE),
+            "retire_pass_rate": lambda v: None if 0 <= v <= 1 else "must be in [0, 1] (0 = off)",
+        })
         if self.prompt_template and "{prompt}" not in self.prompt_template:
             raise ConfigError(f"data.prompt_template must say where the prompt goes with {{prompt}}, got {self.prompt_template!r}")
 

@@ -25,7 +25,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
@@ -61,6 +61,13 @@ from rlctl.loggers import Loggers, check_loggers
 from rlctl.manifest import MANIFEST_NAME, InputRef, Manifest, strict_json_value
 from rlctl.modelinit import preset_fields
 from rlctl.passes import ModelShape, as_recorded, decided_micro_batch_tokens, ranks_at_once
+from rlctl.prompt_stream import (
+    PromptStream,
+    newly_retired,
+    pass_rates,
+    retired_digest,
+    retirement_epochs,
+)
 from rlctl.ref_sync import (
     RefSync,
     check_mixable,
@@ -271,18 +278,20 @@ def validate(cfg: Config, *, from_stage: str | None = None, until_stage: str | N
         check_reachable(cfg.workers.address)
 
 
-def select_prompts(dataset: pa.Table, *, iteration: int, batch_size: int, shuffle: bool, seed: int, start: int | None = None) -> pa.Table:
+def select_prompts(
+    dataset: pa.Table, *, iteration: int, batch_size: int, shuffle: bool, seed: int, start: int | None = None, retired: Mapping[str, int] | None = None,
+) -> pa.Table:
     """The prompts of `iteration` (1-based): consecutive slices of a stream of epochs, each
-    epoch a seeded permutation of the dataset; `start` (a position in that stream) overrides
-    the slice, for dynamic sampling's extra rounds. A pure function of its arguments."""
-    n = dataset.num_rows
+    epoch a seeded permutation of the prompts in play (all but the `retired` ids, each mapped
+    to the first epoch without it: rlctl.prompt_stream); `start` (a position in that stream)
+    overrides the slice, for dynamic sampling's extra rounds. A pure function of its arguments."""
     start = (iteration - 1) * batch_size if start is None else start
-    rows = []
-    for position in range(start, start + batch_size):
-        epoch, offset = divmod(position, n)
-        order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
-        rows.append(int(order[offset]))
+    rows = prompt_stream(dataset, shuffle=shuffle, seed=seed, retired=retired).rows(start, batch_size)
     return dataset.take(pa.array(rows, pa.int64()))
+
+
+def prompt_stream(dataset: pa.Table, *, shuffle: bool, seed: int, retired: Mapping[str, int] | None) -> PromptStream:
+    return PromptStream(retirement_epochs(dataset.column("id"), retired), seed=seed, shuffle=shuffle)
 
 
 class Pipeline:
@@ -338,6 +347,9 @@ class Pipeline:
         self.checkpoint_iteration_at_start = self.iteration
         # where the next iteration's prompts start in the prompt stream (dynamic sampling's extra rounds move it on)
         self.stream_position = int(state.get("stream_position", self.iteration * cfg.data.batch_size))
+        # data.retire_pass_rate: prompt id → the first epoch without it
+        self.retired_prompts: dict[str, int] = {str(k): int(v) for k, v in state.get("retired_prompts", {}).items()}
+        self.prompts_exhausted = False  # the last iteration retired the last prompts in play: run() ends
 
     # -- construction ----------------------------------------------------------------
 
@@ -476,7 +488,7 @@ class Pipeline:
             while self.iteration < total:
                 row = self.step(total=total)
                 rows.append(row)
-                if row.get("stopped_early"):
+                if row.get("stopped_early") or self.prompts_exhausted:
                     break
         finally:
             if took_lock:
@@ -516,6 +528,8 @@ class Pipeline:
         dynamic = cfg.pipeline.dynamic_sampling
         rounds: list[tuple[Shards, Shards]] = []  # (rollout, score) of each round
         for r in range(1, (cfg.pipeline.max_sampling_rounds if dynamic else 1) + 1):
+            if r > 1 and not self._batch_left(self.stream_position + (r - 1) * cfg.data.batch_size, self.retired_prompts):
+                break  # data.retire_pass_rate left too few prompts for another round: dropped groups fill the batch, as at the round cap
             _, rollout, score = self._sampling_round(i, r, stage, model_inputs)
             if score is None:
                 return self._stop_early(i, timings)
@@ -558,7 +572,12 @@ class Pipeline:
         if dynamic:
             row.update({f"dynamic_sampling/{k}": v for k, v in score.manifest.metrics.items()})
         row.update({key: handover[key] for key in ("weights_in_sync", "weight_sync_seconds") if key in handover})
-        saving = (cfg.pipeline.save_every and i % cfg.pipeline.save_every == 0) or i == total
+        stream_end = self.stream_position + len(rounds) * cfg.data.batch_size
+        retiring = self._retirements([sc.table for _, sc in rounds], stream_end)
+        exhausted = not self._batch_left(stream_end, {**self.retired_prompts, **retiring})
+        if cfg.data.retire_pass_rate:
+            row.update({"prompts_retired": len(self.retired_prompts) + len(retiring), "prompts_retired_now": len(retiring)})
+        saving = (cfg.pipeline.save_every and i % cfg.pipeline.save_every == 0) or i == total or exhausted
         if cfg.pipeline.val_every and self.val_dataset is not None and i % cfg.pipeline.val_every == 0:
             row.update(self._validate(i, weights_kept=saving or bool(cfg.pipeline.keep_best)))  # a better score saves one
         saving = saving or self._betters_the_best(row)
@@ -576,6 +595,8 @@ class Pipeline:
         self.kl_state = next_kl
         self.iteration = i
         self.stream_position += len(rounds) * cfg.data.batch_size
+        self.retired_prompts.update(retiring)
+        self.prompts_exhausted = exhausted
         if saving:
             self._save_checkpoint(i)
         faults.point(f"iter-{i:04d}:after-checkpoint")
@@ -593,7 +614,29 @@ class Pipeline:
             if completions:
                 self.view.completions(i, completions)
             self._say_new_findings()
+            if exhausted:
+                self.view.message(
+                    f"rlctl: iteration {i}: the training prompts left in play are fewer than a batch (data.retire_pass_rate = {cfg.data.retire_pass_rate:g} "
+                    "retired the others: the policy passes them); the run ends here, checkpointed"
+                )
         return row
+
+    def _retirements(self, scores: list[pa.Table], stream_end: int) -> dict[str, int]:
+        """data.retire_pass_rate: the prompts this iteration's samples (every round's) retire,
+        each from the first epoch that begins after the iteration's last drawn prompt."""
+        data = self.cfg.data
+        if not data.retire_pass_rate:
+            return {}
+        epoch, _ = self._prompt_stream(self.retired_prompts).locate(stream_end - 1)
+        return newly_retired(self.retired_prompts, pass_rates(scores, data.pass_threshold), pass_rate=data.retire_pass_rate, from_epoch=epoch + 1)
+
+    def _batch_left(self, start: int, retired: Mapping[str, int]) -> bool:
+        """Whether a batch can be drawn from stream position `start` (always, unless
+        data.retire_pass_rate has retired the prompts a batch needs)."""
+        return not self.cfg.data.retire_pass_rate or self._prompt_stream(retired).holds(start + self.cfg.data.batch_size - 1)
+
+    def _prompt_stream(self, retired: Mapping[str, int]) -> PromptStream:
+        return prompt_stream(self.training_prompts[0], shuffle=self.cfg.data.shuffle, seed=self.cfg.pipeline.seed, retired=retired)
 
     def _say_new_findings(self) -> None:
         """What the metrics suggest changing (rlctl.run_checks), each check the first time it
@@ -637,11 +680,14 @@ class Pipeline:
         prompts_config = {"data": to_dict(cfg.data), "seed": cfg.pipeline.seed}
         if cfg.pipeline.dynamic_sampling:
             prompts_config["stream_start"] = start
+        retired = dict(self.retired_prompts) if cfg.data.retire_pass_rate else None
+        if retired:
+            prompts_config["retired"] = {"prompts": len(retired), "digest": retired_digest(retired)}
         dataset, limit = self.training_prompts
         prompts = stage(
             "prompts" + suffix, prompts_config, [self.dataset_ref],
-            lambda: (select_prompts(dataset, iteration=i, batch_size=cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.pipeline.seed, start=start),
-                     {"stream_start": start, **({"prompt_token_limit": limit} if limit is not None else {})}, {}),
+            lambda: (select_prompts(dataset, iteration=i, batch_size=cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.pipeline.seed, start=start, retired=retired),
+                     {"stream_start": start, **({"prompt_token_limit": limit} if limit is not None else {}), **({"retired_prompts": retired} if retired else {})}, {}),
             "prompts", kind="prompts",
         )
         rollout_cfg = replace(cfg.rollout, seed=cfg.rollout.seed + i + ROUND_SEED_STRIDE * (r - 1))
@@ -737,7 +783,9 @@ class Pipeline:
             f"reward        {self._reward.spec if self._reward is not None else describe_rewards(cfg.score)}"
             + (" (a replica on every Ray rank, each scoring its share)" if self._scorers else ""),
             f"prompts       {cfg.data.prompts} ({self.dataset.num_rows} rows, {cfg.data.batch_size} per iteration × n={cfg.rollout.n}"
-            + (" and a greedy response each: the baseline, not trained on)" if cfg.rollout.greedy_baseline else ")"),
+            + (" and a greedy response each: the baseline, not trained on)" if cfg.rollout.greedy_baseline else ")")
+            + (f"; a prompt whose samples pass (reward ≥ {cfg.data.pass_threshold:g}) at a rate ≥ {cfg.data.retire_pass_rate:g} is retired from the epochs after"
+               f" ({len(self.retired_prompts)} retired so far)" if cfg.data.retire_pass_rate else ""),
             f"outputs       {self.run_dir}/iter-NNNN/{{prompts,rollout,score,{'filter,' if cfg.pipeline.dynamic_sampling else ''}advantage,update}}, metrics.jsonl",
             *([f"sampling      dynamic: groups with equal rewards dropped, up to {cfg.pipeline.max_sampling_rounds} rounds (prompts-rN, rollout-rN, score-rN)"]
               if cfg.pipeline.dynamic_sampling else []),
@@ -987,6 +1035,8 @@ class Pipeline:
     def _save_checkpoint(self, i: int) -> None:
         directory = self.run_dir / "checkpoints" / f"iter-{i:04d}"
         state = {"iteration": i, "kl_coef": self.kl_state.kl_coef, "kl_steps": self.kl_state.steps, "history": self.history, "stream_position": self.stream_position}
+        if self.cfg.data.retire_pass_rate:
+            state["retired_prompts"] = self.retired_prompts
         if self.ref_sync.every:
             state["ref_source"] = self.reference_source  # the reference of iteration i; a sync after it is made from this checkpoint
         if self.config_changes:  # --resume-with-changes: the change joins the record of the run

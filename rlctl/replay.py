@@ -170,7 +170,7 @@ def _prompts(cfg: Config, recorded: Manifest, iter_dir: Round, target: str) -> p
     start = recorded.state.get("stream_start")  # recorded since dynamic sampling; else the iteration's slice
     table = select_prompts(
         dataset, iteration=i, batch_size=cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=recorded.config.get("seed", cfg.pipeline.seed),
-        start=int(start) if start is not None else None,
+        start=int(start) if start is not None else None, retired=recorded.state.get("retired_prompts"),  # data.retire_pass_rate's, as drawn
     )
     write(table, target, Manifest(stage="prompts", state={"replay_of": str(iter_dir / "prompts")}), schema="prompts")
     return read(target).table

@@ -98,7 +98,8 @@ def equal_rewards(rows: list[dict[str, Any]], cfg: Config | None) -> Finding | N
     return Finding("equal_rewards", tuple(r["iteration"] for r in rows), (
         f"iterations {first}-{last}: {min(shares):.0%} or more of the prompt groups gave every sample the same reward "
         f"(mean reward {rows[-1].get('reward_mean', float('nan')):.3g}), and {estimator} gives those groups no advantage: the prompts are "
-        "too easy or too hard for the policy now; other prompts, more samples per prompt (rollout.n), or pipeline.dynamic_sampling = true"
+        "too easy or too hard for the policy now; other prompts, more samples per prompt (rollout.n), pipeline.dynamic_sampling = true, "
+        "or data.retire_pass_rate = 1 (the prompts every sample solves left out of later epochs)"
     ))
 
 

@@ -134,6 +134,7 @@ RANGE_CASES = [
     (["rollout", "--set", "rollout.batch_size=0"], "rollout.batch_size must be ≥ 1"),
     (["rollout", "--set", "rollout.dtype=fp8"], "rollout.dtype must be one of auto, fp32, bf16"),
     (["rollout", "--set", "data.truncate=right"], "data.truncate must be one of error, left"),
+    (["rollout", "--set", "data.retire_pass_rate=1.5"], "data.retire_pass_rate must be in [0, 1] (0 = off), got 1.5"),
     (["score", "--batch-size", "0"], "score.batch_size must be ≥ 1"),
     (["score", "--reward-timeout", "-1"], "score.reward_timeout must be ≥ 0.0"),
     (["advantage", "--gamma", "1.5"], "advantage.gamma must be between 0.0 and 1.0"),
