@@ -123,7 +123,7 @@ class DataConfig:
     prompt_template: str = ""  # a plain prompt put into this text where it says {prompt}, before any chat template (e.g. "{prompt} Let's think step by step."; OpenRLHF's input_template); "" = as it is
     system_prompt: str = ""  # a system message put first in every chat prompt (messages, or a plain one under chat_template) that has none; "" = none
     retire_pass_rate: float = 0.0  # a prompt whose samples pass (reward ≥ pass_threshold) at this rate or more when drawn is left out of the epochs that begin after its iteration (Skywork-OR1's online difficulty filtering: 1 = the prompts every sample solved); in (0, 1]; 0 = off
-    pass_threshold: float = 1.0  # with retire_pass_rate: a sample passes when its reward is at least this
+    pass_threshold: float = 1.0  # with retire_pass_rate: a sample passes when its reward (as the reward gave it, before score's overlong and length penalties) is at least this
 
     def __post_init__(self) -> None:
         check_ranges(self, "data", {
@@ -196,11 +196,13 @@ class ScoreConfig:
     sum_pi_squared: bool = False  # also write each response token's Σπ² under the policy, from the old log-probs' forward (the optimal_token_baseline estimator's; a pipeline sets it for that estimator)
     overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last N tokens before max_new_tokens; 0 = off
     overlong_penalty: float = 1.0  # the penalty at max_new_tokens (it grows linearly over the buffer)
+    length_penalty: float = 0.0  # Kimi k1.5's length reward, with this weight: among a prompt's samples λ = 0.5 − (length − shortest)/(longest − shortest) in tokens; a correct one (reward ≥ length_penalty_pass) gets weight·λ, the others weight·min(0, λ); 0 = off
+    length_penalty_pass: float = 1.0  # with length_penalty: a sample is correct when its reward (before any shaping) is at least this
 
     def __post_init__(self) -> None:
         if self.rewards and self.reward != DEFAULT_REWARD:
             raise ConfigError(f"score.reward ({self.reward}) and score.rewards are both set: list every reward in score.rewards")
-        check_ranges(self, "score", {"old_logprobs": one_of(*OLD_LOGPROBS), "http_batch_size": at_least(1), "http_concurrency": at_least(1), "http_retries": at_least(0), "overlong_buffer": at_least(0), "overlong_penalty": at_least(0.0), "reward_timeout": at_least(0.0), "batch_size": at_least(1), "batch_tokens": at_least(0), "dtype": one_of(*COMPUTE_DTYPES)})
+        check_ranges(self, "score", {"old_logprobs": one_of(*OLD_LOGPROBS), "http_batch_size": at_least(1), "http_concurrency": at_least(1), "http_retries": at_least(0), "overlong_buffer": at_least(0), "overlong_penalty": at_least(0.0), "length_penalty": at_least(0.0), "reward_timeout": at_least(0.0), "batch_size": at_least(1), "batch_tokens": at_least(0), "dtype": one_of(*COMPUTE_DTYPES)})
 
 
 @dataclass(frozen=True)

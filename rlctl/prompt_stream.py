@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from rlctl.errors import InputError
+from rlctl.rewards import given_rewards
 
 IN_PLAY = np.iinfo(np.int64).max  # a prompt's retirement epoch when it is never retired
 
@@ -91,11 +92,12 @@ class PromptStream:
 
 def pass_rates(scores: Iterable[pa.Table], pass_threshold: float) -> dict[str, float]:
     """Per prompt id: the share of its samples (over all the tables: dynamic sampling's rounds)
-    whose reward is at least `pass_threshold`."""
+    whose reward, as the reward gave it (before score's overlong and length shaping), is at
+    least `pass_threshold`."""
     passed: dict[str, int] = {}
     drawn: dict[str, int] = {}
     for table in scores:
-        for prompt_id, reward in zip(table.column("id").to_pylist(), table.column("reward").to_pylist()):
+        for prompt_id, reward in zip(table.column("id").to_pylist(), given_rewards(table)):
             drawn[prompt_id] = drawn.get(prompt_id, 0) + 1
             passed[prompt_id] = passed.get(prompt_id, 0) + (reward is not None and reward >= pass_threshold)
     return {prompt_id: passed[prompt_id] / drawn[prompt_id] for prompt_id in drawn}

@@ -84,6 +84,36 @@ def overlong_penalty(lengths: Sequence[int], *, max_new_tokens: int, buffer: int
     return [min(-(n - expected) / buffer * penalty, 0.0) if buffer > 0 else 0.0 for n in lengths]
 
 
+SHAPING_COLUMNS = ("reward/overlong_penalty", "reward/length_penalty")  # score's shaping terms, in `reward` besides what the reward gave
+
+
+def given_rewards(scores) -> list[float]:
+    """Each sample's reward as the reward function(s) gave it: the `reward` column less score's
+    shaping terms (what "correct" or "passed" is judged on)."""
+    total = scores.column("reward").to_pylist()
+    for name in SHAPING_COLUMNS:
+        if name in scores.column_names:
+            total = [t - s for t, s in zip(total, scores.column(name).to_pylist())]
+    return total
+
+
+def length_penalty(ids: Sequence[str], lengths: Sequence[int], correct: Sequence[bool], *, weight: float) -> list[float]:
+    """Kimi k1.5's length reward, added to each reward: among the samples of one prompt (`ids`),
+    λ = 0.5 − (length − shortest) / (longest − shortest), from +0.5 for the shortest to −0.5 for
+    the longest; a correct sample gets weight·λ, a wrong one weight·min(0, λ) (never a bonus for
+    being short and wrong). A prompt whose samples are all one length gets 0."""
+    shortest: dict[str, int] = {}
+    longest: dict[str, int] = {}
+    for key, n in zip(ids, lengths):
+        shortest[key], longest[key] = min(n, shortest.get(key, n)), max(n, longest.get(key, n))
+    shaping = []
+    for key, n, ok in zip(ids, lengths, correct):
+        spread = longest[key] - shortest[key]
+        lam = 0.5 - (n - shortest[key]) / spread if spread else 0.0
+        shaping.append(weight * (lam if ok else min(0.0, lam)))
+    return shaping
+
+
 # --- built-ins ----------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ from rlctl.rewards import (
     RewardSamples,
     RewardScores,
     RewardSet,
+    length_penalty,
     load_rewards,
     overlong_penalty,
     reward_model_folders,
@@ -180,8 +181,10 @@ def with_baseline_reward(table: pa.Table, reward: RewardSet, cfg: ScoreConfig) -
 
 
 def shaped_rewards(table: pa.Table, reward: RewardSet, cfg: ScoreConfig) -> RewardScores:
-    """The reward of every row's response, with DAPO's overlong shaping where it is set."""
+    """The reward of every row's response, with DAPO's overlong shaping and Kimi k1.5's length
+    penalty where they are set (both judge the reward as the reward function gave it)."""
     scores = reward.score(reward_samples(table), timeout=cfg.reward_timeout)
+    given = list(scores.total)
     if cfg.overlong_buffer > 0:
         limit = sampling_of(table).get("max_new_tokens")
         if not isinstance(limit, int) or cfg.overlong_buffer >= limit:
@@ -193,6 +196,12 @@ def shaped_rewards(table: pa.Table, reward: RewardSet, cfg: ScoreConfig) -> Rewa
         shaping = overlong_penalty(lengths, max_new_tokens=limit, buffer=cfg.overlong_buffer, penalty=cfg.overlong_penalty)
         components = {**scores.components, "reward/overlong_penalty": 1.0} if scores.components else {}
         scores = RewardScores([r + p for r, p in zip(scores.total, shaping)], {**scores.columns, "reward/overlong_penalty": shaping}, components)
+    if cfg.length_penalty > 0:
+        lengths = [len(ids) for ids in table.column("response_ids").to_pylist()]
+        correct = [r >= cfg.length_penalty_pass for r in given]
+        shaping = length_penalty([str(i) for i in table.column("id").to_pylist()], lengths, correct, weight=cfg.length_penalty)
+        components = {**scores.components, "reward/length_penalty": 1.0} if scores.components else {}
+        scores = RewardScores([r + p for r, p in zip(scores.total, shaping)], {**scores.columns, "reward/length_penalty": shaping}, components)
     return scores
 
 

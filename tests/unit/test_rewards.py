@@ -204,3 +204,39 @@ def test_the_overlong_penalty_is_dapos_soft_punishment():
     # max 20 tokens, buffer 8: free up to 12, then -1/8 per token, -penalty at 20
     assert overlong_penalty([5, 12, 13, 16, 20], max_new_tokens=20, buffer=8, penalty=0.5) == [0.0, 0.0, -0.0625, -0.25, -0.5]
     assert overlong_penalty([20], max_new_tokens=20, buffer=0, penalty=1.0) == [0.0]
+
+
+def test_the_length_penalty_is_kimi_k15s_length_reward_within_each_prompts_samples():
+    from rlctl.rewards import length_penalty
+
+    # prompt a: lengths 10..30 → λ = 0.5, 0, -0.5; prompt b: one length → 0
+    ids, lengths = ["a", "a", "a", "b", "b"], [10, 20, 30, 7, 7]
+    assert length_penalty(ids, lengths, [True, True, True, True, False], weight=1.0) == [0.5, 0.0, -0.5, 0.0, 0.0]
+    # a wrong sample never gains for being short, and loses for being long; the weight scales
+    assert length_penalty(ids, lengths, [False, False, False, True, True], weight=0.2) == [0.0, 0.0, -0.1, 0.0, 0.0]
+
+
+def test_score_adds_the_length_penalty_as_a_column_judging_correctness_on_the_reward_as_given():
+    import pyarrow as pa
+
+    from rlctl.config import ScoreConfig
+    from rlctl.prompt_stream import pass_rates
+    from rlctl.rewards import RewardSet, from_callable
+    from rlctl.stages.score import shaped_rewards, with_reward_columns
+
+    def correct_when_short(responses):  # a response with "ok" is right
+        return [1.0 if "ok" in r else 0.0 for r in responses]
+
+    table = pa.table({
+        "id": ["a", "a", "a", "a"], "response": ["ok", "ok ok ok", "no", "no no no"],
+        "response_ids": [[1], [1, 2, 3], [4], [4, 5, 6]],
+    })
+    reward = RewardSet.of(from_callable(correct_when_short, "callable:correct_when_short"))
+    scores = shaped_rewards(table, reward, ScoreConfig(length_penalty=0.5))
+    assert scores.columns["reward/length_penalty"] == [0.25, -0.25, 0.0, -0.25]
+    assert scores.total == [1.25, 0.75, 0.0, -0.25]
+    scored = with_reward_columns(table, scores).append_column("reward", pa.array(scores.total, pa.float32()))
+    assert scored.column("reward/length_penalty").to_pylist() == [0.25, -0.25, 0.0, -0.25]
+    # data.retire_pass_rate judges the reward as given: both "ok" samples pass at 1.0
+    assert pass_rates([scored], pass_threshold=1.0) == {"a": 0.5}
+    assert shaped_rewards(table, reward, ScoreConfig()).columns == {}  # off by default
