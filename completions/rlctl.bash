@@ -46,7 +46,7 @@ _rlctl() {
         "advantage --kl-controller") values="fixed adaptive" ;;
         "advantage --pf-ppo") values="off pow max_min max_random" ;;
         "advantage --format") values="arrow parquet" ;;
-        "dpo --loss") values="sigmoid robust ipo hinge simpo orpo sigmoid_norm exo_pair nca_pair bco_pair sppo_hard apo_zero apo_down discopop" ;;
+        "dpo --loss") values="sigmoid robust ipo hinge simpo orpo sigmoid_norm exo_pair nca_pair bco_pair sppo_hard apo_zero apo_down discopop aot aot_unpaired" ;;
         "kto --loss") values="kto apo_zero_unpaired" ;;
         "model init --preset") values="tiny small medium" ;;
         "pipeline --from") values="rollout score advantage update" ;;

@@ -37,7 +37,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l eval
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l force
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l json
-complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l loss -xa 'sigmoid robust ipo hinge simpo orpo sigmoid_norm exo_pair nca_pair bco_pair sppo_hard apo_zero apo_down discopop'
+complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l loss -xa 'sigmoid robust ipo hinge simpo orpo sigmoid_norm exo_pair nca_pair bco_pair sppo_hard apo_zero apo_down discopop aot aot_unpaired'
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l lr
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l model
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l out

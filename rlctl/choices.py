@@ -31,7 +31,7 @@ REJECTION_RULES = (  # update.rollout_rs (rlctl.algos.rejection): verl's rollout
     "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
 )
 LR_SCHEDULES = ("constant", "linear", "cosine")
-DPO_LOSSES = ("sigmoid", "robust", "ipo", "hinge", "simpo", "orpo", "sigmoid_norm", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down", "discopop")
+DPO_LOSSES = ("sigmoid", "robust", "ipo", "hinge", "simpo", "orpo", "sigmoid_norm", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down", "discopop", "aot", "aot_unpaired")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # preference losses without a reference model
 ONLINE_DPO_LOSSES = ("sigmoid", "ipo", "hinge", "sigmoid_norm", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down")  # advantage.dpo_loss: the preference losses with no setting beyond β
 PAIRINGS = ("best_worst", "all")  # advantage.dpo_pairs, dpo.scored_pairs: which of a prompt's samples make preference pairs

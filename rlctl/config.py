@@ -538,8 +538,8 @@ class DpoConfig:
     data: str = ""  # in a pipeline: preference pairs to train the policy on before iteration 1, after sft.data's warm start (RUN/dpo, the run's initial policy unless kto.data's follows; "" = none)
     val_data: str = ""  # in a pipeline: held-out pairs, their loss and accuracy before and after each epoch
     beta: float = 0.1  # strength of the pull towards the reference: the implicit reward is beta × (log π − log π_ref) of a response (orpo: the odds-ratio term's weight, its paper's lambda)
-    loss: str = "sigmoid"  # sigmoid (DPO) | robust (rDPO: unbiased under label noise) | ipo (squared, per-token log-ratios) | hinge (SLiC) | simpo (no reference: per-token log-probs, margin simpo_gamma) | orpo (no reference: the chosen NLL plus beta × the odds ratio's loss) | TRL's sigmoid_norm, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop (docs/algorithms.md)
-    label_smoothing: float = 0.0  # the assumed share of pairs labelled the wrong way round (sigmoid: conservative DPO; robust; simpo; exo_pair, which needs it > 0); 0 = none
+    loss: str = "sigmoid"  # sigmoid (DPO) | robust (rDPO: unbiased under label noise) | ipo (squared, per-token log-ratios) | hinge (SLiC) | simpo (no reference: per-token log-probs, margin simpo_gamma) | orpo (no reference: the chosen NLL plus beta × the odds ratio's loss) | TRL's sigmoid_norm, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop, aot, aot_unpaired (docs/algorithms.md)
+    label_smoothing: float = 0.0  # the assumed share of pairs labelled the wrong way round (sigmoid: conservative DPO; robust; simpo; aot; exo_pair, which needs it > 0); 0 = none
     simpo_gamma: float = 0.5  # SimPO's target reward margin (dpo.loss = "simpo"; the paper's beta is 2-2.5)
     discopop_tau: float = 0.05  # DiscoPOP's temperature of the mix of its logistic and exponential losses (dpo.loss = "discopop"; TRL's discopop_tau)
     f_divergence: str = "reverse_kl"  # the divergence from the reference the loss regularizes with (f-DPO): reverse_kl (DPO's) | forward_kl | js_divergence | alpha_divergence; not reverse_kl: the losses on the chosen-rejected difference only (sigmoid, robust, ipo, hinge, sigmoid_norm, exo_pair, discopop)
@@ -584,8 +584,10 @@ class DpoConfig:
             "bf16": one_of(*AUTOCAST_CHOICES), "ref_sync_every": at_least(0),
             "micro_batch_tokens": lambda v: None if v == "auto" or (isinstance(v, str) and v.isascii() and v.isdigit()) else "must be auto, 0 (no cap) or a number of tokens",
         })
-        if self.label_smoothing and self.loss not in ("sigmoid", "robust", "simpo", "exo_pair"):
-            raise ConfigError(f"dpo.label_smoothing applies to the sigmoid, robust, simpo and exo_pair losses, not dpo.loss = {self.loss!r}: set it to 0")
+        if self.label_smoothing and self.loss not in ("sigmoid", "robust", "simpo", "exo_pair", "aot", "aot_unpaired"):
+            raise ConfigError(f"dpo.label_smoothing applies to the sigmoid, robust, simpo, exo_pair and aot losses, not dpo.loss = {self.loss!r}: set it to 0")
+        if self.use_weighting and self.loss in ("aot", "aot_unpaired"):
+            raise ConfigError(f"dpo.use_weighting weighs each pair's loss, and dpo.loss = {self.loss!r} pairs margins by rank across the micro-batch, not by pair: set one of them off")
         if not 0 < self.f_alpha < 1:
             raise ConfigError(f"dpo.f_alpha must be between 0 and 1 (exclusive), got {self.f_alpha!r}")
         if self.ld_alpha != 1 and self.loss in REFERENCE_FREE_LOSSES:

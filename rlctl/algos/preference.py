@@ -91,6 +91,12 @@ def _preference_losses(
     elif loss == "discopop":  # Chris Lu et al., DiscoPOP: logistic and exponential losses mixed by σ(β·h / τ)
         mix = torch.sigmoid(beta * h / discopop_tau)
         losses = -logsigmoid(beta * h) * (1 - mix) + torch.exp(-beta * h) * mix
+    elif loss in ("aot", "aot_unpaired"):  # Melnyk et al., AOT: DPO on margins paired by rank across the batch (TRL's "aot", "aot_unpaired"), sorted within each micro-batch
+        if loss == "aot":  # the policy's chosen-rejected margins, sorted, against the reference's, sorted
+            margin = torch.sort(chosen - rejected).values - torch.sort(ref_chosen - ref_rejected).values
+        else:  # the chosen log-ratios, sorted, against the rejected ones, sorted: for chosen and rejected responses that are not pairs
+            margin = torch.sort(chosen_ratio).values - torch.sort(rejected_ratio).values
+        losses = -(1 - eps) * logsigmoid(beta * margin) - eps * logsigmoid(-beta * margin)
     else:
         raise ValueError(f"unknown DPO loss {loss!r}")
     return losses, (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()

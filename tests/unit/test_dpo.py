@@ -107,8 +107,16 @@ EXPECTED = {  # each loss as its paper writes it; h = 1.0, -1.5 above, the per-t
     "apo_down": lambda h, hp, b, e: sigma(b * RC) + (1 - sigma(b * (RC - RR))),
     # DiscoPOP at τ = 0.05: the logistic loss where β·h is well below 0, the exponential one above
     "discopop": lambda h, hp, b, e: (1 - sigma(b * h / 0.05)) * -torch.log(sigma(b * h)) + sigma(b * h / 0.05) * torch.exp(-b * h),
+    # AOT: sigmoid DPO on margins paired by rank: the policy's sorted chosen-rejected margins against the reference's sorted ones
+    "aot": lambda h, hp, b, e: smoothed_sigmoid(b * (torch.sort(CHOSEN - REJECTED).values - torch.sort(REF_CHOSEN - REF_REJECTED).values), e),
+    # ... unpaired: the sorted chosen log-ratios (-1.0, 0.5) against the sorted rejected ones (-0.5, 0.5)
+    "aot_unpaired": lambda h, hp, b, e: smoothed_sigmoid(b * torch.tensor([-0.5, 0.0]), e),
 }
 RC, RR = torch.tensor([0.5, -1.0]), torch.tensor([-0.5, 0.5])
+
+
+def smoothed_sigmoid(x: torch.Tensor, e: float) -> torch.Tensor:
+    return -(1 - e) * torch.log(sigma(x)) - e * torch.log(sigma(-x))
 
 
 def log_odds(mean_logp: torch.Tensor) -> torch.Tensor:
@@ -119,7 +127,7 @@ def log_odds(mean_logp: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("loss", DPO_LOSSES)
 def test_every_loss_is_its_papers_formula_with_dpos_implicit_rewards(loss):
     assert set(EXPECTED) == set(DPO_LOSSES)
-    eps = 0.2 if loss in ("sigmoid", "robust", "simpo", "exo_pair") else 0.0
+    eps = 0.2 if loss in ("sigmoid", "robust", "simpo", "exo_pair", "aot", "aot_unpaired") else 0.0
     losses, chosen_reward, rejected_reward = dpo_losses(
         CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.5, loss=loss, label_smoothing=eps, chosen_tokens=CHOSEN_TOKENS, rejected_tokens=REJECTED_TOKENS,
         simpo_gamma=0.3,
@@ -323,6 +331,7 @@ def summed_logps(model, prompt_ids, response_ids) -> torch.Tensor:
     ("sigmoid", math.log(2)), ("robust", math.log(2)), ("ipo", (1 / (2 * 0.1)) ** 2), ("hinge", 1.0), ("sigmoid_norm", math.log(2)),
     ("exo_pair", math.log(0.5) - 0.5 * math.log(1e-3 * (1 - 1e-3))), ("nca_pair", 2 * math.log(2)), ("bco_pair", 2 * math.log(2)),
     ("sppo_hard", 2 * (1 / (2 * 0.1)) ** 2), ("apo_zero", 1.0), ("apo_down", 1.0), ("discopop", 0.5 * math.log(2) + 0.5),
+    ("aot", math.log(2)), ("aot_unpaired", math.log(2)),
 ])
 def test_the_reference_is_the_starting_weights_so_the_first_loss_is_the_one_at_h_0(policy, tmp_path, loss, first):
     pairs = encode(policy, table_of(tmp_path, number_pairs(5)))
