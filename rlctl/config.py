@@ -50,6 +50,7 @@ from rlctl.choices import (
     TRUNCATE,
     WORKER_BACKENDS,
 )
+from rlctl.durations import parse_duration
 from rlctl.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -472,6 +473,7 @@ class PipelineConfig:
     wandb_mode: str = "online"  # online | offline (offline: RUN/wandb, no network; `wandb sync` it later)
     mlflow_uri: str = ""  # tracking URI of the mlflow logger; "" = the file store RUN/mlruns
     mlflow_experiment: str = "rlctl"  # the MLflow experiment of the mlflow logger
+    time_limit: str = ""  # wall-clock budget of one `rlctl pipeline` invocation, e.g. "3h50m" under a 4-hour job limit: after an iteration, when the next one (as long as the longest since the first) would end past it, the run checkpoints and stops, exit 0, and the same command resumes; "" = none
     ignore_checks: tuple[str, ...] = ()  # what `rlctl show RUN` and the pipeline leave unsaid (rlctl.run_checks): truncated | constant_reward | equal_rewards | engine_mismatch | rejected | kl_stopped | skipped_steps
 
     def __post_init__(self) -> None:
@@ -486,6 +488,8 @@ class PipelineConfig:
         check_ranges(self, "pipeline", {"wandb_mode": one_of("online", "offline"), "max_sampling_rounds": at_least(1), "rollout_is_threshold": above(1.0), "iterations": at_least(1), "save_every": at_least(0), "keep_checkpoints": at_least(0), "keep_shards": at_least(0), "val_every": at_least(0), "val_n": at_least(1), "val_temperature": at_least(0.0), "log_completions": at_least(0), "best_is": one_of("max", "min"), "ref_sync_every": at_least(0)})
         if not 0 < self.ref_sync_alpha <= 1:
             raise ConfigError(f"pipeline.ref_sync_alpha must be in (0, 1], got {self.ref_sync_alpha!r}")
+        if self.time_limit and not parse_duration(self.time_limit):
+            raise ConfigError(f"pipeline.time_limit must be a duration above 0 like 3h50m, 90m, 45s or 3600 (seconds), got {self.time_limit!r}")
 
 
 @dataclass(frozen=True)

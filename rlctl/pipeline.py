@@ -55,6 +55,7 @@ from rlctl.config import (
     to_toml,
 )
 from rlctl.dtypes import AUTO, models_device, resolve_dtypes
+from rlctl.durations import describe_duration, parse_duration
 from rlctl.errors import ConfigError, InputError
 from rlctl.lineage import make_manifest, shards_ref
 from rlctl.loggers import Loggers, check_loggers
@@ -350,6 +351,8 @@ class Pipeline:
         # data.retire_pass_rate: prompt id → the first epoch without it
         self.retired_prompts: dict[str, int] = {str(k): int(v) for k, v in state.get("retired_prompts", {}).items()}
         self.prompts_exhausted = False  # the last iteration retired the last prompts in play: run() ends
+        self._started = time.monotonic()  # pipeline.time_limit counts from here
+        self._save_seconds = 0.0  # how long the last checkpoint took to save
 
     # -- construction ----------------------------------------------------------------
 
@@ -484,11 +487,16 @@ class Pipeline:
         total = iterations or self.cfg.pipeline.iterations
         rows = []
         took_lock = self._run_lock is None
+        steps: list[float] = []  # seconds of each iteration this invocation ran
         try:
             while self.iteration < total:
+                started = time.monotonic()
                 row = self.step(total=total)
+                steps.append(time.monotonic() - started)
                 rows.append(row)
                 if row.get("stopped_early") or self.prompts_exhausted:
+                    break
+                if self.iteration < total and self._out_of_time(steps):
                     break
         finally:
             if took_lock:
@@ -620,6 +628,27 @@ class Pipeline:
                     "retired the others: the policy passes them); the run ends here, checkpointed"
                 )
         return row
+
+    def _out_of_time(self, steps: list[float]) -> bool:
+        """pipeline.time_limit: would the next iteration (as long as the longest since the first,
+        which also loads the models) end past it? Then the last one is checkpointed (if it was
+        not) and the run stops there, to resume with the same command."""
+        limit = parse_duration(self.cfg.pipeline.time_limit) if self.cfg.pipeline.time_limit else None
+        if limit is None:
+            return False
+        elapsed = time.monotonic() - self._started
+        next_step = max(steps[1:] or steps)
+        unsaved = self.checkpoint_iteration != self.iteration
+        if elapsed + next_step + (self._save_seconds if unsaved else 0.0) <= limit:
+            return False
+        if unsaved:
+            self._save_checkpoint(self.iteration)
+        if self.view:
+            self.view.message(
+                f"rlctl: iteration {self.iteration}: stopping within pipeline.time_limit = {self.cfg.pipeline.time_limit} "
+                f"({describe_duration(elapsed)} gone, an iteration takes up to {describe_duration(next_step)}); checkpointed: the same command resumes here"
+            )
+        return True
 
     def _retirements(self, scores: list[pa.Table], stream_end: int) -> dict[str, int]:
         """data.retire_pass_rate: the prompts this iteration's samples (every round's) retire,
@@ -793,6 +822,8 @@ class Pipeline:
             f"optimizer     AdamW, {describe_schedule(cfg.update, cfg.data.batch_size * cfg.rollout.n)}",
             *([f"correction    {describe_correction(cfg)}"] if cfg.update.rollout_is != "off" or cfg.update.rollout_rs != "off" else []),
             f"checkpoints   {self.run_dir}/checkpoints/ every {cfg.pipeline.save_every or 'run end'}, keep {cfg.pipeline.keep_checkpoints or 'all'}",
+            *([f"time limit    {cfg.pipeline.time_limit}: when the next iteration would end past it, checkpoint and stop (the same command resumes)"]
+              if cfg.pipeline.time_limit else []),
         ]
         committed = [
             f"iter-{i:04d}/{name}" for i in range(first, total + 1) for name in ("prompts", *STAGES) if is_committed(str(self._dir(i, name)))
@@ -1042,7 +1073,9 @@ class Pipeline:
         if self.config_changes:  # --resume-with-changes: the change joins the record of the run
             state["config_changes"] = [*self.config_changes_before, {"from_iteration": self.checkpoint_iteration_at_start + 1, "changes": self.config_changes}]
         manifest = Manifest(stage="checkpoint", config={"iteration": i}, state={"policy_version": self.workers.trainer.step})
+        started = time.monotonic()
         self.workers.save(str(directory), manifest, state)
+        self._save_seconds = time.monotonic() - started
         self.checkpoint, self.checkpoint_iteration = directory, i
         keep, settings = self.cfg.pipeline.keep_checkpoints, self.cfg.pipeline
         best = best_iteration(self.history, settings.keep_best, settings.best_is) if settings.keep_best else None
@@ -1199,7 +1232,7 @@ def describe_workers(cfg: Config) -> str:
 NOT_TRAINING = {
     "pipeline": {
         "iterations", "run_dir", "save_every", "keep_checkpoints", "keep_best", "best_is", "keep_shards", "val_before_train", "val_every", "val_n", "val_temperature", "rollout_is_threshold",
-        "loggers", "log_completions", "wandb_project", "wandb_mode", "mlflow_uri", "mlflow_experiment", "ignore_checks",
+        "loggers", "log_completions", "wandb_project", "wandb_mode", "mlflow_uri", "mlflow_experiment", "ignore_checks", "time_limit",
     },
     "model": {"device", "init_preset", "init_seed"}, "data": {"val_prompts"}, "workers": None, "vllm": None, "rollout": {"tool_timeout"},
     # the rollout's own log-probs or a recompute: the same numbers to ~3e-7 where auto picks the former; how passes are cut
