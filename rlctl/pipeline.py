@@ -79,7 +79,12 @@ from rlctl.ref_sync import (
 from rlctl.rewards import RewardSet, describe_rewards, load_rewards, reward_model_folders
 from rlctl.run_checks import run_findings
 from rlctl.runinfo import best_iteration, iteration_folders, iteration_number
-from rlctl.sample_stats import reward_stats, rollout_stats, validation_metrics
+from rlctl.sample_stats import (
+    reward_component_means,
+    reward_stats,
+    rollout_stats,
+    validation_metrics,
+)
 from rlctl.shards import Shards, commit_empty, filesystem, is_committed, read, read_manifest, write
 from rlctl.stages.rollout import stage_config as rollout_stage_config
 from rlctl.tensors import list_lengths
@@ -1423,19 +1428,6 @@ def _atomic_write(path: Path, text: str) -> None:
 def _with_stats(table: pa.Table, stats) -> tuple[pa.Table, dict, dict]:
     """A stage's (table, state, metrics) where its metrics are `stats(table)`."""
     return table, {}, stats(table)
-
-
-def reward_component_means(scores: pa.Table) -> dict[str, float]:
-    """`reward_mean/NAME` for every numeric `reward/NAME` column (components, reported values),
-    over the rows that have one."""
-    means = {}
-    for name in scores.column_names:
-        column = scores.column(name)
-        if name.startswith("reward/") and pa.types.is_floating(column.type):
-            values = np.asarray(column.to_pylist(), dtype=np.float64)
-            present = values[~np.isnan(values)]
-            means["reward_mean/" + name.removeprefix("reward/")] = float(present.mean()) if present.size else None
-    return means
 
 
 # --- the command ---------------------------------------------------------------------------

@@ -94,12 +94,27 @@ def group_extremes(scores: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return highest, lowest, sizes
 
 
+def reward_component_means(scores: pa.Table, prefix: str = "reward_mean/") -> dict[str, float | None]:
+    """`reward_mean/NAME` (`prefix` NAME) for every numeric `reward/NAME` column (components,
+    reported values, score's shaping terms), over the rows that have one (None: no row has)."""
+    means = {}
+    for name in scores.column_names:
+        column = scores.column(name)
+        if name.startswith("reward/") and pa.types.is_floating(column.type):
+            values = np.asarray(column.to_pylist(), dtype=np.float64)
+            present = values[~np.isnan(values)]
+            means[prefix + name.removeprefix("reward/")] = float(present.mean()) if present.size else None
+    return means
+
+
 def validation_metrics(scored: pa.Table, samples: int, answers=None) -> dict[str, float]:
     """`val/score`: the mean reward over every sample (verl's mean@N), overall and per
     `data_source`; with several samples per prompt also `val/best_of_N`: the mean over prompts
     of their best sample's reward (verl's best@N; pass@N for a 0/1 reward), and with the
     samples' `answers` (rlctl.evaluate.Answers, one per row) `val/maj_of_N`: the mean over
-    prompts of their most common answer's reward (verl's maj@N)."""
+    prompts of their most common answer's reward (verl's maj@N). Each numeric `reward/NAME`
+    column gives `val/reward/NAME` (and per source `val/reward/NAME/SOURCE`): the mean of what a
+    reward reported (e.g. `acc`) or of a component or shaping term, over the samples that have it."""
     from rlctl.evaluate import majority_mean, sample_columns
 
     ids, rewards = sample_columns(scored) if answers is not None else (None, None)
@@ -112,6 +127,7 @@ def validation_metrics(scored: pa.Table, samples: int, answers=None) -> dict[str
     for suffix, rows in parts.items():
         part = scored.take(pa.array(rows))
         out[f"val/score{suffix}"] = float(np.mean(part.column("reward").to_pylist()))
+        out.update({f"{name}{suffix}": mean for name, mean in reward_component_means(part, prefix="val/reward/").items() if mean is not None})
         if samples > 1:
             out[f"val/best_of_{samples}{suffix}"] = float(group_extremes(part)[0].mean())
             if answers is not None:

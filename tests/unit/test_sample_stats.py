@@ -80,6 +80,17 @@ def test_validation_scores_the_mean_of_every_sample_and_the_mean_of_each_prompts
     assert validation_metrics(scores(["a", "b"], [1, 0]), 1) == {"val/score": 0.5}  # one greedy sample: no best of
 
 
+def test_validation_reports_the_mean_of_each_numeric_reward_column_overall_and_per_source():
+    table = scores(["a", "a", "b", "b"], [1.5, 0.5, 1.0, 0.0]).append_column("data_source", pa.array(["x", "x", "y", "y"]))
+    table = table.append_column("reward/acc", pa.array([1.0, 0.0, 1.0, None], pa.float64()))  # a reward's reported value, absent on one row
+    table = table.append_column("reward/length_penalty", pa.array([0.5, -0.5, 0.0, 0.0], pa.float64()))
+    table = table.append_column("reward/note", pa.array(["ok", "", "", ""]))  # text: no mean
+    metrics = validation_metrics(table, 2)
+    assert metrics["val/reward/acc"] == pytest.approx(2 / 3) and metrics["val/reward/acc/x"] == 0.5 and metrics["val/reward/acc/y"] == 1.0
+    assert metrics["val/reward/length_penalty"] == 0.0 and metrics["val/score"] == 0.75
+    assert not any("note" in key for key in metrics)
+
+
 def test_validation_votes_where_the_answers_are_known():
     from rlctl.evaluate import Answers
 
