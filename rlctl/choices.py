@@ -39,4 +39,4 @@ KTO_LOSSES = ("kto", "apo_zero_unpaired")  # kto.loss (rlctl.kto.kto_losses): TR
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")  # dpo.f_divergence (rlctl.dpo.f_score)
 F_DIVERGENCE_LOSSES = ("sigmoid", "robust", "ipo", "hinge", "sigmoid_norm", "exo_pair", "discopop")  # the losses on the difference of the two sides' scores, which take any of them
 PRESETS = ("tiny", "small", "medium")
-BUILTIN_REWARDS = ("countdown", "gsm8k", "gsm8k_flexible", "length", "math", "qa_em", "qa_f1", "think_format")
+BUILTIN_REWARDS = ("countdown", "gsm8k", "gsm8k_flexible", "length", "math", "mcq", "qa_em", "qa_f1", "think_format")

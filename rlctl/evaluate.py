@@ -114,15 +114,16 @@ def known_answers(scored: pa.Table, reward_spec: str) -> Answers | None:
     """The samples' answers: what the reward reported as `pred` (verl's convention: a column
     `reward/pred`), else what a built-in answer reward reads from the response (`gsm8k`,
     `gsm8k_flexible`: the number, as text; `math`: the last box, the same answer as `math`
-    judges one; `qa_em`, `qa_f1`: the answer, normalized); None for any other reward."""
+    judges one; `qa_em`, `qa_f1`: the answer, normalized; `mcq`: the option letter); None for
+    any other reward."""
     from rlctl.math_answers import last_boxed, same_answer
-    from rlctl.rewards import gsm8k_answer, gsm8k_flexible_answer, normalize_answer, qa_answer
+    from rlctl.rewards import gsm8k_answer, gsm8k_flexible_answer, mcq_answer, normalize_answer, qa_answer
 
     if "reward/pred" in scored.column_names:
         return Answers([None if v is None else str(v) for v in scored.column("reward/pred").to_pylist()], str.__eq__)
     extract, same = {
         "builtin:gsm8k": (gsm8k_answer, str.__eq__), "builtin:gsm8k_flexible": (gsm8k_flexible_answer, str.__eq__),
-        "builtin:math": (last_boxed, same_answer),
+        "builtin:math": (last_boxed, same_answer), "builtin:mcq": (mcq_answer, str.__eq__),
         **dict.fromkeys(("builtin:qa_em", "builtin:qa_f1"), (lambda response: normalize_answer(qa_answer(response)) or None, str.__eq__)),
     }.get(reward_spec, (None, None))
     if extract is None:

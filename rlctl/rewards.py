@@ -250,6 +250,43 @@ def qa_f1_reward(*, responses: list[str], ground_truths: list[str | None]) -> li
     """The best token F1 (`token_f1`) of the response's answer against the ground truth's
     answers: partial credit where exact match gives none (SQuAD's F1)."""
     return [max((token_f1(qa_answer(response), golden) for golden in golden_answers(truth)), default=0.0) for response, truth in zip(responses, ground_truths)]
+_MCQ_BOXED = re.compile(r"\\boxed\{\s*(?:\\text\{\s*)?\(?([A-Za-z])\)?\s*\}?\s*\}")
+_MCQ_STATED = re.compile(r"answer(?:\s+is)?\s*[:：]?\s*\(?\s*([A-Z])(?![A-Za-z])\)?", re.IGNORECASE)
+_MCQ_TAGGED = re.compile(r"^\s*\(?([A-Za-z])\)?[.)]?\s*$")
+
+
+def mcq_answer(response: str) -> str | None:
+    """The option letter a multiple-choice response gives, upper case, or None: its last
+    `\boxed{X}`, else its last "answer is (X)" / "Answer: X" (the letter standing alone: not
+    the first letter of a word), else a last `<answer>X</answer>` holding only the letter. No
+    guess from a letter elsewhere, so an unanswered response scores 0."""
+    boxed = _MCQ_BOXED.findall(response)
+    if boxed:
+        return boxed[-1].upper()
+    stated = [letter for letter in _MCQ_STATED.findall(response) if letter.isupper() or letter.lower() != "a"]
+    if stated:
+        return stated[-1].upper()
+    tagged = _ANSWER_TAG.findall(response)
+    if tagged and (alone := _MCQ_TAGGED.match(tagged[-1])):
+        return alone.group(1).upper()
+    return None
+
+
+def option_letter(truth: str | None) -> str:
+    """A multiple-choice ground truth's option letter: "B", "b", "(B)" or "B." (one letter)."""
+    alone = _MCQ_TAGGED.match(truth or "")
+    if alone is None:
+        raise RewardError(f"mcq ground_truth must be one option letter such as B or (B), got {truth!r}")
+    return alone.group(1).upper()
+
+
+@BUILTINS.register("mcq")
+def multiple_choice_reward(*, responses: list[str], ground_truths: list[str | None]) -> list[float]:
+    """1.0 when the option letter the response gives (`mcq_answer`) is the ground truth's, else
+    0.0 (MMLU, GPQA, ARC, MMLU-Pro as multiple choice)."""
+    return [1.0 if mcq_answer(response) == option_letter(truth) else 0.0 for response, truth in zip(responses, ground_truths)]
+
+
 _BINARY_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 

@@ -75,3 +75,5 @@ def test_answers_come_from_the_rewards_pred_column_or_a_builtin_answer_rule():
     assert known_answers(plain, "builtin:length") is None and isinstance(known_answers(plain, "builtin:math"), Answers)
     qa = pa.table({"response": ["<answer>The Paris.</answer>", "paris", "<answer> </answer>"]})
     assert known_answers(qa, "builtin:qa_em").values == ["paris", "paris", None]  # normalized, so they vote together
+    choices = pa.table({"response": ["The answer is (b).", "\\boxed{B}", "no idea"]})
+    assert known_answers(choices, "builtin:mcq").values == ["B", "B", None]

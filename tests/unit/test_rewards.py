@@ -80,6 +80,29 @@ def test_qa_exact_match_takes_the_last_answer_tag_or_the_response_against_any_go
     assert load_reward("builtin:qa_em")(samples(responses[:2], truths[:2])) == [1.0, 1.0]
 
 
+def test_multiple_choice_takes_the_boxed_or_stated_option_letter_and_never_guesses():
+    from rlctl.rewards import mcq_answer, multiple_choice_reward
+
+    cases = {
+        "Let me think. The answer is (C).": "C",
+        "Answer: b": "B",
+        "first A, then B... so \\boxed{D}": "D",  # a box wins over any statement
+        "\\boxed{\\text{(b)}}": "B",
+        "answer: (E) because the others fail": "E",
+        "<think>C or D</think><answer>d</answer>": "D",
+        "the answer is a cat": None,  # an article, not option A
+        "answer: because it is D": None,  # the first letter of a word is no option
+        "<answer>C) 42</answer>": None,  # a tag with more than the letter
+        "A and B look wrong, C looks right": None,  # no statement, no box: no guess
+    }
+    assert {response: mcq_answer(response) for response in cases} == cases
+    truths = ["C", "(b)", "D", "B.", "E", "D", "A", "D", "C", "C"]
+    assert multiple_choice_reward(responses=list(cases), ground_truths=truths) == [1.0] * 6 + [0.0] * 4
+    assert load_reward("builtin:mcq")(samples(["The answer is (C)."], ["C"])) == [1.0]
+    with pytest.raises(InputError, match="mcq ground_truth must be one option letter such as B or \\(B\\), got 'Paris'"):
+        multiple_choice_reward(responses=["Answer: A"], ground_truths=["Paris"])
+
+
 def test_qa_f1_gives_partial_credit_for_shared_words():
     f1 = qa_f1_reward(
         responses=["<answer>Paris, France</answer>", "Barack Obama", "no", "the united states of america"],
