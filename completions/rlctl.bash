@@ -23,7 +23,7 @@ _rlctl() {
         "config diff") opts="--help --json" ;;
         "config show") opts="--help --json --set" ;;
         "dpo") opts="--batch-size --beta --config --data --device --epochs --eval --force --help --json --loss --lr --model --out --ref --set --val-data" ;;
-        "eval") opts="--chat-template --config --device --help --json --max-new-tokens --model --n --no-chat-template --out --pass-threshold --prompt-template --prompts --reward --set --system-prompt --temperature" ;;
+        "eval") opts="--chat-template --config --device --help --json --keep-prompts --max-new-tokens --max-pass-rate --min-pass-rate --model --n --no-chat-template --out --pass-threshold --prompt-template --prompts --reward --set --system-prompt --temperature" ;;
         "kto") opts="--batch-size --beta --config --data --device --epochs --eval --force --help --json --loss --lr --model --out --ref --set --val-data" ;;
         "model init") opts="--force --help --preset --seed" ;;
         "pipeline") opts="--address --dry-run --from --help --iterations --quiet --resume --resume-with-changes --run-dir --set --until --workers --workers-backend" ;;

@@ -49,7 +49,10 @@ complete -c rlctl -n '__fish_seen_subcommand_from eval' -l config
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l device
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l help
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l json
+complete -c rlctl -n '__fish_seen_subcommand_from eval' -l keep-prompts
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l max-new-tokens
+complete -c rlctl -n '__fish_seen_subcommand_from eval' -l max-pass-rate
+complete -c rlctl -n '__fish_seen_subcommand_from eval' -l min-pass-rate
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l model
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l n
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l no-chat-template

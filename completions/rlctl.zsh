@@ -7,7 +7,7 @@ _rlctl() {
     'config-diff:Print the keys two configs or runs differ in, defaults filled in (values as written).'
     'config-show:Print every config key with its type, default, current value and meaning.'
     'dpo:Direct preference optimization - train the policy on preference pairs, no reward model; or,'
-    'eval:Evaluate a model on held-out prompts - mean@n, best@n, pass@k (and maj@n) per data_source.'
+    'eval:Evaluate a model on held-out prompts - mean@n, best@n, pass@k (and maj@n) per data_source;'
     'kto:Kahneman-Tversky optimization - train the policy on responses labelled desirable or'
     'model-init:Write a random Qwen2-style model + byte-level BPE tokenizer, fully offline.'
     'pipeline:Run rollout → score → advantage → update → reshard for N iterations, models resident.'
@@ -29,7 +29,7 @@ _rlctl() {
     config-diff) _arguments '*:file:_files' '--help' '--json' ;;
     config-show) _arguments '*:file:_files' '--help' '--json' '--set' ;;
     dpo) _arguments '*:file:_files' '--batch-size' '--beta' '--config' '--data' '--device' '--epochs' '--eval' '--force' '--help' '--json' '--loss:loss:(sigmoid robust ipo hinge simpo orpo sigmoid_norm exo_pair nca_pair bco_pair sppo_hard apo_zero apo_down discopop aot aot_unpaired)' '--lr' '--model' '--out' '--ref' '--set' '--val-data' ;;
-    eval) _arguments '*:file:_files' '--chat-template' '--config' '--device' '--help' '--json' '--max-new-tokens' '--model' '--n' '--no-chat-template' '--out' '--pass-threshold' '--prompt-template' '--prompts' '--reward' '--set' '--system-prompt' '--temperature' ;;
+    eval) _arguments '*:file:_files' '--chat-template' '--config' '--device' '--help' '--json' '--keep-prompts' '--max-new-tokens' '--max-pass-rate' '--min-pass-rate' '--model' '--n' '--no-chat-template' '--out' '--pass-threshold' '--prompt-template' '--prompts' '--reward' '--set' '--system-prompt' '--temperature' ;;
     kto) _arguments '*:file:_files' '--batch-size' '--beta' '--config' '--data' '--device' '--epochs' '--eval' '--force' '--help' '--json' '--loss:loss:(kto apo_zero_unpaired)' '--lr' '--model' '--out' '--ref' '--set' '--val-data' ;;
     model-init) _arguments '*:file:_files' '--force' '--help' '--preset:preset:(tiny small medium)' '--seed' ;;
     pipeline) _arguments '*:file:_files' '--address' '--dry-run' '--from:from:(rollout score advantage update)' '--help' '--iterations' '--quiet' '--resume' '--resume-with-changes' '--run-dir' '--set' '--until:until:(rollout score advantage update)' '--workers' '--workers-backend:workers-backend:(local ray)' ;;

@@ -379,21 +379,40 @@ def eval_(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+    keep_prompts: Annotated[Optional[str], typer.Option("--keep-prompts", help="Also commit here (a shard folder, data.prompts of a run) the prompts whose pass rate lies in [--min-pass-rate, --max-pass-rate]: offline difficulty filtering.")] = None,
+    min_pass_rate: Annotated[Optional[float], typer.Option("--min-pass-rate", help="With --keep-prompts: leave out the prompts that pass less often (e.g. 0.1 drops the never solved).  [default: 0]")] = None,
+    max_pass_rate: Annotated[Optional[float], typer.Option("--max-pass-rate", help="With --keep-prompts: leave out the prompts that pass more often (e.g. 0.9 drops the always solved).  [default: 1]")] = None,
 ) -> None:
-    """Evaluate a model on held-out prompts: mean@n, best@n, pass@k (and maj@n) per data_source."""
+    """Evaluate a model on held-out prompts: mean@n, best@n, pass@k (and maj@n) per data_source;
+    with --keep-prompts, keep the prompts of a pass rate in range (difficulty filtering)."""
     import json as json_module
     from dataclasses import asdict, replace
 
     from rlctl.config import override_section
-    from rlctl.evaluate import run
+    from rlctl.evaluate import PromptFilter, run
 
+    keep = None
+    if keep_prompts is None and (min_pass_rate is not None or max_pass_rate is not None):
+        raise InputError("--min-pass-rate and --max-pass-rate choose the prompts --keep-prompts writes: give --keep-prompts OUT")
+    if keep_prompts is not None:
+        low, high = 0.0 if min_pass_rate is None else min_pass_rate, 1.0 if max_pass_rate is None else max_pass_rate
+        if not 0 <= low <= high <= 1:
+            raise InputError(f"--min-pass-rate and --max-pass-rate must satisfy 0 ≤ min ≤ max ≤ 1, got {low:g} and {high:g}")
+        if keep_prompts == "-":
+            raise InputError("--keep-prompts writes a prompts folder; stdout is the summary's: give a folder")
+        if out is not None and keep_prompts.rstrip("/") == out.rstrip("/"):
+            raise InputError(f"--keep-prompts and --out are both {out}: give each its own folder")
+        keep = PromptFilter(_output(keep_prompts, "arrow", 65536, False), low, high)
     cfg = _stage_config(config, set_)
     cfg = replace(
         cfg, rollout=override_section(cfg.rollout, n=n, temperature=temperature, max_new_tokens=max_new_tokens),
         score=override_section(cfg.score, reward=reward),
         data=override_section(cfg.data, chat_template=chat_template, prompt_template=prompt_template, system_prompt=system_prompt),
     )
-    rows, _ = run(model=model, prompts=prompts, cfg=cfg, threshold=pass_threshold, device=device or cfg.model.device, out=_output(out, "arrow", 65536, False) if out else None)
+    rows, _ = run(
+        model=model, prompts=prompts, cfg=cfg, threshold=pass_threshold, device=device or cfg.model.device, out=_output(out, "arrow", 65536, False) if out else None,
+        keep=keep,
+    )
     if as_json:
         typer.echo(json_module.dumps([asdict(row) for row in rows]))
         return

@@ -3,10 +3,13 @@ reward, summarized per `data_source`: the mean reward (mean@n), the mean of each
 best (best@n), pass@k for k = 1, 2, 4, ... n, the unbiased estimate (Chen et al. 2021)
 of the chance that at least one of k samples passes (reward ≥ the pass threshold), and where
 the samples' answers are known, maj@n: the reward of each prompt's most common answer
-(self-consistency, Wang et al. 2022; verl's maj@N)."""
+(self-consistency, Wang et al. 2022; verl's maj@N). With a `PromptFilter` it also keeps the
+prompts whose pass rate lies in a range: the offline difficulty filtering done before RL
+(Skywork-OR1, POLARIS, DAPO's data: prompts the model always or never solves teach GRPO nothing)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from math import comb
@@ -15,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from rlctl.config import Config
+from rlctl.errors import InputError
 from rlctl.manifest import Manifest
 
 
@@ -117,7 +121,13 @@ def known_answers(scored: pa.Table, reward_spec: str) -> Answers | None:
     judges one; `qa_em`, `qa_f1`: the answer, normalized; `mcq`: the option letter); None for
     any other reward."""
     from rlctl.math_answers import last_boxed, same_answer
-    from rlctl.rewards import gsm8k_answer, gsm8k_flexible_answer, mcq_answer, normalize_answer, qa_answer
+    from rlctl.rewards import (
+        gsm8k_answer,
+        gsm8k_flexible_answer,
+        mcq_answer,
+        normalize_answer,
+        qa_answer,
+    )
 
     if "reward/pred" in scored.column_names:
         return Answers([None if v is None else str(v) for v in scored.column("reward/pred").to_pylist()], str.__eq__)
@@ -144,10 +154,33 @@ def as_metrics(rows: list[EvalRow]) -> dict[str, float]:
     return metrics
 
 
-def run(*, model: str, prompts: str, cfg: Config, threshold: float, device: str = "auto", out=None) -> tuple[list[EvalRow], Manifest | None]:
+@dataclass(frozen=True)
+class PromptFilter:
+    """`rlctl eval --keep-prompts OUT --min-pass-rate LO --max-pass-rate HI`."""
+
+    out: object  # an OutputSpec: where the kept prompts are committed
+    low: float = 0.0
+    high: float = 1.0
+
+
+def kept_prompts(prompts: pa.Table, rates: dict[str, float], low: float, high: float) -> tuple[pa.Table, dict[str, int]]:
+    """The rows of `prompts` whose pass rate lies in [low, high], as they are (every column), and
+    the counts: kept, over (above high: solved too often), under (below low), unscored."""
+    ids = [str(i) for i in prompts.column("id").to_pylist()]
+    keep = [id_ in rates and low <= rates[id_] <= high for id_ in ids]
+    counts = {
+        "kept": sum(keep), "over": sum(1 for id_ in ids if rates.get(id_, -1.0) > high), "under": sum(1 for id_ in ids if id_ in rates and rates[id_] < low),
+        "unscored": sum(1 for id_ in ids if id_ not in rates),
+    }
+    return prompts.filter(pa.array(keep, pa.bool_())), counts
+
+
+def run(*, model: str, prompts: str, cfg: Config, threshold: float, device: str = "auto", out=None, keep: PromptFilter | None = None) -> tuple[list[EvalRow], Manifest | None]:
     """Generate `cfg.rollout.n` samples per prompt with `model` (the rollout settings: engine,
     temperature, stop strings, tool), score them with `cfg.score`'s reward, summarize; with
-    `out` (an OutputSpec) commit the scored rows, the summary in their manifest's metrics."""
+    `out` (an OutputSpec) commit the scored rows, the summary in their manifest's metrics; with
+    `keep`, commit the prompts whose pass rate (samples with reward ≥ `threshold`, the reward
+    as given, before score's shaping) lies in its range."""
     from rlctl.backends.base import ROLLOUT_BACKENDS
     from rlctl.backends.hf import check_model_dir, read_trainer_step
     from rlctl.dtypes import compute_dtype, models_device
@@ -171,9 +204,24 @@ def run(*, model: str, prompts: str, cfg: Config, threshold: float, device: str 
             engine.close()
     scored = score_table(generated, reward, ScoringModels(), cfg.score)
     rows = evaluation(scored, threshold=threshold, answers=known_answers(scored, reward.spec))
+    config = {**stage_config(rollout, cfg.data, cfg.vllm), "reward": reward.spec, "pass_threshold": threshold}
+    inputs = [shards_ref(source), model_ref(model)]
+    if keep is not None:
+        from rlctl.prompt_stream import pass_rates
+
+        kept, counts = kept_prompts(source.table, pass_rates([scored], threshold), keep.low, keep.high)
+        if not kept.num_rows:
+            raise InputError(f"--keep-prompts: no prompt's pass rate lies in [{keep.low:g}, {keep.high:g}] ({counts['over']} above, {counts['under']} below): nothing to keep")
+        manifest = make_manifest("prompt-filter", {**config, "min_pass_rate": keep.low, "max_pass_rate": keep.high}, inputs, seed=rollout.seed)
+        manifest.metrics = {f"prompts/{name}": value for name, value in counts.items()}
+        write(kept, keep.out.uri, manifest, schema="prompts", format=keep.out.format, rows_per_part=keep.out.rows_per_part)
+        print(
+            f"rlctl: kept {counts['kept']} of {source.table.num_rows} prompts in {keep.out.uri}: pass rate in [{keep.low:g}, {keep.high:g}] "
+            f"({counts['over']} passed more often, {counts['under']} less" + (f", {counts['unscored']} not sampled" if counts["unscored"] else "") + ")",
+            file=sys.stderr, flush=True,
+        )
     if out is None:
         return rows, None
-    config = {**stage_config(rollout, cfg.data, cfg.vllm), "reward": reward.spec, "pass_threshold": threshold}
-    manifest = make_manifest("eval", config, [shards_ref(source), model_ref(model)], seed=rollout.seed)
+    manifest = make_manifest("eval", config, inputs, seed=rollout.seed)
     manifest.metrics = as_metrics(rows)
     return rows, write(scored, out.uri, manifest, schema="scores", format=out.format, rows_per_part=out.rows_per_part)

@@ -590,3 +590,48 @@ def test_gdpo_normalizes_the_rewards_the_score_stage_recorded_one_by_one(cli, tm
     assert any(abs(row[0]) > 0.1 for row in got if row)  # the rewards differed within groups
     bad(cli("advantage", "--scores", scored, "--out", tmp_path / "o1", "--estimator", "gdpo"), tmp_path / "o1", "estimator gdpo normalizes each of several rewards", "score.rewards")
     bad(cli("advantage", "--scores", tmp_path / "s2", "--out", tmp_path / "o2", "--estimator", "gdpo", "--kl-coef", "0.1"), tmp_path / "o2", "advantage.kl_coef", "update.use_kl_loss")
+
+
+FILTER_REWARD = '''
+def reward(prompts, responses):
+    """"easy" prompts always pass, "hard" ones never, "mid" ones when the response has an even length."""
+    return [1.0 if "easy" in p else 0.0 if "hard" in p else float(len(r) % 2 == 0) for p, r in zip(prompts, responses)]
+'''
+
+
+def test_eval_keeps_the_prompts_whose_pass_rate_lies_in_range_as_they_are(cli, tmp_path, tiny_model):
+    (tmp_path / "reward.py").write_text(FILTER_REWARD)
+    rows = [{"id": f"{kind}-{k}", "prompt": f"{kind} question {k}", "ground_truth": str(k), "data_source": kind} for kind in ("easy", "hard", "mid") for k in range(4)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = cli("eval", "--model", tiny_model, "--prompts", tmp_path / "p.jsonl", "--reward", f"{tmp_path / 'reward.py'}:reward", "--n", "4",
+                 "--max-new-tokens", "5", "--out", tmp_path / "scored", "--keep-prompts", tmp_path / "kept", "--min-pass-rate", "0.1", "--max-pass-rate", "0.9")
+    assert result.exit_code == 0, result.stderr
+    scored = shards.read(str(tmp_path / "scored")).table
+    passed: dict[str, list[float]] = {}
+    for row_id, reward in zip(scored.column("id").to_pylist(), scored.column("reward").to_pylist()):
+        passed.setdefault(row_id, []).append(reward >= 1.0)
+    between = {row_id for row_id, p in passed.items() if 0.1 <= sum(p) / len(p) <= 0.9}
+    assert between and all(row_id.startswith("mid") for row_id in between)  # some mid prompts pass some of the time
+    kept = shards.read(str(tmp_path / "kept"), "prompts")
+    assert set(kept.table.column("id").to_pylist()) == between
+    assert kept.table.to_pylist() == [r for r in rows if r["id"] in between]  # every column, in the file's order
+    rates = {row_id: sum(p) / len(p) for row_id, p in passed.items()}
+    assert kept.manifest.metrics == {
+        "prompts/kept": len(between), "prompts/over": sum(r > 0.9 for r in rates.values()), "prompts/under": sum(r < 0.1 for r in rates.values()), "prompts/unscored": 0,
+    }
+    assert kept.manifest.metrics["prompts/over"] >= 4 and kept.manifest.metrics["prompts/under"] >= 4  # the easy ones, the hard ones
+    assert f"rlctl: kept {len(between)} of 12 prompts in {tmp_path / 'kept'}: pass rate in [0.1, 0.9]" in result.stderr
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["--min-pass-rate", "0.1"], "--min-pass-rate and --max-pass-rate choose the prompts --keep-prompts writes: give --keep-prompts OUT"),
+    (["--keep-prompts", "KEPT", "--min-pass-rate", "0.8", "--max-pass-rate", "0.2"], "must satisfy 0 ≤ min ≤ max ≤ 1, got 0.8 and 0.2"),
+    (["--keep-prompts", "KEPT", "--min-pass-rate", "1.5", "--max-pass-rate", "2"], "must satisfy 0 ≤ min ≤ max ≤ 1"),
+    (["--keep-prompts", "KEPT", "--max-pass-rate", "0", "--min-pass-rate", "0", "--pass-threshold", "-1"], "no prompt's pass rate lies in [0, 0] (3 above, 0 below): nothing to keep"),
+])
+def test_a_prompt_filter_that_cannot_apply_is_one_line_and_nothing_written(cli, tmp_path, tiny_model, prompts_file, args, fragment):
+    args = [str(tmp_path / "kept") if a == "KEPT" else a for a in args]
+    result = cli("eval", "--model", tiny_model, "--prompts", prompts_file, "--reward", "builtin:length", "--max-new-tokens", "2", *args)
+    assert result.exit_code == 2, result.stderr
+    assert fragment in one_line_error(result)
+    assert_not_written(tmp_path / "kept")
