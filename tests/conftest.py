@@ -113,3 +113,16 @@ def part_files(folder: str | Path) -> list[Path]:
 def assert_not_written(path: str | Path) -> None:
     p = Path(path)
     assert not p.exists() or not any(p.iterdir()), f"{p} was written"
+
+
+def metrics_without_timings(run_dir: str | Path) -> list[dict]:
+    """A run's metrics.jsonl rows less what the clock decides (seconds, tokens per second): what
+    a resumed run must reproduce bit for bit."""
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("seconds") and "tokens_per_s" not in k} for r in rows]
+
+
+def assert_same_metrics(run: str | Path, other: str | Path) -> None:
+    ours, theirs = metrics_without_timings(run), metrics_without_timings(other)
+    differing = [(i, k, a.get(k), b.get(k)) for i, (a, b) in enumerate(zip(ours, theirs)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+    assert len(ours) == len(theirs) and not differing, differing

@@ -9,6 +9,7 @@ import pytest
 from rlctl import shards
 from rlctl.algos.sampling import groups_with_signal, select_groups
 from rlctl.threads import available_cpus
+from tests.conftest import assert_same_metrics
 
 REWARD = '''
 def reward(prompts, responses):
@@ -64,11 +65,7 @@ def test_a_pipeline_with_dynamic_sampling_trains_only_on_groups_with_signal(cli,
     resumed = tmp_path / "resumed"
     assert cli("pipeline", config, "--run-dir", resumed, "--quiet", "--iterations", "1").exit_code == 0
     assert cli("pipeline", config, "--run-dir", resumed, "--quiet").exit_code == 0
-    again = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
-    drop = ("seconds", "tokens_per_s")
-    ours, theirs = ([{k: v for k, v in r.items() if not any(d in k for d in drop)} for r in run_rows] for run_rows in (again, rows))
-    differing = [(i, k, a.get(k), b.get(k)) for i, (a, b) in enumerate(zip(ours, theirs)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
-    assert len(ours) == len(theirs) and not differing, differing
+    assert_same_metrics(resumed, run)
 
 
 CORRECT_BUT_LONGER = '''

@@ -17,7 +17,7 @@ from rlctl.config import load_config
 from rlctl.passes import CPU_MICRO_BATCH_TOKENS
 from rlctl.pipeline import Pipeline
 from rlctl.threads import ThreadGovernor, available_cpus
-from tests.conftest import one_line_error
+from tests.conftest import metrics_without_timings, one_line_error
 
 PROMPTS = [{"id": f"p{i}", "prompt": f"Question {i}: what is {i} + {i}?", "data_source": "even" if i % 2 else "odd"} for i in range(5)]
 
@@ -58,11 +58,6 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     weights = load_file(str(checkpoint / "model.safetensors"))
     weights.update({f"critic.{k}": v for k, v in load_file(str(checkpoint / "critic" / "value_head.safetensors")).items()})
     return weights
-
-
-def metrics_without_timings(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("seconds") and "tokens_per_s" not in k} for r in rows]
 
 
 @pytest.fixture(scope="module")

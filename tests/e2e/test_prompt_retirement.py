@@ -8,6 +8,7 @@ import pytest
 
 from rlctl import shards
 from rlctl.threads import available_cpus
+from tests.conftest import assert_same_metrics
 
 REWARD = '''
 def reward(prompts, responses):
@@ -52,11 +53,7 @@ def test_solved_prompts_leave_the_epochs_after_their_iteration_and_a_resume_draw
     resumed = tmp_path / "resumed"
     assert cli("pipeline", config, "--run-dir", resumed, "--quiet", "--iterations", "2").exit_code == 0
     assert cli("pipeline", config, "--run-dir", resumed, "--quiet").exit_code == 0
-    again = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
-    drop = ("seconds", "tokens_per_s")
-    ours, theirs = ([{k: v for k, v in r.items() if not any(d in k for d in drop)} for r in run_rows] for run_rows in (again, rows))
-    differing = [(i, k, a.get(k), b.get(k)) for i, (a, b) in enumerate(zip(ours, theirs)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
-    assert len(ours) == len(theirs) and not differing, differing
+    assert_same_metrics(resumed, run)
 
 
 def test_a_run_that_retires_every_prompt_ends_checkpointed_and_a_resume_says_none_is_left(cli, tmp_path, config):
