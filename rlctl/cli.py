@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import sys
 from pathlib import Path
@@ -528,7 +529,7 @@ def dpo(
     lr: Annotated[Optional[float], typer.Option("--lr", help="Learning rate." + _default("dpo.lr"))] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Pairs per optimizer step." + _default("dpo.batch_size"))] = None,
     beta: Annotated[Optional[float], typer.Option("--beta", help="Strength of the pull towards the reference." + _default("dpo.beta"))] = None,
-    loss: Annotated[Optional[str], typer.Option("--loss", help="Preference loss: DPO's sigmoid, robust DPO, IPO, hinge, SimPO and ORPO (no reference), or TRL's further losses by their names (docs/algorithms.md)." + _default("dpo.loss"), metavar=_choices(choices.DPO_LOSSES))] = None,
+    loss: Annotated[Optional[str], typer.Option("--loss", help="Preference loss: DPO's sigmoid, robust DPO, IPO, hinge, SimPO and ORPO (no reference), or TRL's further losses by their names (docs/algorithms.md); several, comma-separated, are summed (dpo.loss_weights)." + _default("dpo.loss"), metavar=_choices(choices.DPO_LOSSES))] = None,
     device: DeviceOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -542,7 +543,8 @@ def dpo(
     from rlctl.config import override_section
     from rlctl.dpo import run
 
-    cfg = _stage_config(config, set_)
+    # --loss before the --set items too, so that `--loss a,b --set dpo.loss_weights=[...]` is checked as one
+    cfg = _stage_config(config, [*([f"dpo.loss={json.dumps(loss)}"] if loss is not None else []), *(set_ or [])])
     cfg = replace(cfg, dpo=override_section(cfg.dpo, epochs=epochs, lr=lr, batch_size=batch_size, beta=beta, loss=loss))
     _train_against_reference_or_measure(
         "dpo", "pairs", run, _evaluate_dpo, data=data, model=model, out=out, val_data=val_data, evaluate=evaluate, ref=ref, cfg=cfg,

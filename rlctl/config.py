@@ -542,7 +542,8 @@ class DpoConfig:
     data: str = ""  # in a pipeline: preference pairs to train the policy on before iteration 1, after sft.data's warm start (RUN/dpo, the run's initial policy unless kto.data's follows; "" = none)
     val_data: str = ""  # in a pipeline: held-out pairs, their loss and accuracy before and after each epoch
     beta: float = 0.1  # strength of the pull towards the reference: the implicit reward is beta × (log π − log π_ref) of a response (orpo: the odds-ratio term's weight, its paper's lambda)
-    loss: str = "sigmoid"  # sigmoid (DPO) | robust (rDPO: unbiased under label noise) | ipo (squared, per-token log-ratios) | hinge (SLiC) | simpo (no reference: per-token log-probs, margin simpo_gamma) | orpo (no reference: the chosen NLL plus beta × the odds ratio's loss) | TRL's sigmoid_norm, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop, aot, aot_unpaired (docs/algorithms.md)
+    loss: str = "sigmoid"  # several, comma-separated, are summed with loss_weights (MPO: "sigmoid,bco_pair"; TRL's loss_type list): sigmoid (DPO) | robust (rDPO: unbiased under label noise) | ipo (squared, per-token log-ratios) | hinge (SLiC) | simpo (no reference: per-token log-probs, margin simpo_gamma) | orpo (no reference: the chosen NLL plus beta × the odds ratio's loss) | TRL's sigmoid_norm, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop, aot, aot_unpaired (docs/algorithms.md)
+    loss_weights: tuple[float, ...] = ()  # with several losses: each one's weight, in order (TRL's loss_weights; MPO's [0.8, 0.2]); () = 1 each
     label_smoothing: float = 0.0  # the assumed share of pairs labelled the wrong way round (sigmoid: conservative DPO; robust; simpo; aot; exo_pair, which needs it > 0); 0 = none
     simpo_gamma: float = 0.5  # SimPO's target reward margin (dpo.loss = "simpo"; the paper's beta is 2-2.5)
     discopop_tau: float = 0.05  # DiscoPOP's temperature of the mix of its logistic and exponential losses (dpo.loss = "discopop"; TRL's discopop_tau)
@@ -581,37 +582,51 @@ class DpoConfig:
         if isinstance(self.micro_batch_tokens, int) and not isinstance(self.micro_batch_tokens, bool):
             object.__setattr__(self, "micro_batch_tokens", str(self.micro_batch_tokens))
         check_ranges(self, "dpo", {
-            "beta": above(0.0), "loss": one_of(*DPO_LOSSES), "scored_pairs": one_of(*PAIRINGS), "simpo_gamma": at_least(0.0), "discopop_tau": above(0.0), "f_divergence": one_of(*F_DIVERGENCES), "ld_alpha": between(0.0, 1.0), "sft_weight": at_least(0.0), "min_reward_gap": at_least(0.0), "label_smoothing": lambda v: None if 0.0 <= v < 0.5 else "must be at least 0 and below 0.5",
+            "beta": above(0.0), "loss": lambda v: next((f"must be losses from {', '.join(DPO_LOSSES)}, comma-separated (an unknown {name!r})" for name in v.split(",") if name not in DPO_LOSSES), None), "scored_pairs": one_of(*PAIRINGS), "simpo_gamma": at_least(0.0), "discopop_tau": above(0.0), "f_divergence": one_of(*F_DIVERGENCES), "ld_alpha": between(0.0, 1.0), "sft_weight": at_least(0.0), "min_reward_gap": at_least(0.0), "label_smoothing": lambda v: None if 0.0 <= v < 0.5 else "must be at least 0 and below 0.5",
             "lr": above(0.0), "epochs": at_least(1), "save_steps": at_least(0), "batch_size": at_least(1),
             "micro_batch_size": at_least(1), "max_tokens": at_least(0), "truncate": one_of("error", "right"), "max_grad_norm": at_least(0.0),
             "weight_decay": at_least(0.0), "warmup_steps": at_least(0), "lr_schedule": one_of(*LR_SCHEDULES), "min_lr_ratio": between(0.0, 1.0),
             "bf16": one_of(*AUTOCAST_CHOICES), "ref_sync_every": at_least(0),
             "micro_batch_tokens": lambda v: None if v == "auto" or (isinstance(v, str) and v.isascii() and v.isdigit()) else "must be auto, 0 (no cap) or a number of tokens",
         })
-        if self.label_smoothing and self.loss not in ("sigmoid", "robust", "simpo", "exo_pair", "aot", "aot_unpaired"):
+        losses = self.losses
+        if len(set(losses)) < len(losses):
+            raise ConfigError(f"dpo.loss names a loss twice ({self.loss!r}): give it once, with its weight in dpo.loss_weights")
+        if len(losses) > 1 and set(losses) & set(REFERENCE_FREE_LOSSES):
+            raise ConfigError(f"dpo.loss = {self.loss!r}: simpo and orpo have no reference and stand alone, not beside other losses")
+        if self.loss_weights and len(self.loss_weights) != len(losses):
+            raise ConfigError(f"dpo.loss_weights gives {len(self.loss_weights)} weight(s) for the {len(losses)} loss(es) of dpo.loss = {self.loss!r}: one each, in order")
+        if any(not math.isfinite(w) or w < 0 for w in self.loss_weights):
+            raise ConfigError(f"dpo.loss_weights must be finite and ≥ 0, got {list(self.loss_weights)}")
+        if self.label_smoothing and not set(losses) & {"sigmoid", "robust", "simpo", "exo_pair", "aot", "aot_unpaired"}:
             raise ConfigError(f"dpo.label_smoothing applies to the sigmoid, robust, simpo, exo_pair and aot losses, not dpo.loss = {self.loss!r}: set it to 0")
-        if self.use_weighting and self.loss in ("aot", "aot_unpaired"):
+        if self.use_weighting and set(losses) & {"aot", "aot_unpaired"}:
             raise ConfigError(f"dpo.use_weighting weighs each pair's loss, and dpo.loss = {self.loss!r} pairs margins by rank across the micro-batch, not by pair: set one of them off")
         if not 0 < self.f_alpha < 1:
             raise ConfigError(f"dpo.f_alpha must be between 0 and 1 (exclusive), got {self.f_alpha!r}")
-        if self.ld_alpha != 1 and self.loss in REFERENCE_FREE_LOSSES:
+        if self.ld_alpha != 1 and set(losses) & set(REFERENCE_FREE_LOSSES):
             raise ConfigError(f"dpo.ld_alpha weighs the log-ratios of DPO's losses against a reference, which dpo.loss = {self.loss!r} has none of: leave it 1")
-        if self.f_divergence != "reverse_kl" and self.loss not in F_DIVERGENCE_LOSSES:
+        if self.f_divergence != "reverse_kl" and not set(losses) <= set(F_DIVERGENCE_LOSSES):
             raise ConfigError(f"dpo.f_divergence = {self.f_divergence!r} applies to the losses on the chosen-rejected difference ({', '.join(F_DIVERGENCE_LOSSES)}), not dpo.loss = {self.loss!r}: leave it reverse_kl")
-        if self.loss == "exo_pair" and not self.label_smoothing:
+        if "exo_pair" in losses and not self.label_smoothing:
             raise ConfigError("dpo.loss = \"exo_pair\" needs dpo.label_smoothing > 0 (EXO's ε, the labels' assumed error; the paper's 1e-3)")
         if self.sft_weight and self.loss == "orpo":
             raise ConfigError("dpo.sft_weight adds the chosen responses' NLL, which dpo.loss = \"orpo\" has already: set it to 0")
-        if self.ref_sync_every and self.loss in REFERENCE_FREE_LOSSES:
+        if self.ref_sync_every and set(losses) & set(REFERENCE_FREE_LOSSES):
             raise ConfigError(f"dpo.ref_sync_every moves the reference, which dpo.loss = {self.loss!r} has none of: set it to 0")
         if self.ref_sync_every and self.reference_free:
             raise ConfigError("dpo.ref_sync_every moves the reference, which dpo.reference_free leaves out: set one of them off")
         check_ref_sync(self, "dpo")
 
     @property
+    def losses(self) -> list[str]:
+        """The preference losses dpo.loss names (one, or several summed)."""
+        return self.loss.split(",")
+
+    @property
     def has_reference(self) -> bool:
         """Whether the loss compares with a reference's log-probabilities (computed once, before training)."""
-        return not self.reference_free and self.loss not in REFERENCE_FREE_LOSSES
+        return not self.reference_free and not set(self.losses) & set(REFERENCE_FREE_LOSSES)
 
 
 def check_ref_sync(section, name: str) -> None:
@@ -930,7 +945,7 @@ FOREIGN_KEYS = {
     "learning_rate": "update.lr", "lr_warmup_steps": "update.warmup_steps", "lr_scheduler_type": "update.lr_schedule", "warmup_style": "update.lr_schedule", "num_train_epochs": "update.epochs",
     "ppo_epochs": "update.epochs", "ppo_mini_batch_size": "update.mini_batch_size", "ppo_micro_batch_size": "update.micro_batch_size",
     "per_device_train_batch_size": "update.micro_batch_size", "clip_ratio": "update.clip_ratio_low", "cliprange": "update.clip_ratio_low",
-    "kl_loss_type": "update.kl_loss_estimator", "grad_clip": "update.max_grad_norm",
+    "kl_loss_type": "update.kl_loss_estimator", "loss_weights": "dpo.loss_weights", "grad_clip": "update.max_grad_norm",
     "num_generations": "rollout.n", "max_completion_length": "rollout.max_new_tokens", "response_length": "rollout.max_new_tokens",
     "max_prompt_length": "data.max_prompt_tokens", "train_batch_size": "data.batch_size", "adv_estimator": "advantage.estimator",
     "kl_penalty": "advantage.kl_estimator", "beta": "advantage.kl_coef", "norm_adv_by_std_in_grpo": "advantage.norm_by_std", "scale_rewards": "advantage.std_scope",

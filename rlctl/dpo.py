@@ -229,6 +229,7 @@ class DpoPasses:
                     chosen, rejected, ref_chosen, ref_rejected, beta=cfg.beta, loss=cfg.loss, label_smoothing=cfg.label_smoothing,
                     chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens, simpo_gamma=cfg.simpo_gamma, sft_weight=cfg.sft_weight,
                     discopop_tau=cfg.discopop_tau, f_divergence=cfg.f_divergence, f_alpha=cfg.f_alpha, chosen_plain=chosen_plain,
+                    loss_weights=cfg.loss_weights,
                 )
                 if pair_weight is not None:  # WPO: each pair's loss as if its responses were sampled from the policy
                     losses = losses * pair_weight

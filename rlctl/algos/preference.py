@@ -16,18 +16,31 @@ def dpo_losses(
     chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, *, beta: float, loss: str = "sigmoid",
     label_smoothing: float = 0.0, chosen_tokens: torch.Tensor | None = None, rejected_tokens: torch.Tensor | None = None, simpo_gamma: float = 0.0,
     sft_weight: float = 0.0, discopop_tau: float = 0.05, f_divergence: str = "reverse_kl", f_alpha: float = 0.5,
-    chosen_plain: torch.Tensor | None = None,
+    chosen_plain: torch.Tensor | None = None, loss_weights: tuple[float, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(each pair's loss, the chosen response's implicit reward, the rejected one's) from the
     responses' summed log-probabilities under the policy and the reference [P] (SimPO and ORPO
     ignore the reference); "ipo", "sigmoid_norm", "simpo" and "orpo" also need each side's trained tokens,
     since they compare per-token values, as does `sft_weight`, the weight of the chosen side's
     NLL per token added to each pair's loss (of `chosen_plain`, the chosen side's plain summed
-    log-probability, where `chosen` is weighted: LD-DPO)."""
-    losses, chosen_reward, rejected_reward = _preference_losses(
-        chosen, rejected, ref_chosen, ref_rejected, beta=beta, loss=loss, label_smoothing=label_smoothing, chosen_tokens=chosen_tokens,
-        rejected_tokens=rejected_tokens, simpo_gamma=simpo_gamma, discopop_tau=discopop_tau, f_divergence=f_divergence, f_alpha=f_alpha,
-    )
+    log-probability, where `chosen` is weighted: LD-DPO). `loss` may name several losses,
+    comma-separated: their sum, weighted by `loss_weights` (1 each by default; MPO: sigmoid and
+    bco_pair at 0.8 and 0.2), the implicit rewards the first one's."""
+    names = loss.split(",")
+    weights = loss_weights or (1.0,) * len(names)
+    if len(weights) != len(names):
+        raise ValueError(f"{len(weights)} loss weights for the losses {loss!r}")
+    losses = None
+    for name, weight in zip(names, weights):
+        each, reward_c, reward_r = _preference_losses(
+            chosen, rejected, ref_chosen, ref_rejected, beta=beta, loss=name, label_smoothing=label_smoothing, chosen_tokens=chosen_tokens,
+            rejected_tokens=rejected_tokens, simpo_gamma=simpo_gamma, discopop_tau=discopop_tau, f_divergence=f_divergence, f_alpha=f_alpha,
+        )
+        each = weight * each if loss_weights else each
+        if losses is None:
+            losses, chosen_reward, rejected_reward = each, reward_c, reward_r
+        else:
+            losses = losses + each
     if sft_weight:  # RPO (Pang et al.): DPO beside the chosen response's NLL
         if chosen_tokens is None:
             raise ValueError("an sft_weight needs the chosen side's trained tokens")

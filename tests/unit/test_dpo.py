@@ -317,6 +317,17 @@ def test_robust_dpo_is_unbiased_under_flipped_labels():
     assert torch.allclose((1 - eps) * right + eps * flipped, -torch.log(torch.sigmoid(h)))
 
 
+def test_several_losses_are_summed_with_their_weights_and_the_first_ones_implicit_rewards():
+    """MPO (TRL's loss_type = ["sigmoid", "bco_pair"], loss_weights = [0.8, 0.2])."""
+    args = (CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED)
+    sigmoid, rewards_c, rewards_r = dpo_losses(*args, beta=0.5, loss="sigmoid")
+    bco, _, _ = dpo_losses(*args, beta=0.5, loss="bco_pair")
+    mixed, mixed_c, mixed_r = dpo_losses(*args, beta=0.5, loss="sigmoid,bco_pair", loss_weights=(0.8, 0.2))
+    assert torch.allclose(mixed, 0.8 * sigmoid + 0.2 * bco) and torch.equal(mixed_c, rewards_c) and torch.equal(mixed_r, rewards_r)
+    assert torch.allclose(dpo_losses(*args, beta=0.5, loss="sigmoid,bco_pair")[0], sigmoid + bco)  # 1 each by default
+    assert torch.equal(dpo_losses(*args, beta=0.5, loss="sigmoid", loss_weights=(0.5,))[0], 0.5 * sigmoid)
+
+
 def summed_logps(model, prompt_ids, response_ids) -> torch.Tensor:
     """Each response's summed log-probability from the model's full logits, one row at a time."""
     out = []
@@ -331,12 +342,13 @@ def summed_logps(model, prompt_ids, response_ids) -> torch.Tensor:
     ("sigmoid", math.log(2)), ("robust", math.log(2)), ("ipo", (1 / (2 * 0.1)) ** 2), ("hinge", 1.0), ("sigmoid_norm", math.log(2)),
     ("exo_pair", math.log(0.5) - 0.5 * math.log(1e-3 * (1 - 1e-3))), ("nca_pair", 2 * math.log(2)), ("bco_pair", 2 * math.log(2)),
     ("sppo_hard", 2 * (1 / (2 * 0.1)) ** 2), ("apo_zero", 1.0), ("apo_down", 1.0), ("discopop", 0.5 * math.log(2) + 0.5),
-    ("aot", math.log(2)), ("aot_unpaired", math.log(2)),
+    ("aot", math.log(2)), ("aot_unpaired", math.log(2)), ("sigmoid,bco_pair", 0.8 * math.log(2) + 0.2 * 2 * math.log(2)),
 ])
 def test_the_reference_is_the_starting_weights_so_the_first_loss_is_the_one_at_h_0(policy, tmp_path, loss, first):
     pairs = encode(policy, table_of(tmp_path, number_pairs(5)))
     smoothing = 1e-3 if loss == "exo_pair" else 0.0
-    trainer = DpoTrainer(policy, DpoConfig(micro_batch_size=2, micro_batch_tokens="0", bf16="false", loss=loss, beta=0.1, label_smoothing=smoothing), total_steps=1)
+    weights = (0.8, 0.2) if "," in loss else ()  # MPO's
+    trainer = DpoTrainer(policy, DpoConfig(micro_batch_size=2, micro_batch_tokens="0", bf16="false", loss=loss, loss_weights=weights, beta=0.1, label_smoothing=smoothing), total_steps=1)
     referenced = trainer.with_reference(pairs)
     with torch.no_grad():
         want = summed_logps(policy.model, pairs.chosen.prompt_ids, pairs.chosen.response_ids)
