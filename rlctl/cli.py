@@ -207,7 +207,7 @@ def rollout(
 def score(
     rollouts: Annotated[str, typer.Option("--rollouts", help="Rollouts: shard folder, file or -.")],
     out: OutOpt,
-    reward: Annotated[Optional[str], typer.Option("--reward", help=f"file.py:fn, module:fn, builtin:NAME ({', '.join(choices.BUILTIN_REWARDS)}), rm:MODEL_URI or an http(s):// endpoint." + _default("score.reward"))] = None,
+    reward: Annotated[Optional[str], typer.Option("--reward", help=f"file.py:fn, module:fn, builtin:NAME ({', '.join(choices.BUILTIN_REWARDS)}), rm:MODEL_URI, judge:MODEL_URI or an http(s):// endpoint." + _default("score.reward"))] = None,
     ref: Annotated[Optional[str], typer.Option("--ref", help="Reference model → ref_logprobs.")] = None,
     critic: Annotated[Optional[str], typer.Option("--critic", help="Critic (causal LM + value head) → values.")] = None,
     policy: Annotated[Optional[str], typer.Option("--policy", help="Policy model → old_logprobs.")] = None,
@@ -367,7 +367,7 @@ def pipeline(
 def eval_(
     model: Annotated[str, typer.Option("--model", help="Model to evaluate: HF folder or rlctl checkpoint.")],
     prompts: Annotated[str, typer.Option("--prompts", help="Held-out prompts: shard folder, .jsonl, .json or .parquet.")],
-    reward: Annotated[Optional[str], typer.Option("--reward", help=f"file.py:fn, module:fn, builtin:NAME ({', '.join(choices.BUILTIN_REWARDS)}), rm:MODEL_URI or an http(s):// endpoint." + _default("score.reward"))] = None,
+    reward: Annotated[Optional[str], typer.Option("--reward", help=f"file.py:fn, module:fn, builtin:NAME ({', '.join(choices.BUILTIN_REWARDS)}), rm:MODEL_URI, judge:MODEL_URI or an http(s):// endpoint." + _default("score.reward"))] = None,
     n: Annotated[Optional[int], typer.Option("--n", help="Samples per prompt." + _default("rollout.n"))] = None,
     temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature; 0 is greedy." + _default("rollout.temperature"))] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Longest response in tokens." + _default("rollout.max_new_tokens"))] = None,

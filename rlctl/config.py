@@ -184,7 +184,7 @@ class RewardTerm:
 class ScoreConfig:
     """The reward, and the forward passes that add reference/old log-probs and critic values."""
 
-    reward: str = DEFAULT_REWARD  # file.py:fn, module:fn, builtin:NAME, rm:MODEL_URI or an http(s):// endpoint
+    reward: str = DEFAULT_REWARD  # file.py:fn, module:fn, builtin:NAME, rm:MODEL_URI, judge:MODEL_URI or an http(s):// endpoint
     rewards: tuple[RewardTerm, ...] = ()  # several weighted rewards instead of `reward` (TRL's reward_funcs + reward_weights)
     reward_timeout: float = 60.0  # seconds a reward call (or one http request) may take
     batch_size: int = 64  # sequences per forward pass at most (ref, policy, critic, rm: reward model)
@@ -198,11 +198,20 @@ class ScoreConfig:
     overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last N tokens before max_new_tokens; 0 = off
     overlong_penalty: float = 1.0  # the penalty at max_new_tokens (it grows linearly over the buffer)
     length_penalty: float = 0.0  # Kimi k1.5's length reward, with this weight: among a prompt's samples λ = 0.5 − (length − shortest)/(longest − shortest) in tokens; a correct one (reward ≥ length_penalty_pass) gets weight·λ, the others weight·min(0, λ); 0 = off
+    judge_template: str = ""  # judge:MODEL_URI rewards: the question the judge model answers yes or no, with {prompt}, {response} and {ground_truth} filled in ("" = rlctl.judge's: is the response a correct answer to the question, given the reference answer?)
+    judge_yes: str = "Yes"  # judge: the verdict word whose probability (against judge_no's) is the reward
+    judge_no: str = "No"  # judge: the other verdict
     length_penalty_pass: float = 1.0  # with length_penalty: a sample is correct when its reward (before any shaping) is at least this
 
     def __post_init__(self) -> None:
         if self.rewards and self.reward != DEFAULT_REWARD:
             raise ConfigError(f"score.reward ({self.reward}) and score.rewards are both set: list every reward in score.rewards")
+        if self.judge_template:
+            from rlctl.judge import check_template
+
+            check_template(self.judge_template, error=ConfigError)
+        if not self.judge_yes.strip() or not self.judge_no.strip() or self.judge_yes == self.judge_no:
+            raise ConfigError(f"score.judge_yes and score.judge_no must be two different words, got {self.judge_yes!r} and {self.judge_no!r}")
         check_ranges(self, "score", {"old_logprobs": one_of(*OLD_LOGPROBS), "http_batch_size": at_least(1), "http_concurrency": at_least(1), "http_retries": at_least(0), "overlong_buffer": at_least(0), "overlong_penalty": at_least(0.0), "length_penalty": at_least(0.0), "reward_timeout": at_least(0.0), "batch_size": at_least(1), "batch_tokens": at_least(0), "dtype": one_of(*COMPUTE_DTYPES)})
 
 

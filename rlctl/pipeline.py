@@ -76,7 +76,7 @@ from rlctl.ref_sync import (
     synced_ref_dir,
     write_synced_reference,
 )
-from rlctl.rewards import RewardSet, describe_rewards, load_rewards, reward_model_folders
+from rlctl.rewards import RewardSet, describe_rewards, load_rewards, scoring_model_folders
 from rlctl.run_checks import run_findings
 from rlctl.runinfo import best_iteration, iteration_folders, iteration_number
 from rlctl.sample_stats import (
@@ -434,7 +434,7 @@ class Pipeline:
         if self._reward_fn is not None:
             return []
         self._reward_model_ready()
-        return [model_ref(folder) for folder in reward_model_folders(self.cfg.score)]
+        return [model_ref(folder) for folder in scoring_model_folders(self.cfg.score)]
 
     def _initial_models(self) -> None:
         """model.path made from model.init_preset when it does not exist, and the warm start run

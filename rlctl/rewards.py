@@ -1,7 +1,8 @@
 """Reward functions: built-ins, user functions, reward models and endpoints, behind one calling rule.
 
 `--reward SPEC` is `path/to/file.py:function`, `module:function`, `builtin:NAME`,
-`rm:MODEL_URI` or an `http(s)://` endpoint. Code rewards run in a child process
+`rm:MODEL_URI` (a reward model), `judge:MODEL_URI` (a causal LM asked yes or no: rlctl.judge) or an
+`http(s)://` endpoint. Code rewards run in a child process
 (`rlctl.reward_process`); how a function is called (rlctl's keywords, one positional list,
 verl's `compute_score`, TRL's `completions`) is decided from its signature (`reward_styles`).
 `score.rewards` combines several, weighted (`RewardSet`): the total is the `reward` column,
@@ -379,15 +380,16 @@ def from_callable(fn: Callable, spec: str = "<callable>") -> RewardFunction:
 
 def load_reward(
     spec: str, *, device: str = "cpu", batch_size: int = 16, http: HttpOptions | None = None, flag: str = "--reward", dtype: str = "fp32",
-    reward_models: Callable[[str], Callable] | None = None,
+    reward_models: Callable[[str], Callable] | None = None, judge=None,
 ) -> RewardFunction:
     """A reward from its spec. Code (file.py:fn, module:fn) is loaded in a child process.
     `flag` names the setting in messages (a tool is loaded the same way); `dtype`: a reward
     model's compute dtype (score.dtype); `reward_models(uri)`: an `rm:` folder's scorer where a
-    worker group holds it (else it is loaded here)."""
+    worker group holds it (else it is loaded here); `judge`: a `judge:` model's question and
+    verdicts (rlctl.judge.JudgeSettings)."""
     kind, sep, rest = spec.partition(":")
     if not sep or not rest:
-        raise InputError(f"{flag} {spec!r}: expected file.py:function, module:function, builtin:NAME, rm:MODEL_URI or an http(s):// URL")
+        raise InputError(f"{flag} {spec!r}: expected file.py:function, module:function, builtin:NAME, rm:MODEL_URI, judge:MODEL_URI or an http(s):// URL")
     if kind in ("http", "https"):
         if not rest.startswith("//") or len(rest) <= 2:
             raise InputError(f"{flag} {spec!r}: expected {kind}://HOST[:PORT]/PATH")
@@ -398,6 +400,10 @@ def load_reward(
     if kind == "rm":
         scorer = reward_models(rest) if reward_models is not None else RewardModel(rest, device=device, batch_size=batch_size, dtype=dtype)
         return RewardFunction(spec, scorer, ("prompts", "responses", "messages"))
+    if kind == "judge":
+        from rlctl.judge import JudgeReward
+
+        return RewardFunction(spec, JudgeReward(rest, device=device, batch_size=batch_size, dtype=dtype, settings=judge), ("prompts", "responses", "ground_truths"))
     target = spec.rpartition(":")[0]
     if target.endswith(".py") and not Path(target).is_file():
         raise InputError(f"{flag} {spec!r}: file {target} does not exist")
@@ -410,7 +416,7 @@ def load_reward(
 def is_code_reward(spec: str) -> bool:
     """Whether loading this reward spec would import Python code (a file or a module)."""
     kind = spec.partition(":")[0]
-    return kind not in ("builtin", "rm", "http", "https")
+    return kind not in ("builtin", "rm", "judge", "http", "https")
 
 
 def load_code_reward(spec: str) -> RewardFunction:
@@ -578,6 +584,20 @@ def reward_model_folders(cfg: Any) -> list[str]:
     return [spec.partition(":")[2] for spec in specs if spec.partition(":")[0] == "rm"]
 
 
+def scoring_model_folders(cfg: Any) -> list[str]:
+    """Every model folder a ScoreConfig's rewards read (`rm:` and `judge:`): inputs of the score
+    stage, so that another model makes a new score rather than a skipped one."""
+    specs = [t.fn for t in cfg.rewards] if cfg.rewards else [cfg.reward]
+    return [spec.partition(":")[2] for spec in specs if spec.partition(":")[0] in ("rm", "judge")]
+
+
+def judge_settings(cfg: Any):
+    """A ScoreConfig's `judge_*` keys as rlctl.judge.JudgeSettings."""
+    from rlctl.judge import DEFAULT_TEMPLATE, JudgeSettings
+
+    return JudgeSettings(cfg.judge_template or DEFAULT_TEMPLATE, cfg.judge_yes, cfg.judge_no)
+
+
 def describe_rewards(cfg: Any) -> str:
     """A ScoreConfig's rewards as `RewardSet.spec` will record them, without loading any."""
     return spec_text([(t.fn, t.weight, t.sources) for t in cfg.rewards] if cfg.rewards else [(cfg.reward, 1.0, ())])
@@ -588,8 +608,8 @@ def term_name(spec: str) -> str:
     kind, _, rest = spec.partition(":")
     if kind in ("http", "https"):
         return rest.lstrip("/").split("/")[0].split(":")[0] or kind
-    if kind == "rm":
-        return "rm"
+    if kind in ("rm", "judge"):
+        return kind
     return spec.rpartition(":")[2] or spec
 
 
@@ -600,13 +620,14 @@ def load_rewards(cfg: Any, *, device: str = "cpu", reward_fn: Callable | None = 
     http = HttpOptions(batch_size=cfg.http_batch_size, concurrency=cfg.http_concurrency, retries=cfg.http_retries, timeout=cfg.reward_timeout or HttpOptions.timeout)
     if reward_fn is not None:
         return RewardSet.of(from_callable(reward_fn, f"callable:{getattr(reward_fn, '__name__', 'reward')}"))
+    judge = judge_settings(cfg)
     if not cfg.rewards:
-        return RewardSet.of(load_reward(cfg.reward, device=device, batch_size=cfg.batch_size, http=http, dtype=cfg.dtype, reward_models=reward_models))
+        return RewardSet.of(load_reward(cfg.reward, device=device, batch_size=cfg.batch_size, http=http, dtype=cfg.dtype, reward_models=reward_models, judge=judge))
     terms, seen = [], Counter()
     for term in cfg.rewards:
         name = term.name or term_name(term.fn)
         seen[name] += 1
-        reward = load_reward(term.fn, device=device, batch_size=cfg.batch_size, http=http, dtype=cfg.dtype, reward_models=reward_models)
+        reward = load_reward(term.fn, device=device, batch_size=cfg.batch_size, http=http, dtype=cfg.dtype, reward_models=reward_models, judge=judge)
         terms.append(WeightedReward(name if seen[name] == 1 else f"{name}_{seen[name]}", reward, term.weight, tuple(term.sources)))
     return RewardSet(terms)
 

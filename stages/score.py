@@ -23,7 +23,7 @@ from rlctl.rewards import (
     length_penalty,
     load_rewards,
     overlong_penalty,
-    reward_model_folders,
+    scoring_model_folders,
 )
 from rlctl.sample_stats import reward_stats
 from rlctl.schemas import spec
@@ -60,7 +60,7 @@ def run(
     scorers = held_reward_models(cfg, workers)  # on a Ray group its ranks hold the rm: models, loaded with it
     on_workers = workers.backend == "ray" and (any(model_uris.values()) or bool(scorers))
     reward = None if scorers else load_rewards(cfg, device=device)  # loaded (and checked) here
-    inputs = [shards_ref(source)] + [model_ref(u) for u in [*model_uris.values(), *reward_model_folders(cfg)] if u]
+    inputs = [shards_ref(source)] + [model_ref(u) for u in [*model_uris.values(), *scoring_model_folders(cfg)] if u]
     config = {"score": to_dict(cfg), "models": {k: v or "" for k, v in model_uris.items()}}
     manifest = make_manifest("score", config, inputs)
     if (existing := up_to_date(out.uri, manifest, force)) is not None:
