@@ -83,6 +83,7 @@ from rlctl.sample_stats import (
     reward_component_means,
     reward_stats,
     rollout_stats,
+    source_stats,
     validation_metrics,
 )
 from rlctl.shards import Shards, commit_empty, filesystem, is_committed, read, read_manifest, write
@@ -1055,6 +1056,7 @@ class Pipeline:
             "torch_threads": train.get("torch_threads"),
             "seconds/io": io["seconds"],
             **reward_component_means(scores),
+            **source_stats(scores),  # a mixed dataset: each data_source's reward and length
         }
         row.update({f"seconds/{k}": v for k, v in timings.items()})
         row["seconds/total"] = sum(timings.values()) + io["seconds"]

@@ -107,6 +107,28 @@ def reward_component_means(scores: pa.Table, prefix: str = "reward_mean/") -> di
     return means
 
 
+def source_stats(scores: pa.Table) -> dict[str, float]:
+    """On a batch of several `data_source`s, each one's `source/SOURCE/reward_mean`,
+    `.../response_length` (mean tokens) and `.../samples`: how each part of a mixed dataset
+    trains, which the batch's means hide. Nothing for a batch of one source."""
+    if "data_source" not in scores.column_names:
+        return {}
+    sources = np.asarray([s or "unknown" for s in scores.column("data_source").to_pylist()], dtype=object)
+    names = sorted(set(sources))
+    if len(names) < 2:
+        return {}
+    rewards = np.asarray(scores.column("reward").to_pylist(), dtype=np.float64)
+    lengths = list_lengths(scores.column("response_ids")) if "response_ids" in scores.column_names else None
+    out: dict[str, float] = {}
+    for name in names:
+        rows = sources == name
+        out[f"source/{name}/reward_mean"] = float(rewards[rows].mean())
+        if lengths is not None:
+            out[f"source/{name}/response_length"] = float(np.asarray(lengths)[rows].mean())
+        out[f"source/{name}/samples"] = int(rows.sum())
+    return out
+
+
 def validation_metrics(scored: pa.Table, samples: int, answers=None) -> dict[str, float]:
     """`val/score`: the mean reward over every sample (verl's mean@N), overall and per
     `data_source`; with several samples per prompt also `val/best_of_N`: the mean over prompts

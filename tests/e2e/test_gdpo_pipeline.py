@@ -50,3 +50,5 @@ def test_gdpo_with_rewards_restricted_to_their_sources_trains_on_each_sources_ow
         assert first_token == pytest.approx(expected, abs=1e-5) and max(map(abs, expected)) > 0.5  # signal on both sources' groups
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert {"reward_mean/digits", "reward_mean/vowels"} <= set(rows[0])
+    assert rows[0]["source/numbers/samples"] == rows[0]["source/words/samples"] == 8  # a mixed batch: each source's own reward and length too
+    assert {"source/numbers/reward_mean", "source/words/response_length"} <= set(rows[0])

@@ -10,6 +10,7 @@ from rlctl.sample_stats import (
     reward_stats,
     rollout_stats,
     rollout_tally,
+    source_stats,
     validation_metrics,
 )
 
@@ -89,6 +90,18 @@ def test_validation_reports_the_mean_of_each_numeric_reward_column_overall_and_p
     assert metrics["val/reward/acc"] == pytest.approx(2 / 3) and metrics["val/reward/acc/x"] == 0.5 and metrics["val/reward/acc/y"] == 1.0
     assert metrics["val/reward/length_penalty"] == 0.0 and metrics["val/score"] == 0.75
     assert not any("note" in key for key in metrics)
+
+
+def test_a_batch_of_several_sources_reports_each_ones_reward_and_length_and_one_source_nothing():
+    table = scores(["a", "a", "b", "b"], [1.0, 0.0, 0.5, 0.5]).append_column("data_source", pa.array(["math", "math", "code", None]))
+    table = table.append_column("response_ids", pa.array([[1, 2], [3], [4, 5, 6], [7]], pa.list_(pa.int32())))
+    assert source_stats(table) == {
+        "source/code/reward_mean": 0.5, "source/code/response_length": 3.0, "source/code/samples": 1,
+        "source/math/reward_mean": 0.5, "source/math/response_length": 1.5, "source/math/samples": 2,
+        "source/unknown/reward_mean": 0.5, "source/unknown/response_length": 1.0, "source/unknown/samples": 1,
+    }
+    assert source_stats(table.set_column(table.schema.get_field_index("data_source"), "data_source", pa.array(["m"] * 4))) == {}
+    assert source_stats(scores(["a"], [1.0])) == {}
 
 
 def test_validation_votes_where_the_answers_are_known():
