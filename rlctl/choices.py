@@ -19,7 +19,7 @@ RESHARD_TARGETS = ("hf",)
 OLD_LOGPROBS = ("auto", "recompute", "rollout", "update")
 PIPELINE_STAGES = ("rollout", "score", "advantage", "update")
 SHOW_LAYOUTS = ("auto", "table", "records")
-RUN_CHECKS = ("truncated", "constant_reward", "equal_rewards", "engine_mismatch", "rejected", "kl_stopped", "skipped_steps")  # rlctl.run_checks' findings
+RUN_CHECKS = ("truncated", "constant_reward", "equal_rewards", "engine_mismatch", "rejected", "kl_stopped", "skipped_steps", "collapsed")  # rlctl.run_checks' findings
 
 ESTIMATORS = ("gae", "gdpo", "gpg", "grpo", "grpo_passk", "online_dpo", "opo", "optimal_token_baseline", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo")
 SUM_PI_SQUARED_ESTIMATORS = ("optimal_token_baseline",)  # estimators that read score's Σπ² and old log-probs

@@ -483,7 +483,7 @@ class PipelineConfig:
     mlflow_uri: str = ""  # tracking URI of the mlflow logger; "" = the file store RUN/mlruns
     mlflow_experiment: str = "rlctl"  # the MLflow experiment of the mlflow logger
     time_limit: str = ""  # wall-clock budget of one `rlctl pipeline` invocation, e.g. "3h50m" under a 4-hour job limit: after an iteration, when the next one (as long as the longest since the first) would end past it, the run checkpoints and stops, exit 0, and the same command resumes; "" = none
-    ignore_checks: tuple[str, ...] = ()  # what `rlctl show RUN` and the pipeline leave unsaid (rlctl.run_checks): truncated | constant_reward | equal_rewards | engine_mismatch | rejected | kl_stopped | skipped_steps
+    ignore_checks: tuple[str, ...] = ()  # what `rlctl show RUN` and the pipeline leave unsaid (rlctl.run_checks): truncated | constant_reward | equal_rewards | engine_mismatch | rejected | kl_stopped | skipped_steps | collapsed
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.loggers if name not in LOGGER_NAMES]

@@ -3,7 +3,8 @@ with what to change: responses cut at the length limit, a reward that gives ever
 value, prompt groups that carry no signal,
 an engine that samples from other probabilities than the trainer computes, a rollout
 correction that rejects most of what was sampled, a KL target that stops every update at its
-first step, optimizer steps skipped for a non-finite gradient. `rlctl show RUN` lists them, and a pipeline says each the
+first step, optimizer steps skipped for a non-finite gradient, responses that collapsed to
+(nearly) nothing — a reward that passes an empty answer. `rlctl show RUN` lists them, and a pipeline says each the
 first time it shows; `pipeline.ignore_checks` leaves out those a run expects (a reward that
 wants long responses is not hurt by the length limit). Each rule reads only metrics.jsonl rows
 (and the run's resolved config where there is one), so it judges a finished run and a running
@@ -25,6 +26,8 @@ EQUAL_REWARDS_WINDOW = 3
 MISMATCHED_TOKENS = 0.01  # of the last iteration's tokens beyond pipeline.rollout_is_threshold
 GROUP_RELATIVE = ("grpo", "rloo", "opo", "grpo_passk", "gpg")  # estimators whose advantage is 0 for a group of equal rewards
 REJECTED_SHARE = 0.5  # of the responses update.rollout_rs rejected, in each of the last EQUAL_REWARDS_WINDOW iterations
+COLLAPSED_LENGTH = 1.5  # mean response tokens (an end token alone is 1), in each of the last EQUAL_REWARDS_WINDOW iterations ...
+COLLAPSED_FROM = 4.0  # ... where the first iteration's were at least this many
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,10 @@ def run_findings(rows: list[dict[str, Any]], cfg: Config | None = None, run_dir:
         return []
     window = rows[-EQUAL_REWARDS_WINDOW:]
     constant = constant_reward(window, run_dir, rows)  # then every group is equal too: one finding, not two
-    found = [truncated(rows[-1], cfg), constant or equal_rewards(window, cfg), engine_mismatch(rows[-1], cfg), rejected(window), kl_stopped(window), skipped_steps(rows)]
+    found = [
+        truncated(rows[-1], cfg), constant or equal_rewards(window, cfg), engine_mismatch(rows[-1], cfg), rejected(window), kl_stopped(window), skipped_steps(rows),
+        collapsed(window, rows[0], run_dir),
+    ]
     ignored = cfg.pipeline.ignore_checks if cfg is not None else ()
     return [f for f in found if f is not None and f.check not in ignored]
 
@@ -158,6 +164,24 @@ def skipped_steps(rows: list[dict[str, Any]]) -> Finding | None:
     return Finding("skipped_steps", tuple(r["iteration"] for r in hit), (
         f"iteration{'s' if len(hit) > 1 else ''} {shown}: {steps} optimizer step{'s' if steps > 1 else ''} skipped for a non-finite "
         "gradient (update.allow_skipped_steps): lower update.lr, or look at the rewards' scale"
+    ))
+
+
+def collapsed(rows: list[dict[str, Any]], first: dict[str, Any], run_dir: str | Path = "RUN") -> Finding | None:
+    """The responses of the last iterations are (nearly) empty where they were not at the
+    start: the policy learned to stop at once, which a reward that scores an empty answer well
+    (a judge or reward model never shown one, a rule that reads "no mistakes" as right) teaches
+    whatever the task."""
+    lengths = [r.get("response_length") for r in rows]
+    start = first.get("response_length")
+    if len(rows) < EQUAL_REWARDS_WINDOW or start is None or start < COLLAPSED_FROM or any(n is None or n > COLLAPSED_LENGTH for n in lengths):
+        return None
+    first_i, last = rows[0]["iteration"], rows[-1]["iteration"]
+    return Finding("collapsed", tuple(r["iteration"] for r in rows), (
+        f"iterations {first_i}-{last}: responses average {max(lengths):.2g} tokens or fewer (iteration {first['iteration']}: {start:.3g}), with mean reward "
+        f"{rows[-1].get('reward_mean', float('nan')):.3g}: the policy learned to stop at once, as it does when the reward scores an empty answer well "
+        f"(a judge or reward model never shown one); look at what it scored (rlctl show {run_dir}/iter-{last:04d}/score --columns response,reward) "
+        "and give such responses no reward"
     ))
 
 

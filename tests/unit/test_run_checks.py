@@ -116,6 +116,18 @@ def test_skipped_optimizer_steps_are_counted_over_the_whole_run():
     assert found.message.startswith("iterations 2, 4: 3 optimizer steps skipped for a non-finite gradient")
 
 
+def test_responses_that_collapsed_to_an_end_token_are_a_finding_where_they_were_longer_at_the_start():
+    history = rows(5, response_length=1.0, reward_mean=0.95)
+    history[0]["response_length"] = 15.3
+    (found,) = run_findings(history, run_dir="runs/judge")
+    assert found.check == "collapsed" and found.iterations == (3, 4, 5)
+    assert found.message.startswith("iterations 3-5: responses average 1 tokens or fewer (iteration 1: 15.3), with mean reward 0.95: the policy learned to stop at once")
+    assert "rlctl show runs/judge/iter-0005/score --columns response,reward" in found.message
+    history[3]["response_length"] = 2.1  # shortened on purpose (score.length_penalty), not empty
+    assert run_findings(history) == []
+    assert run_findings(rows(5, response_length=1.0)) == []  # as short from the start: the task's answers are
+
+
 def test_an_iteration_stopped_by_until_is_not_judged():
     history = rows(2, **{"response_length/clip_ratio": 0.0})
     history.append({"iteration": 3, "stopped_early": True})
@@ -160,4 +172,6 @@ def test_a_run_whose_every_sample_earns_its_best_reward_is_told_the_task_looks_l
 def test_every_check_is_named_in_the_choices():
     every = rows(3, **{"response_length/clip_ratio": 1.0, "groups/equal_rewards": 1.0, "rollout_is/frac_beyond_threshold": 0.5, "skipped_steps": 1, "rollout_rs/seq_masked_fraction": 0.9, "kl_stopped_early": 1.0, "optimizer_steps": 1})
     flat = rows(3, reward_max=1.0, reward_min=1.0)
-    assert sorted({*checks(run_findings(every)), *checks(run_findings(flat))}) == sorted(RUN_CHECKS)
+    emptied = rows(4, response_length=1.0)
+    emptied[0]["response_length"] = 20.0
+    assert sorted({*checks(run_findings(every)), *checks(run_findings(flat)), *checks(run_findings(emptied))}) == sorted(RUN_CHECKS)
