@@ -82,3 +82,19 @@ def test_verdicts_the_judge_cannot_tell_apart_are_refused(cli, tmp_path, tiny_mo
     shards.write(pa.table(ROLLOUT_VALUES), str(rollouts), shards.Manifest(stage="rollout"))
     result = cli("score", "--rollouts", rollouts, "--out", tmp_path / "s", "--reward", f"judge:{tmp_path / 'nowhere'}")
     assert result.exit_code == 2 and "does not exist" in one_line_error(result)
+
+
+def test_a_pipeline_scored_by_a_judge_replays_its_score_identical(cli, tmp_path, tiny_model, prompts_file):
+    (tmp_path / "judge.toml").write_text(
+        f'[model]\npath = "{tiny_model}"\n[data]\nprompts = "{prompts_file}"\nbatch_size = 3\n'
+        '[rollout]\nn = 2\nmax_new_tokens = 4\n'
+        f'[score]\nreward = "judge:{tiny_model}"\njudge_template = "Q: {{prompt}} A: {{response}} Good?"\n'
+        '[update]\nlr = 1e-3\nmicro_batch_size = 6\n[pipeline]\niterations = 2\n'
+    )
+    run = tmp_path / "run"
+    result = cli("pipeline", tmp_path / "judge.toml", "--run-dir", run, "--quiet")
+    assert result.exit_code == 0, result.stderr
+    rewards = shards.read(str(run / "iter-0002" / "score")).table.column("reward").to_pylist()
+    assert all(0 < r < 1 for r in rewards)
+    replayed = cli("replay", run / "iter-0002" / "score", "--check")
+    assert replayed.exit_code == 0 and "identical" in replayed.stdout, (replayed.stdout, replayed.stderr)
