@@ -14,10 +14,28 @@ from rlctl.tensors import list_lengths
 EQUAL_REWARD_TOLERANCE = 1e-6  # rewards this close count as equal: the group's std is ~0
 
 
+REPEAT_NGRAM = 4  # response_repetition counts repeated token 4-grams
+
+
+def repeated_ngrams(ids: np.ndarray, n: int = REPEAT_NGRAM) -> tuple[int, int]:
+    """(n-grams that repeat an earlier one of the same response, n-grams) of one response's
+    token ids: a loop ("the cat the cat the cat") repeats nearly all of its n-grams."""
+    count = len(ids) - n + 1
+    if count <= 0:
+        return 0, 0
+    ids = np.asarray(ids, dtype=np.uint64)
+    keys = np.zeros(count, dtype=np.uint64)  # each n-gram as one 64-bit key (wrapping arithmetic: collisions ~count²/2⁶⁴)
+    for k in range(n):
+        keys = keys * np.uint64(1_000_003) ^ ids[k : k + count]
+    return count - len(np.unique(keys)), count
+
+
 def rollout_stats(rollouts: pa.Table) -> dict[str, float | None]:
     """Response and prompt lengths in tokens, the share of responses that ended at the length
-    limit (`finish_reason == "length"`) rather than at a stop token or string, and with a tool
-    (rollout.tool) its calls per response (`tool_calls`)."""
+    limit (`finish_reason == "length"`) rather than at a stop token or string, the share of the
+    responses' token 4-grams that repeat an earlier one of the same response
+    (`response_repetition`: a policy looping on itself), and with a tool (rollout.tool) its
+    calls per response (`tool_calls`)."""
     return merged_rollout_stats([rollout_tally(rollouts)])
 
 
@@ -30,11 +48,13 @@ def rollout_tally(rollouts: pa.Table) -> dict[str, int]:
     responses = list_lengths(rollouts.column("response_ids"))
     prompts = list_lengths(rollouts.column("prompt_ids"))
     cut = np.asarray(rollouts.column("finish_reason").to_pylist(), dtype=object) == "length"
+    repeats = [repeated_ngrams(ids) for ids in rollouts.column("response_ids").to_numpy(zero_copy_only=False)]
     tally = {
         "rows": rollouts.num_rows,
         "response_tokens": int(responses.sum()), "response_max": int(responses.max()), "response_min": int(responses.min()),
         "cut": int(cut.sum()),
         "prompt_tokens": int(prompts.sum()), "prompt_max": int(prompts.max()),
+        "repeated_ngrams": sum(r for r, _ in repeats), "ngrams": sum(c for _, c in repeats),
     }
     if "tool_calls" in rollouts.column_names:  # rollout.tool
         tally["tool_calls"] = int(np.asarray(rollouts.column("tool_calls").to_numpy(zero_copy_only=False)).sum())
@@ -48,8 +68,10 @@ def merged_rollout_stats(tallies: list[dict[str, int]]) -> dict[str, float | Non
         return {}
     rows = sum(tally["rows"] for tally in tallies)
     calls = {"tool_calls": sum(tally["tool_calls"] for tally in tallies) / rows} if all("tool_calls" in tally for tally in tallies) else {}
+    ngrams = sum(tally.get("ngrams", 0) for tally in tallies)
     return {
         **calls,
+        "response_repetition": sum(tally.get("repeated_ngrams", 0) for tally in tallies) / ngrams if ngrams else None,
         "response_length": sum(tally["response_tokens"] for tally in tallies) / rows,
         "response_length/max": float(max(tally["response_max"] for tally in tallies)),
         "response_length/min": float(min(tally["response_min"] for tally in tallies)),
@@ -67,9 +89,18 @@ def reward_stats(scores: pa.Table) -> dict[str, float | None]:
         return {}
     rewards = np.asarray(scores.column("reward").to_pylist(), dtype=np.float64)
     stats = {"reward_max": float(rewards.max()), "reward_min": float(rewards.min()), "groups/equal_rewards": equal_reward_share(scores)}
+    if "response_ids" in scores.column_names:  # a reward that favours length (a reward model's length bias) shows here
+        stats["reward_length_corr"] = correlation(rewards, np.asarray(list_lengths(scores.column("response_ids")), dtype=np.float64))
     if "baseline_reward" in scores.column_names:  # the greedy responses' reward (ReMax's baselines), a row's its prompt's
         stats["baseline_reward_mean"] = float(np.mean(scores.column("baseline_reward").to_numpy()))
     return stats
+
+
+def correlation(a: np.ndarray, b: np.ndarray) -> float | None:
+    """Pearson's correlation of two samples; None where either is constant."""
+    if len(a) < 2 or a.std() == 0 or b.std() == 0:
+        return None
+    return float(np.corrcoef(a, b)[0, 1])
 
 
 def equal_reward_share(scores: pa.Table) -> float | None:

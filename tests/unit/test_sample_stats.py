@@ -1,6 +1,7 @@
 """What a batch of samples looks like: lengths, the share cut at the length limit, and the
 prompt groups whose samples all got the same reward."""
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -38,6 +39,7 @@ def test_rollout_stats_give_the_lengths_and_the_share_cut_at_the_length_limit():
         "response_length/clip_ratio": pytest.approx(1 / 3),
         "prompt_length": pytest.approx(7 / 3),
         "prompt_length/max": 3.0,
+        "response_repetition": 0.0,  # one 4-gram among them, not repeated
     }
 
 
@@ -110,3 +112,18 @@ def test_validation_votes_where_the_answers_are_known():
     table = scores(["a", "a", "a", "b", "b", "b"], [0, 1, 1, 1, 0, 0]).append_column("data_source", pa.array(["x", "x", "x", "y", "y", "y"]))
     metrics = validation_metrics(table, 3, Answers(["5", "6", "6", "2", "9", "9"], str.__eq__))
     assert metrics["val/maj_of_3"] == 0.5 and metrics["val/maj_of_3/x"] == 1.0 and metrics["val/maj_of_3/y"] == 0.0  # a: 6 wins; b: 9 wins
+
+
+def test_response_repetition_is_the_share_of_repeated_token_4grams_and_the_reward_length_correlation_is_pearsons():
+    from rlctl.sample_stats import repeated_ngrams, reward_stats, rollout_stats
+
+    assert repeated_ngrams([1, 2, 1, 2, 1, 2, 1, 2]) == (3, 5)  # a loop: 5 four-grams, 2 distinct
+    assert repeated_ngrams([1, 2, 3, 4, 5]) == (0, 2) and repeated_ngrams([7, 7]) == (0, 0)  # too short for one
+    rollouts = pa.table({
+        "response_ids": pa.array([[1, 2, 1, 2, 1, 2, 1, 2], [1, 2, 3, 4, 5], [9]], pa.list_(pa.int32())),
+        "prompt_ids": pa.array([[1], [1], [1]], pa.list_(pa.int32())), "finish_reason": ["stop", "stop", "length"],
+    })
+    assert rollout_stats(rollouts)["response_repetition"] == 3 / 7
+    scored = scores(["a", "a", "b"], [0.2, 0.4, 0.9]).append_column("response_ids", rollouts.column("response_ids"))
+    assert reward_stats(scored)["reward_length_corr"] == pytest.approx(float(np.corrcoef([0.2, 0.4, 0.9], [8, 5, 1])[0, 1]))
+    assert reward_stats(scores(["a", "b"], [1.0, 1.0]).append_column("response_ids", pa.array([[1], [1, 2]], pa.list_(pa.int32()))))["reward_length_corr"] is None
