@@ -90,12 +90,13 @@ SHAPING_COLUMNS = ("reward/overlong_penalty", "reward/length_penalty")  # score'
 
 def given_rewards(scores) -> list[float]:
     """Each sample's reward as the reward function(s) gave it: the `reward` column less score's
-    shaping terms (what "correct" or "passed" is judged on)."""
+    shaping terms (what "correct" or "passed" is judged on), to 6 decimals where there are any:
+    the column is float32, so 1.0 − 1/6 less −1/6 would come back a hair under 1."""
     total = scores.column("reward").to_pylist()
-    for name in SHAPING_COLUMNS:
-        if name in scores.column_names:
-            total = [t - s for t, s in zip(total, scores.column(name).to_pylist())]
-    return total
+    shaped = [name for name in SHAPING_COLUMNS if name in scores.column_names]
+    for name in shaped:
+        total = [t - s for t, s in zip(total, scores.column(name).to_pylist())]
+    return [round(t, 6) for t in total] if shaped else total
 
 
 def length_penalty(ids: Sequence[str], lengths: Sequence[int], correct: Sequence[bool], *, weight: float) -> list[float]:

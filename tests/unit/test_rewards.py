@@ -263,3 +263,7 @@ def test_score_adds_the_length_penalty_as_a_column_judging_correctness_on_the_re
     # data.retire_pass_rate judges the reward as given: both "ok" samples pass at 1.0
     assert pass_rates([scored], pass_threshold=1.0) == {"a": 0.5}
     assert shaped_rewards(table, reward, ScoreConfig()).columns == {}  # off by default
+    thirds = pa.table({"id": ["b"] * 4, "response": ["ok", "ok ok", "ok ok ok", "ok ok ok ok"], "response_ids": [[1], [1, 2], [1, 2, 3], [1, 2, 3, 4]]})
+    shaped = shaped_rewards(thirds, reward, ScoreConfig(length_penalty=1.0))  # λ = 1/2, 1/6, −1/6, −1/2: float32 totals
+    table32 = with_reward_columns(thirds, shaped).append_column("reward", pa.array(shaped.total, pa.float32()))
+    assert pass_rates([table32], pass_threshold=1.0) == {"b": 1.0}  # every one passed, as given, despite float32's rounding
